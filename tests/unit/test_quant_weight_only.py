@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
 import torch
 
@@ -23,6 +22,7 @@ from kiln.passes import PassOptions, optimize
 from kiln.quant import qdq
 from kiln.runtime.program import Program
 from tests.unit.test_quant_sensitivity import LAYERS, _classifier, _switched
+from tests.unit.test_quant_sensitivity import _ort as _ort_of_proto
 
 
 @pytest.fixture(scope="module")
@@ -34,11 +34,7 @@ def net():
 
 
 def _ort(model: ir.Model, batches) -> np.ndarray:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # the Q/DQ as written
-    session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), options,
-                                   providers=["CPUExecutionProvider"])
-    return np.concatenate([session.run(None, b)[0] for b in batches])
+    return _ort_of_proto(ir.to_proto(model), batches)  # the Q/DQ as written
 
 
 def _quantized(net, weight_only: set[str]) -> ir.Model:
