@@ -23,16 +23,8 @@ from kiln.cli.build import _quantization_rows
 from kiln.passes import PassOptions, optimize
 from kiln.quant import qdq
 from kiln.runtime.program import Program
-from tests.unit.test_quant_sensitivity import LAYERS, _classifier, _switched
+from tests.unit.test_quant_sensitivity import LAYERS, _switched, net  # noqa: F401 - net: a fixture
 from tests.unit.test_quant_sensitivity import _ort as _ort_of_proto
-
-
-@pytest.fixture(scope="module")
-def net():
-    rng = np.random.default_rng(21)
-    proto = _classifier(rng)
-    batches = [{"x": rng.normal(size=(1, 3, 10, 10)).astype(np.float32)} for _ in range(8)]
-    return proto, batches
 
 
 def _ort(model: ir.Model, batches) -> np.ndarray:
