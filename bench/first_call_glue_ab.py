@@ -5,9 +5,9 @@ arrays, numpy's .ctypes and ctypes' from_buffer).
 
     python bench/first_call_glue_ab.py --engine /tmp/bert_base.kiln --seq-to 30
 
-As bench/first_call_view_trace.py (whose loop and rows it shares): padding of first calls off, the named shapes
-first (one-time costs, left out of the rows), then b 1-3 x s 3..seq-to shuffled, A and B alternating in pairs, each
-first call then 3 repeats (bit for bit the first's). Rows, thread CPU µs, median / lower quartile / least.
+Its loop and rows are bench/first_call_view_trace.py's (first_calls_ab): padding of first calls off, the named
+shapes first (one-time costs, left out of the rows), then b 1-3 x s 3..seq-to shuffled, A and B alternating in pairs,
+each first call then 3 repeats (bit for bit the first's). Rows, thread CPU µs, median / lower quartile / least.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -24,7 +23,8 @@ os.environ["KILN_PAD_FIRST_CALLS"] = "0"  # every new shape binds at its first c
 import kiln  # noqa: E402  (before torch: kiln sets OpenMP's wait policy)
 import numpy as np  # noqa: E402
 
-from first_call_direct import _row, span_timer, warm_context  # noqa: E402  bench/first_call_direct.py
+from first_call_direct import span_timer, warm_context  # noqa: E402  bench/first_call_direct.py
+from first_call_view_trace import first_calls_ab, print_rows  # noqa: E402  bench/first_call_view_trace.py
 from kiln.runtime import direct_run, native  # noqa: E402
 
 
@@ -54,43 +54,11 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     named = [tuple(int(v) for v in shape.split("x")) for shape in args.named.split(",")]
     stream = [(b, s) for s in range(3, args.seq_to) for b in (1, 2, 3) if (b, s) not in named]
-    rng.shuffle(stream)
-    rows = {(path, what): [] for path in "AB" for what in ("first", "outside", "view", "bind")}
-    for k, (batch, seq) in enumerate(named + stream):
-        on = bool(k % 2) ^ bool((k // 2) % 2)
-        path = "B" if on else "A"
-        cuts(on)
-        feeds = {"input_ids": rng.integers(0, 1000, (batch, seq)), "attention_mask": np.ones((batch, seq), np.int64)}
-        spans.clear()
-        start = time.thread_time_ns()
-        first_out = context.run(feeds)
-        first = (time.thread_time_ns() - start) / 1e3
-        got = dict(spans)
-        repeats = []
-        for _ in range(3):
-            spans.clear()
-            start = time.thread_time_ns()
-            out = context.run(feeds)
-            took = (time.thread_time_ns() - start) / 1e3
-            repeats.append((took, took - spans.get("loop", 0.0)))
-            for name in out:
-                if not np.array_equal(out[name], first_out[name]):
-                    raise SystemExit(f"{batch}x{seq} path {path}: a repeat differs from the first call")
-        if k < len(named):
-            continue
-        rows[path, "first"].append(first - min(repeats)[0])
-        rows[path, "outside"].append(first - got.get("loop", 0.0) - min(r[1] for r in repeats))
-        rows[path, "view"].append(got.get("view", 0.0))
-        rows[path, "bind"].append(got.get("bind", 0.0))
+    rows, _ = first_calls_ab(context, spans, rng, named, stream, cuts)
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     print(f"# {Path(args.engine).name}: {len(stream)} new shapes (b 1-3 x s 3-{args.seq_to - 1}) after {args.named}; "
           f"1 thread, {cpu}, load average {os.getloadavg()[0]:.1f}")
-    print("| thread CPU µs | shapes | median | lower quartile | least |\n|---|---|---|---|---|")
-    labels = {"first": "first call - its repeat", "outside": "outside the loop: first - repeat",
-              "view": "the view (Segment._bind_sizes)", "bind": "the binding (DirectRuns.bind)"}
-    for what in labels:
-        for path in "AB":
-            print(_row(f"{labels[what]}, {'A cuts off' if path == 'A' else 'B cuts on'}", rows[path, what]))
+    print_rows(rows, "A cuts off", "B cuts on")
 
 
 if __name__ == "__main__":

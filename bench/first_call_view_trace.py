@@ -48,18 +48,45 @@ def main() -> None:
     native.Segment._bind_sizes = timed(native.Segment._bind_sizes, "view")
     direct_run.DirectRuns.bind = timed(direct_run.DirectRuns.bind, "bind")
     answer, learn = view_trace.ViewTrace.__call__, view_trace.ViewTrace.learn
-    on = [True]
+    on = [True]  # path B: ViewTrace answers and learns
     view_trace.ViewTrace.__call__ = lambda self, key: answer(self, key) if on[0] else None
     view_trace.ViewTrace.learn = lambda self, *a: learn(self, *a) if on[0] else False
     rng = np.random.default_rng(args.seed)
     named = [tuple(int(v) for v in shape.split("x")) for shape in args.named.split(",")]
     stream = [(b, s) for s in range(3, args.seq_to) for b in (1, 2, 3) if (b, s) not in named]
+
+    def switch(path_b: bool) -> None:
+        on[0] = path_b
+
+    rows, notes = first_calls_ab(context, spans, rng, named, stream, switch)
+    segment = context.program.lean_steps[0].fn
+    template = segment._grown or segment
+    paths = template._rewrite._whole.paths if template._rewrite is not None else 0
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    print(f"# {Path(args.engine).name}: {len(stream)} new shapes (b 1-3 x s 3-{args.seq_to - 1}) after {args.named}; "
+          f"1 thread, {cpu}, load average {os.getloadavg()[0]:.1f}; {paths} traced paths of the walk")
+    print("; ".join(notes) + " (µs)\n")
+    print_rows(rows, "A walked", "B traced walk")
+
+
+LABELS = {"first": "first call - its repeat", "outside": "outside the loop: first - repeat",
+          "view": "the view (Segment._bind_sizes)", "bind": "the binding (DirectRuns.bind)"}
+
+
+def first_calls_ab(context, spans: dict[str, float], rng, named: list[tuple[int, int]],
+                   stream: list[tuple[int, int]], switch) -> tuple[dict, list[str]]:
+    """The named shapes, then `stream` shuffled: each shape's first call after switch(False) (path A) or
+    switch(True) (B), alternating in pairs, then 3 repeats, each bit for bit the first call's. (rows, notes): rows
+    {(path, what): thread CPU µs per stream shape} for each of LABELS; notes, the named shapes' own (their first
+    calls also pay one-time costs: a rule's or the walk's first trace), left out of the rows. bench/
+    first_call_glue_ab.py runs the same loop."""
     rng.shuffle(stream)
-    rows = {(path, what): [] for path in "AB" for what in ("first", "outside", "view", "bind")}
+    rows = {(path, what): [] for path in "AB" for what in LABELS}
     notes = []
     for k, (batch, seq) in enumerate(named + stream):
-        on[0] = bool(k % 2) ^ bool((k // 2) % 2)
-        path = "B" if on[0] else "A"
+        on = bool(k % 2) ^ bool((k // 2) % 2)
+        path = "B" if on else "A"
+        switch(on)
         feeds = {"input_ids": rng.integers(0, 1000, (batch, seq)), "attention_mask": np.ones((batch, seq), np.int64)}
         spans.clear()
         start = time.thread_time_ns()
@@ -78,7 +105,7 @@ def main() -> None:
                     raise SystemExit(f"{batch}x{seq} path {path}: a repeat differs from the first call")
         repeat, repeat_outside = min(repeats)[0], min(r[1] for r in repeats)
         outside = first - got.get("loop", 0.0) - repeat_outside
-        if k < len(named):  # their first calls also pay one-time costs (a rule's or the walk's first trace)
+        if k < len(named):
             notes.append(f"{batch}x{seq} ({path}): extra {first - repeat:.0f}, outside {outside:.0f}, "
                          f"view {got.get('view', 0.0):.0f}")
             continue
@@ -86,19 +113,15 @@ def main() -> None:
         rows[path, "outside"].append(outside)
         rows[path, "view"].append(got.get("view", 0.0))
         rows[path, "bind"].append(got.get("bind", 0.0))
-    segment = context.program.lean_steps[0].fn
-    template = segment._grown or segment
-    paths = template._rewrite._whole.paths if template._rewrite is not None else 0
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    print(f"# {Path(args.engine).name}: {len(stream)} new shapes (b 1-3 x s 3-{args.seq_to - 1}) after {args.named}; "
-          f"1 thread, {cpu}, load average {os.getloadavg()[0]:.1f}; {paths} traced paths of the walk")
-    print("; ".join(notes) + " (µs)\n")
+    return rows, notes
+
+
+def print_rows(rows: dict, path_a: str, path_b: str) -> None:
+    """first_calls_ab's rows as a table, each row for path A (named `path_a`) then B."""
     print("| thread CPU µs | shapes | median | lower quartile | least |\n|---|---|---|---|---|")
-    labels = {"first": "first call - its repeat", "outside": "outside the loop: first - repeat",
-              "view": "the view (Segment._bind_sizes)", "bind": "the binding (DirectRuns.bind)"}
-    for what in labels:
-        for path in "AB":
-            print(_row(f"{labels[what]}, {'A walked' if path == 'A' else 'B traced walk'}", rows[path, what]))
+    for what, label in LABELS.items():
+        for path, name in (("A", path_a), ("B", path_b)):
+            print(_row(f"{label}, {name}", rows[path, what]))
 
 
 if __name__ == "__main__":

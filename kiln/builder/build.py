@@ -248,8 +248,7 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
                     release)
     if quantization.get("mode") == "kernels" or any(s.op_type in ("QConv", "QGemm") for s in program.steps):
         # what each quantized layer runs in, and why (int8 where its kernel was faster and exact)
-        quantization["layers"] = summarize(program, tactics, quantization.get("smoothquant"), quantization,
-                                           storage)
+        quantization["layers"] = summarize(program, tactics, quantization, storage)
     # Plan memory: liveness of every activation, packed into one arena.
     say("planning memory")
     memory = plan_arena(program, _value_sizes(graph, tuning_shapes))

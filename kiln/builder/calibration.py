@@ -331,18 +331,18 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
 INT8_TACTICS = ("cpu.qconv.onednn", "cpu.qgemm.onednn")
 
 
-def summarize(program, tactics: dict, smoothing: dict | None = None,
-              quantization: dict | None = None, storage: str = "fp32") -> dict[str, dict[str, str]]:
+def summarize(program, tactics: dict, quantization: dict | None = None,
+              storage: str = "fp32") -> dict[str, dict[str, str]]:
     """Per quantized layer (kiln::QConv/QGemm): the precision it runs in and why, from the tactic the
     autotuner chose and the other candidates' times or refusals (header["quantization"]["layers"]);
-    with SmoothQuant, whether its input was smoothed or why not. `quantization` (quantize's record): the layers
-    an accuracy target made weight-only or kept float (or layer_precision pinned weight-only), which run float
-    kernels of the engine's `storage`, with the target's reason."""
-    smoothing = smoothing or {}
+    with SmoothQuant (the record's "smoothquant"), whether its input was smoothed or why not. `quantization`
+    (quantize's record): the layers an accuracy target made weight-only or kept float (or layer_precision pinned
+    weight-only), which run float kernels of the engine's `storage`, with the target's reason."""
+    quantization = quantization or {}
+    smoothing = quantization.get("smoothquant") or {}
     notes = {**smoothing.get("smoothed", {}), **smoothing.get("skipped", {})}
     tuned = tactics.get("layers", {})
     found: dict[str, dict[str, str]] = {}
-    quantization = quantization or {}
     dtype = quantization.get("dtype", "int8")
     by_target = {**{name: (storage, f"accuracy target: {why}") for name, why in
                     ((quantization.get("accuracy") or {}).get("kept_float") or {}).items()},

@@ -230,6 +230,20 @@ def _fewest(order: list[str], measure: Callable[[int], float], met: Callable[[fl
     return high
 
 
+def _one_by_one(order: list[str], measure: Callable[[list[str]], float], error: float, target: float,
+                say: Callable[[str], None], what: str) -> tuple[list[str], float]:
+    """(the layers moved, the error then): the first layers of `order` moved up a precision one by one, the error
+    (`error` with none moved) re-measured as measure(moved) after each, until it is within the target."""
+    moved: list[str] = []
+    for name in order:
+        if error <= target:
+            break
+        moved.append(name)
+        error = measure(moved)
+        say(f"accuracy: {name} {what} -> error {error:.3g}")
+    return moved, error
+
+
 def _greedy_for_error(switched: SwitchedModel, target: float, say: Callable[[str], None],
                       weight_only: bool = False) -> tuple[set[str], dict]:
     """Each layer's sensitivity is the output error with it alone quantized; the most sensitive go float one by
@@ -253,27 +267,13 @@ def _greedy_for_error(switched: SwitchedModel, target: float, say: Callable[[str
         every = error(set(), set(layers))
         record["error_all_weight_only"] = every
         if every <= target:
-            moved: list[str] = []
-            current = all_on
-            for name in order:
-                if current <= target:
-                    break
-                moved.append(name)
-                current = error(set(layers) - set(moved), set(moved))
-                say(f"accuracy: {name} weight-only -> error {current:.3g}")
+            moved, current = _one_by_one(order, lambda m: error(set(layers) - set(m), set(m)), all_on, target, say,
+                                         "weight-only")
             return set(), {**record, "error": current, "kept_float": {}, "met": current <= target,
                            "weight_only": {name: why[name] for name in moved}}
         say(f"accuracy: every layer weight-only gives {every:.3g} > target {target:g}: layers go float")
-    kept: dict[str, str] = {}
-    quantized = set(layers)
-    current = all_on
-    for name in order:
-        if current <= target:
-            break
-        quantized.discard(name)
-        current = error(quantized)
-        kept[name] = why[name]
-        say(f"accuracy: {name} kept float -> error {current:.3g}")
+    moved, current = _one_by_one(order, lambda m: error(set(layers) - set(m)), all_on, target, say, "kept float")
+    kept = {name: why[name] for name in moved}
     record.update({"error": current, "kept_float": kept, "weight_only": {}, "met": current <= target})
     return set(kept), record
 

@@ -106,6 +106,10 @@ class _PlanRewrite:
         values = 0  # values the members' rules give, in member order
         counts: list[int] = []  # each member's
         traced: dict[tuple, TracedRule] = {}  # a rule per key (rules of one key give equal answers at equal sizes)
+
+        def traced_rule(rule: Any) -> TracedRule:
+            return traced.get(rule.key) or traced.setdefault(rule.key, TracedRule(rule))
+
         sizes = dict(zip(template.entries, template.entry_sizes))
         for k, (m, native, (at, reads, x)) in enumerate(zip(template.members, template._natives, template._resizers)):
             arg = {i: sizes[slot] for i, slot in reads} if reads is not None else sizes[x]
@@ -118,9 +122,8 @@ class _PlanRewrite:
             layout = _plan_layout(native, template.bound[call], arg) if call is not None else None
             if layout is None and call is None and _alias_rule_holds(native, arg):
                 # an alias: its output size by its rule, no plan and no call (a walk of rules only is traced)
-                key = native.plan_at.key
-                rule = traced.get(key) or traced.setdefault(key, TracedRule(native.plan_at))
-                self._members.append((rule, at, reads, x, residual, outputs, None, (key, None), (x,), None))
+                self._members.append((traced_rule(native.plan_at), at, reads, x, residual, outputs, None,
+                                      (native.plan_at.key, None), (x,), None))
                 counts.append(0)
                 continue
             if layout is None:
@@ -137,8 +140,8 @@ class _PlanRewrite:
             read = tuple(slot for _, slot in reads) if reads is not None else (x,)
             follows = (native.plan_at.key, tuple(i for i, _ in reads) if reads is not None else None)
             placed = (function, len(image))
-            rule = traced.get(native.plan_at.key) or traced.setdefault(native.plan_at.key, TracedRule(native.plan_at))
-            self._members.append((rule, at, reads, x, residual, outputs, placed, follows, read, None))
+            self._members.append((traced_rule(native.plan_at), at, reads, x, residual, outputs, placed, follows, read,
+                                  None))
             counts.append(len(fields))
             image += plan_bytes + bytes(-len(plan_bytes) % 16)
         self._image = np.frombuffer(bytes(image), np.int64)  # 16-byte multiples

@@ -301,7 +301,9 @@ def quantized_attention_one_pass_cases():
                           "BLOCK_N": block_n, "BLOCK_D": 64,
                           "BLOCK_DV": 64} | dict.fromkeys(unit, 1)
             if form:
-                constexprs |= {"HARDWARE_E4M3": 2 if dtype == "fp8e4nv" else 0, "HOLD": "h" in form, "KV_HALF": "k" in form}
+                hardware = quantized_attention.E4M3_SATFINITE if dtype == "fp8e4nv" else \
+                    quantized_attention.E4M3_ARITHMETIC  # as the launch passes it on the GPU
+                constexprs |= {"HARDWARE_E4M3": hardware.value, "HOLD": "h" in form, "KV_HALF": "k" in form}
             yield (f"quantized_attention_one_pass {dtype}>{out_dtype} {block_m}x{block_n}.w{warps}"
                    f"{f'r{registers}' if registers else ''}{form} {keys} keys d64 {mask}", fn, types, constexprs,
                    {"options": {"num_warps": warps, "num_stages": 1} | ({"maxnreg": registers} if registers else {}),

@@ -8,8 +8,11 @@ from __future__ import annotations
 import types
 
 import numpy as np
+import onnx
 import pytest
+from onnx import TensorProto, helper
 
+import kiln
 from kiln.errors import BindingError
 from kiln.plan.spec import Binding, Profile, ShapeRange
 from kiln.runtime.bindings import NumpyCheck
@@ -71,11 +74,6 @@ def test_no_check_where_the_contexts_check_does_more():
 
 
 def test_a_context_still_raises_the_checks_error_for_a_bad_signature(tmp_path):
-    import onnx
-    from onnx import TensorProto, helper
-
-    import kiln
-
     graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "relu",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8])])

@@ -9,8 +9,8 @@ cannot reach it."""
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
 import torch
 
@@ -18,27 +18,17 @@ import kiln
 from kiln.builder.calibration import measure_ranges, quantize
 from kiln.builder.config import BuildConfig
 from kiln.builder.lower import lower
-from kiln.builder.sensitivity import choose_float_layers, expected_top1
+from kiln.builder.sensitivity import choose_float_layers, expected_top1, output_error
+from kiln.cli.build import _quantization_rows
 from kiln.passes import PassOptions, optimize
 from kiln.quant import qdq
 from kiln.runtime.program import Program
-from tests.unit.test_quant_sensitivity import LAYERS, _classifier, _switched
-
-
-@pytest.fixture(scope="module")
-def net():
-    rng = np.random.default_rng(21)
-    proto = _classifier(rng)
-    batches = [{"x": rng.normal(size=(1, 3, 10, 10)).astype(np.float32)} for _ in range(8)]
-    return proto, batches
+from tests.unit.test_quant_sensitivity import LAYERS, _switched, net  # noqa: F401 - net: a fixture
+from tests.unit.test_quant_sensitivity import _ort as _ort_of_proto
 
 
 def _ort(model: ir.Model, batches) -> np.ndarray:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # the Q/DQ as written
-    session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), options,
-                                   providers=["CPUExecutionProvider"])
-    return np.concatenate([session.run(None, b)[0] for b in batches])
+    return _ort_of_proto(ir.to_proto(model), batches)  # the Q/DQ as written
 
 
 def _quantized(net, weight_only: set[str]) -> ir.Model:
@@ -115,7 +105,6 @@ def test_a_top1_target_makes_the_fewest_most_sensitive_layers_weight_only(net):
 
 def test_an_error_target_goes_weight_only_before_float(net):
     model, batches, ranges, means, lows, switched = _switched(net)
-    from kiln.builder.sensitivity import output_error
     every = output_error(switched.outputs(set(), weight_only=set(LAYERS)), switched.reference)
     all_on = output_error(switched.outputs(set(LAYERS)), switched.reference)
     assert every < all_on
@@ -156,19 +145,16 @@ def test_the_cpu_engine_runs_the_weight_only_layer_and_says_why(net):
 
 
 def _float_weight(model: ir.Model, layer: str, proto) -> ir.Model:
-    """A copy of the Q/DQ model with `layer` reading its original float weight instead of DQ(W_q)."""
+    """A copy of the Q/DQ model with `layer` reading its original float weight (from `proto`) instead of DQ(W_q)."""
     copy = ir.from_proto(ir.to_proto(model))
     node = next(n for n in copy.graph if n.name == layer)
-    original = next(t for t in proto.graph.initializer if t.name == "w2")
-    value = ir.Value(name="w2_float", const_value=ir.tensor(onnx_numpy(original), name="w2_float"))
+    weight = next(n for n in proto.graph.node if n.name == layer).input[1]
+    original = next(t for t in proto.graph.initializer if t.name == weight)
+    value = ir.Value(name=f"{weight}_float", const_value=ir.tensor(onnx.numpy_helper.to_array(original),
+                                                                    name=f"{weight}_float"))
     copy.graph.register_initializer(value)
     node.replace_input_with(1, value)
     return copy
-
-
-def onnx_numpy(tensor) -> np.ndarray:
-    import onnx
-    return onnx.numpy_helper.to_array(tensor)
 
 
 def test_a_layer_pinned_weight_only_and_the_build_summary_say_so(net):
@@ -181,7 +167,6 @@ def test_a_layer_pinned_weight_only_and_the_build_summary_say_so(net):
     assert sorted(info["quantized"]) == ["classifier", "stem"]
     nodes = {n.name: n for n in model.graph}
     assert nodes["mid"].inputs[0].producer().op_type == "Relu" and nodes["mid"].inputs[1].producer() is None
-    from kiln.cli.build import _quantization_rows
     rows = _quantization_rows(info)
     assert "1 weight-only (int8 weights, float input)" in rows[0][1]
     assert ("  weight-only", "mid: pinned") in rows

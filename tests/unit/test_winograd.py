@@ -6,6 +6,9 @@ tactic is unavailable and these tests skip, saying why.
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -186,9 +189,6 @@ def test_a_segments_winograd_layers_share_their_arenas_scratch():
     run one at a time under its lock), not in buffers of their own; a copy for another context
     (Program.with_own_arena) has a scratch of its own; the per-call path keeps its own. Outputs against float64,
     the two contexts running at once on two threads. The scratch (weakref) dies with the program."""
-    import threading
-    import weakref
-
     spec, weights, size, want = _three_winograd_layers()
     program = Program(spec, weights)
     (segment,) = program.segments

@@ -355,12 +355,15 @@ def _prepare_alias(step: StepSpec, constants: list[Any], device: torch.device):
                     num_inputs=len(step.inputs), num_outputs=1)
     attributes = {k: v for k, v in step.attributes.items()}
 
-    rule = _alias_rule(step, lambda in_size: tuple(op(ctx, torch.empty(in_size, device="meta"), *constants[1:],
-                                                       **attributes).shape), constants, attributes, size)
+    def op_size(in_size: tuple[int, ...]) -> tuple[int, ...]:
+        """The op's own output size (run on a meta tensor)."""
+        return tuple(op(ctx, torch.empty(in_size, device="meta"), *constants[1:], **attributes).shape)
+
+    rule = _alias_rule(step, op_size, constants, attributes, size)
 
     @resizable
     def native_at(in_size: tuple[int, ...]) -> NativeStep:
-        out = tuple(op(ctx, torch.empty(in_size, device="meta"), *constants[1:], **attributes).shape)
+        out = op_size(in_size)
         if not keeps_order(out):  # rows seen as a 4-D value would be read and handed out as NHWC
             raise ValueError(f"{step.name}: a 4-D output {list(out)} is channels-last in a segment")
         return NativeStep(in_size, out, None, alias=True, plan_at=rule)
@@ -419,8 +422,7 @@ def _alias_rule(step: StepSpec, op_size: Callable[[tuple[int, ...]], tuple[int, 
 
     def sized(in_size: tuple) -> SizedPlan:
         out = out_size(tuple(in_size))
-        # keeps_order, the [N, 1, H, W] test first (a [B, 1, 1, S] key mask's path then holds at every S)
-        if len(out) == 4 and not (out[1] == 1 or out[2] * out[3] == 1):
+        if not keeps_order(out):
             raise ValueError(f"{step.name}: a 4-D output is channels-last in a segment")
         return SizedPlan((out,), {})
 
@@ -433,8 +435,10 @@ def _alias_rule(step: StepSpec, op_size: Callable[[tuple[int, ...]], tuple[int, 
 
 
 def keeps_order(size: tuple[int, ...]) -> bool:
-    """Whether a value of this size has the same memory order row-major and as a segment lays it out."""
-    return len(size) != 4 or size[2] * size[3] == 1 or size[1] == 1
+    """Whether a value of this size has the same memory order row-major and as a segment lays it out. The
+    [N, 1, H, W] test first: on traced sizes (_alias_rule's rule in a view's traced walk) a [B, 1, 1, S] key mask
+    then reads no dim (its 1 is the Reshape's constant), where H·W == 1 would compare S and tie the path to it."""
+    return len(size) != 4 or size[1] == 1 or size[2] * size[3] == 1
 
 
 for _op in ("Reshape", "Flatten"):
