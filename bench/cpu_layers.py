@@ -17,6 +17,7 @@ show the binary post-op's time, ~0.05-0.1 ms more each on ResNet-50 than inside 
     python bench/cpu_layers.py --wins resnet50,mobilenet_v2,bert_base,minilm
 
     python bench/cpu_layers.py --model efficientnet_b0 --versus-ort
+    python bench/cpu_layers.py --model bert_base --versus-ort --avx2     # both sides on an AVX2-only CPU
 
 --versus-ort puts onnxruntime's profile beside kiln's layers: the default build and an onnxruntime session
 (profiler on) run in interleaved blocks in one process, and each onnxruntime node's time is charged to the
@@ -44,6 +45,12 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+if "--avx2" in sys.argv:  # both sides on an AVX2-only CPU (bench/zoo_avx2.py's caps), set before any library loads
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import cpuid_avx2  # noqa: E402
+
+    cpuid_avx2.enable()
+    os.environ["KILN_CPU_ISA"] = "avx2"
 import kiln  # noqa: E402
 from kiln import zoo  # noqa: E402
 
@@ -268,6 +275,9 @@ def main() -> None:
     parser.add_argument("--versus-ort", action="store_true",
                         help="kiln's default build beside onnxruntime's profile, layer by layer")
     parser.add_argument("--wins-json", default="", help="with --wins: also write the per-layer records here")
+    parser.add_argument("--timing-cache", default="", help="the builds' timing cache (default: kiln.build's)")
+    parser.add_argument("--avx2", action="store_true", help="kiln (KILN_CPU_ISA=avx2) and every library "
+                        "(onnxruntime's MLAS by bench/cpuid_avx2.py's cpuid mask) capped to AVX2")
     args = parser.parse_args()
 
     if args.wins:
@@ -287,8 +297,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     exported = zoo.export(args.model, batch=args.batch)
     feeds = exported.inputs()
+    cache = {"timing_cache": args.timing_cache} if args.timing_cache else {}
     if args.versus_ort:
-        engine = kiln.build(str(exported.path))
+        engine = kiln.build(str(exported.path), **cache)
         rows = versus_onnxruntime(exported.path, engine, feeds, args.threads, args.rounds)
         print(f"\n{args.model} batch {args.batch}, {args.threads} threads: per-layer lower-quartile ms, kiln and "
               f"onnxruntime in interleaved blocks ({args.rounds} rounds; load average {os.getloadavg()[0]:.2f})")
@@ -302,7 +313,7 @@ def main() -> None:
     engines = {}
     for i, tactic_set in enumerate(args.sets.split(";")):
         tactics = [t for t in tactic_set.split(",") if t]
-        engines[f"set{i}"] = kiln.build(str(exported.path), tactics=tactics)
+        engines[f"set{i}"] = kiln.build(str(exported.path), tactics=tactics, **cache)
         print(f"set{i}: {', '.join(tactics)}")
     times = time_engines(engines, feeds, args.rounds)
     labels = list(engines)

@@ -28,9 +28,9 @@ import datetime  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
 
-import zoo  # noqa: E402  bench/zoo.py
+import zoo  # noqa: E402  bench/zoo.py: kiln before torch, as there (kiln/openmp.py's wait policy is set only then)
+import torch  # noqa: E402
 from gemm_models import peak_functions  # noqa: E402
 from gemm import call_times, mlas_runner  # noqa: E402
 
