@@ -66,8 +66,8 @@ class ViewTrace:
         worked: dict[tuple, tuple[tuple, list[Any]]] = {}  # as the view's, by the sizes' expressions
         for step in rewrite._steps:
             if type(step) is not tuple:  # a run of mirrors: its checks (guards) and copies
-                if step.layers:
-                    raise Untraceable("a oneDNN member's mirrors")
+                if any(rewrite._members[k][0] is None for k in step.layers):
+                    raise Untraceable("a oneDNN member's mirrors")  # (a layer with a plan rule: its rows traced)
                 step.copy(sizes, {})
                 continue
             k, count, _mirror = step
