@@ -84,7 +84,11 @@ class _PlanRewrite:
     dims (view_trace.py): a view on a traced path is one call of it, then the plans' stores (BERT-base's view ~65 ->
     ~20 µs hot, ~0.31 -> ~0.17 ms in a first call, bench/results/first-call-2026-12-06.md); an alias (a Reshape
     that moves no byte: no call, no plan) whose NativeStep has a size rule is such a member with no values (bert_tiny's
-    key mask [B, S] -> [B, 1, 1, S]). The other members (kernels whose plans hold floats, squeeze-excite, a oneDNN
+    key mask [B, S] -> [B, 1, 1, S]). A oneDNN linear layer that runs its other row counts on kiln's GEMM (small
+    layers: cpu.gemm.onednn_direct's OtherRows) has a plan rule for those rows and, where its template call is an
+    inner product, a kiln GEMM plan of its own over its arena places (_other_kernel_layout): a view at those rows
+    writes it as any plan, one at the rows oneDNN runs writes its arguments (bert_tiny's default build, 4 layers
+    tuned on oneDNN: its walk is then traced). The other members (kernels whose plans hold floats, squeeze-excite, a oneDNN
     layer at rows another kernel takes) are bound as _Resized.bound_at binds them.
 
     Exact: a rule's fields are computed by the functions the kernels' own constructors use, a member's other fields

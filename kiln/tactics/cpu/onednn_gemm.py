@@ -5,7 +5,9 @@ A primitive is built for the row count the layer was tuned at (tactic_config["in
 profile's other shapes) bind without a new primitive where that measured as fast: small layers on kiln's packed
 GEMM (OtherRows), large ones at few rows on one matmul primitive with a runtime row count made at load
 (RuntimeRows, kiln/kernels/cpu/onednn_matmul.py); the rest on an inner product made for them, shared by the
-layers of one shape (kiln/kernels/cpu/onednn_primitives.py). The convolution, pooling and alias tactics are
+layers of one shape (kiln/kernels/cpu/onednn_primitives.py). The rows on kiln's GEMM have a plan rule (NativeStep
+.plan_at, kiln_rows_at): a native segment's view writes them into a kiln GEMM plan, and a walk of rules only is
+traced (kiln/runtime/view_trace.py). The convolution, pooling and alias tactics are
 onednn.py's.
 """
 
