@@ -370,6 +370,48 @@ def test_bert_tinys_oneDNN_layers_views_are_traced_and_run_as_bound_member_by_me
     _same_runs_bound_member_by_member(segment, context, feeds, traced, monkeypatch)
 
 
+def test_a_oneDNN_layers_kiln_gemm_plan_in_a_view_is_the_plan_its_layer_binds_there(tiny_on_onednn):
+    """Each oneDNN layer's kiln GEMM plan in a view (its rule's fields written over _other_kernel_layout's plan) is,
+    field by field, the plan its layer's BoundRows binds at the view's sizes (a view bound member by member: its
+    GemmCall made anew), the memory objects each reads at the same addresses, at fresh shapes."""
+    from kiln.kernels.cpu import gemm_native, onednn
+    from kiln.runtime import native
+
+    engine, _ = tiny_on_onednn
+    (segment,) = engine.program.segments
+    context = engine.create_execution_context(pad_first_calls=False)
+    rng = np.random.default_rng()
+    get_handle = onednn.load().lib.dnnl_memory_get_data_handle
+
+    def address(memory: int | None) -> int | None:
+        if not memory:
+            return None
+        handle = ctypes.c_void_p()
+        assert get_handle(ctypes.c_void_p(memory), ctypes.byref(handle)) == 0
+        return handle.value
+
+    compared = 0
+    for batch, seq in {(int(rng.integers(1, 3)), int(rng.integers(2, 33))) for _ in range(8)} - {(2, 32)}:
+        context.run(_tiny_feeds(rng, batch, seq))
+        template = segment._grown or segment
+        key = next(k for k in segment.resized if k[0] == (batch, seq))
+        view = segment.resized[key]
+        bound = native._Resized.bound_at(template, segment._natives_at(key).natives)
+        call_of = {k: i for i, k in enumerate(template._bound_members)}
+        for k in sorted(template._rewrite._switches):
+            i = call_of[k]
+            ours = gemm_native._Plan.from_address(view._c[PARALLEL][8][i])
+            theirs = gemm_native._Plan.from_address(bound._c[PARALLEL][8][i])
+            assert view._c[PARALLEL][1][i] == bound._c[PARALLEL][1][i], f"{batch}x{seq}: call {i}'s function"
+            for name, _kind in gemm_native._Plan._fields_:
+                if name in ("src", "dst", "residual"):  # memory objects of their own, at the same place
+                    assert address(getattr(ours, name)) == address(getattr(theirs, name)), (batch, seq, k, name)
+                else:
+                    assert getattr(ours, name) == getattr(theirs, name), (batch, seq, k, name)
+            compared += 1
+    assert compared >= 8, f"{compared} plans compared"
+
+
 def test_a_grown_templates_kiln_gemm_rows_of_oneDNN_layers_are_plans_and_their_tuned_rows_arguments(tiny_on_onednn,
                                                                                                   monkeypatch):
     """Grown to 4x48 (192 rows: the template runs the layers on kiln's GEMM, their plans by the same rule as
