@@ -84,7 +84,11 @@ class _PlanRewrite:
     dims (view_trace.py): a view on a traced path is one call of it, then the plans' stores (BERT-base's view ~65 ->
     ~20 µs hot, ~0.31 -> ~0.17 ms in a first call, bench/results/first-call-2026-12-06.md); an alias (a Reshape
     that moves no byte: no call, no plan) whose NativeStep has a size rule is such a member with no values (bert_tiny's
-    key mask [B, S] -> [B, 1, 1, S]). The other members (kernels whose plans hold floats, squeeze-excite, a oneDNN
+    key mask [B, S] -> [B, 1, 1, S]). A oneDNN linear layer that runs its other row counts on kiln's GEMM (small
+    layers: cpu.gemm.onednn_direct's OtherRows) has a plan rule for those rows and, where its template call is an
+    inner product, a kiln GEMM plan of its own over its arena places (_other_kernel_layout): a view at those rows
+    writes it as any plan, one at the rows oneDNN runs writes its arguments (bert_tiny's default build, 4 layers
+    tuned on oneDNN: its walk is then traced). The other members (kernels whose plans hold floats, squeeze-excite, a oneDNN
     layer at rows another kernel takes) are bound as _Resized.bound_at binds them.
 
     Exact: a rule's fields are computed by the functions the kernels' own constructors use, a member's other fields
@@ -97,6 +101,7 @@ class _PlanRewrite:
         would be a cycle); view() is given it."""
         call_of = {k: i for i, k in enumerate(template._bound_members)}
         image = bytearray()
+        self._kept: list[Any] = []  # what the plans of _other_kernel_layout's members point at (memory objects)
         # per member: (its rule or None, at, reads, x: as Segment._resizers, the residual's slot or None,
         # [(output j, slot)] of the values it writes, its plan's function and offset in a view's buffer or None,
         # what its rule's result follows besides the sizes (its key, the step inputs it reads), the slots it reads,
@@ -120,6 +125,11 @@ class _PlanRewrite:
             residual = m.inputs[native.residual_input] if native.residual_input is not None else None
             call = call_of.get(k)
             layout = _plan_layout(native, template.bound[call], arg) if call is not None else None
+            if layout is None and call is not None:  # a oneDNN layer's rows on kiln's GEMM: a plan of its own
+                other = _other_kernel_layout(template, k, native, template.bound[call])
+                if other is not None:
+                    layout = other[0]
+                    self._kept.append(other[1])
             if layout is None and call is None and _alias_rule_holds(native, arg):
                 # an alias: its output size by its rule, no plan and no call (a walk of rules only is traced)
                 self._members.append((traced_rule(native.plan_at), at, reads, x, residual, outputs, None,
@@ -140,8 +150,11 @@ class _PlanRewrite:
             read = tuple(slot for _, slot in reads) if reads is not None else (x,)
             follows = (native.plan_at.key, tuple(i for i, _ in reads) if reads is not None else None)
             placed = (function, len(image))
+            # a oneDNN layer whose rows on kiln's GEMM the rule gives: its other rows bound by its primitive rule
+            bind = None if native.primitive_at is None or template._accumulate[k] else \
+                arguments_layout(m, native, template.bound[call], arg, template._address)
             self._members.append((traced_rule(native.plan_at), at, reads, x, residual, outputs, placed, follows, read,
-                                  None))
+                                  bind))
             counts.append(len(fields))
             image += plan_bytes + bytes(-len(plan_bytes) % 16)
         self._image = np.frombuffer(bytes(image), np.int64)  # 16-byte multiples
@@ -166,6 +179,8 @@ class _PlanRewrite:
             self._image_calls = np.concatenate([self._image, np.zeros(len(self._calls.objects), np.int64)])
             self._plan_words = self._calls.plan_offsets.astype(np.int64)
         self._binds = {k: member[9] for k, member in enumerate(self._members) if member[9] is not None}
+        # members with a plan and arguments (a oneDNN layer's rows on kiln's GEMM, its other rows on oneDNN)
+        self._switches = {k for k, member in enumerate(self._members) if member[6] is not None and member[9]}
         self._arguments = ViewArguments()  # the oneDNN members' arguments, kept across views (tables, handles)
         # the walk of view() as closed forms of the entry dims, where every member it evaluates has a rule
         self._whole = ViewTrace(template.entries, tuple(len(size) for size in template.entry_sizes))
@@ -198,7 +213,20 @@ class _PlanRewrite:
                             sizes[slot] = sizes[same]
                         continue
                 rule, at, reads, x, residual, outputs, _placed, follows, read, bind = self._members[k]
-                if rule is None:
+                found = None
+                if rule is not None:
+                    found = worked.get(at_sizes := (follows, tuple(map(sizes.__getitem__, read))))
+                    if found is None:  # the first layer of its shape at these sizes
+                        try:
+                            sized = rule.at(follows[1], at_sizes[1])  # rule({i: sizes[slot] ...}) or rule(sizes[x])
+                        except ValueError:
+                            if bind is None:
+                                raise
+                        else:
+                            found = worked[at_sizes] = (sized.output_sizes, sized.flat_values())
+                if found is None:
+                    if rule is not None:  # rows its rule leaves to oneDNN: its plan unused, its values any
+                        values += [0] * count
                     sized = None
                     if bind is not None:
                         at_size = (bind.rule.key, sizes[x])
@@ -214,10 +242,6 @@ class _PlanRewrite:
                             return None
                         written = (tuple(native.output_size), *(tuple(size) for size, _ in native.more_outputs))
                 else:
-                    found = worked.get(at_sizes := (follows, tuple(map(sizes.__getitem__, read))))
-                    if found is None:  # the first layer of its shape at these sizes
-                        sized = rule.at(follows[1], at_sizes[1])  # rule({i: sizes[slot] ...}) or rule(sizes[x])
-                        found = worked[at_sizes] = (sized.output_sizes, sized.flat_values())
                     if len(found[1]) != count:
                         return None  # the template's plan has other fields
                     written = found[0]
@@ -246,7 +270,8 @@ class _PlanRewrite:
         exit_shapes = self._exit_shapes(exits)
         entry_forms = ([tuple(size) for size in key], template.entry_dtypes, template.entry_layouts)
         owned = [buffer]
-        if self._calls is not None and not natives:  # every member rewritten: the call arrays by numpy stores
+        if self._calls is not None and not natives and not bound.keys() & self._switches:
+            # every member rewritten, each the kind of call the image has: the call arrays by numpy stores
             c = self._calls.at(base, self._arguments.at(bound, self._binds, owned) if bound else None)
             return _Resized(template, {PARALLEL: c}, template._names, exit_shapes, entry_forms, owned)
         owners, member_calls, anew = [], [], set()
@@ -256,7 +281,7 @@ class _PlanRewrite:
             arguments = dict(zip(bound, zip(primitives.tolist(), counts.tolist(), addresses.tolist())))
         for b, k in zip(template.bound, template._bound_members):
             placed = self._members[k][6]
-            if placed is not None:  # the copy points at the template call's memory objects
+            if placed is not None and k not in bound and k not in natives:  # the copy: the call's memory objects
                 owners.append(b)
                 member_calls.append([(placed[0], base + placed[1], 0, 0)])
                 continue
@@ -340,7 +365,8 @@ class _CallImage:
     are copies with those calls written by numpy stores; the rest (functions, bindings: none of these members is an
     entry's or exit's) is the template's, which the loop only reads."""
 
-    loop: tuple  # the template's Segment._c_loop arrays
+    loop: tuple  # the template's Segment._c_loop arrays, with its functions, nargs and args as a view's runs them:
+    # a member whose rows on kiln's GEMM a view writes a plan for, where the template runs oneDNN, kiln_gemm's
     objects: np.ndarray  # uintp, every call's
     nargs: np.ndarray  # int32
     args: np.ndarray  # uintp
@@ -357,17 +383,24 @@ class _CallImage:
         functions, objects, nargs, args = loop[1], loop[8], loop[9], loop[10]
         if set(template._call_counts) != {1} or len(functions) != len(template.bound):
             return None
-        plan_calls, plan_offsets, argument_calls = [], [], []
+        plan_calls, plan_offsets, argument_calls, other = [], [], [], []
         execute = native_loop.execute_function()
         for i, k in enumerate(template._bound_members):
             placed, bind = members[k][6], members[k][9]
-            if placed is not None and functions[i] == placed[0]:
+            if placed is not None and (functions[i] == placed[0] or (bind is not None and functions[i] == execute)):
                 plan_calls.append(i)
                 plan_offsets.append(placed[1])
-            elif bind is not None and functions[i] == execute:
+                if functions[i] != placed[0]:  # the template runs it on oneDNN (_other_kernel_layout)
+                    other.append((i, placed[0]))
+            elif placed is None and bind is not None and functions[i] == execute:
                 argument_calls.append(i)
             else:
                 return None
+        if other:  # the template's arrays, those calls kiln_gemm's (no arguments)
+            functions, nargs, args = (type(array).from_buffer_copy(array) for array in (functions, nargs, args))
+            for i, function in other:
+                functions[i], nargs[i], args[i] = function, 0, None
+            loop = (*loop[:1], functions, *loop[2:9], nargs, args, *loop[11:])
         return cls(loop, np.frombuffer(objects, np.uintp).copy(), np.frombuffer(nargs, np.int32).copy(),
                    np.frombuffer(args, np.uintp).copy(), np.array(plan_calls, np.intp),
                    np.array(plan_offsets, np.uintp), np.array(argument_calls, np.intp))
@@ -422,6 +455,39 @@ def _alias_rule_holds(native: NativeStep, arg: Any) -> bool:
         return native.plan_at(arg).output_sizes == (tuple(native.output_size),)
     except ValueError:
         return False
+
+
+def _other_kernel_layout(template: Any, k: int, native: NativeStep, bound: Any
+                         ) -> tuple[tuple[int, bytes, list[tuple[int, int]]], Any] | None:
+    """(_plan_layout's answer, the call it was read from) for member k, a oneDNN layer (`bound`, its template call)
+    that runs other row counts on kiln's GEMM (cpu.gemm.onednn_direct's OtherRows): the plan of its layer bound at
+    a size its rule takes, over the member's arena places (memory objects of its own, at the template's
+    addresses), or None: no such rule, a serial form or an accumulation (a view would lose them), a role an entry
+    or exit (a run points those elsewhere), or no probed size the rule takes. A view at rows on kiln's GEMM then
+    writes that plan as it does a kiln GEMM member's; at the rows oneDNN runs, its arguments (ArgumentsRewrite).
+    bert_tiny's default build put 4 layers on oneDNN at its tuned 1024 rows: without this, every view bound them
+    member by member and its walk was never traced."""
+    if native.plan_at is None or native.primitive_at is None or native.reads is not None \
+            or type(bound) is not onednn.Bound or getattr(bound, "serial_primitive", None) is not None \
+            or template._accumulate[k]:
+        return None
+    m = template.members[k]
+    slots = [m.inputs[0], m.outputs[0]] + ([m.inputs[native.residual_input]] if native.residual_input is not None
+                                           else [])
+    addresses = [template._address.get(slot, 0) for slot in slots]
+    if not all(addresses):
+        return None
+    size = tuple(native.input_size)
+    for probe in ((*[1] * (len(size) - 1), size[-1]), (2, *[1] * (len(size) - 2), size[-1])):
+        try:
+            native.plan_at(probe)
+        except ValueError:
+            continue
+        at = native.at(probe)
+        call = at.primitive(False).bind(*addresses)
+        layout = _plan_layout(at, call, probe)
+        return None if layout is None else (layout, call)
+    return None
 
 
 def _plan_layout(native: NativeStep, bound: Any, arg: Any) -> tuple[int, bytes, list[tuple[int, int]]] | None:

@@ -49,7 +49,8 @@ class _MirrorRun:
             if sizes[a] != sizes[b]:
                 raise ValueError("a layer's sizes differ from those of the one it mirrors")
         sizes.update(zip(self.slots, map(sizes.__getitem__, self.sames)))
-        bound.update(zip(self.layers, map(bound.__getitem__, self.answers_of)))
+        if bound:  # a layer whose rows ran on kiln's GEMM (its plan rule's answer) is not in it: nor its mirrors
+            bound.update((k, bound[of]) for k, of in zip(self.layers, self.answers_of) if of in bound)
 
 
 def _mirror_runs(schedule: list[tuple[int, int, _Mirror | None]], members: list[tuple]

@@ -10,7 +10,8 @@ traced: run once on symbols, each rule's path and each check a guard, its answer
 from its values as before.
 
 Exact: the symbols' walk is the view's walk with its int-only parts left out (members without a rule, oneDNN
-arguments: such a template is never traced), each rule answering from the same traced path the view's call would
+arguments: such a walk is never traced; a oneDNN layer whose rows on kiln's GEMM have a plan rule is traced at those
+rows only, its rule's guards keeping the others off the path), each rule answering from the same traced path the view's call would
 take; a path whose compiled answer at the traced sizes is not the walk's own is not kept (tests/unit/
 test_native_binding.py compares views bound both ways, byte for byte).
 """
@@ -66,8 +67,8 @@ class ViewTrace:
         worked: dict[tuple, tuple[tuple, list[Any]]] = {}  # as the view's, by the sizes' expressions
         for step in rewrite._steps:
             if type(step) is not tuple:  # a run of mirrors: its checks (guards) and copies
-                if step.layers:
-                    raise Untraceable("a oneDNN member's mirrors")
+                if any(rewrite._members[k][0] is None for k in step.layers):
+                    raise Untraceable("a oneDNN member's mirrors")  # (a layer with a plan rule: its rows traced)
                 step.copy(sizes, {})
                 continue
             k, count, _mirror = step

@@ -20,6 +20,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from kiln.kernels.cpu import native_loop
 from kiln.kernels.cpu import transformer as kernels
 from kiln.kernels.cpu.form_choice import PARALLEL
 from kiln.runtime import view_trace
@@ -278,6 +279,160 @@ def test_bert_tinys_views_with_a_reshape_alias_are_traced_and_are_the_walks(tiny
     for f, ours in zip(feeds, traced):
         for name, theirs in context.run(f).items():
             np.testing.assert_array_equal(ours[name], theirs)
+
+
+@pytest.fixture(scope="module")
+def tiny_on_onednn():
+    """bert_tiny as tiny_on_kiln_gemms (profile 1x1..2x32..4x48), its linear layers on oneDNN (cpu.gemm.onednn_direct,
+    the only FusedGemm tactic left in the search: what bert_tiny's default build chose for 4 of them): each runs its
+    tuned 64 rows on an inner product, every other row count of this profile on kiln's GEMM (OtherRows)."""
+    import onnxruntime as ort
+
+    import kiln
+    from kiln import zoo
+    from kiln.tactics import registry
+
+    registry.load_device("cpu")
+    allowed = [name for name, tactic in registry.all_tactics("cpu").items()
+               if tactic.op_type != "FusedGemm" or name == "cpu.gemm.onednn_direct"]
+    exported = zoo.export("bert_tiny", dynamic=True)
+    engine = kiln.build(str(exported.path), profiles=[{"input_ids": "1x1,2x32,4x48"}], tactics=allowed)
+    return engine, ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
+
+
+def _runs_match(context, session, feeds) -> list[dict]:
+    """Each feed's outputs, checked against onnxruntime within ORT_TOL."""
+    outputs = []
+    for f in feeds:
+        outputs.append(context.run(f))
+        for got, want in zip(outputs[-1].values(), session.run(None, f)):
+            np.testing.assert_allclose(got, want, rtol=ORT_TOL, atol=ORT_TOL, err_msg=str(f["input_ids"].shape))
+    return outputs
+
+
+def _same_runs_bound_member_by_member(segment, context, feeds, ours, monkeypatch) -> None:
+    """`feeds` run again with every view bound member by member (each layer's own BoundRows or primitive, replanned
+    or bound anew, as before _PlanRewrite), bit for bit `ours`."""
+    from kiln.runtime.native_views import _PlanRewrite
+
+    with monkeypatch.context() as binding:
+        binding.setattr(_PlanRewrite, "view", lambda self, template, key: None)
+        binding.setattr(view_trace.ViewTrace, "__call__", lambda self, key: None)
+        segment.resized.clear()
+        for f, mine in zip(feeds, ours):
+            for name, theirs in context.run(f).items():
+                np.testing.assert_array_equal(mine[name], theirs, err_msg=f"bound, {f['input_ids'].shape}")
+
+
+def _on_onednn(template, view) -> list[bool]:
+    """Whether each member with a kiln GEMM plan and oneDNN arguments runs oneDNN's execute in `view`'s loop."""
+    execute = native_loop.execute_function()
+    call_of = {k: i for i, k in enumerate(template._bound_members)}
+    functions = view._c[PARALLEL][1]
+    return [functions[call_of[k]] == execute for k in sorted(template._rewrite._switches)]
+
+
+def test_bert_tinys_oneDNN_layers_views_are_traced_and_run_as_bound_member_by_member(tiny_on_onednn, monkeypatch):
+    """A oneDNN linear layer's rows on kiln's GEMM have a plan rule (cpu.gemm.onednn_direct's kiln_rows_at) and a
+    kiln GEMM plan of their own in its template's views (_other_kernel_layout): bert_tiny with every linear layer on
+    oneDNN has its views from a traced walk (before, never: such a layer was bound member by member at every view),
+    byte for byte the walk's; their runs bit for bit the walk's and those of views bound member by member, and within
+    ORT_TOL of onnxruntime, at fresh shapes. At 4x16 (the tuned 64 rows) the layers run their inner products."""
+    engine, session = tiny_on_onednn
+    (segment,) = engine.program.segments
+    template = segment._grown or segment
+    layers = [k for k, m in enumerate(template.members) if m.ctx.op_type == "FusedGemm"]
+    assert layers and all(type(template._natives[k].primitive(False)).__name__ == "InnerProduct" for k in layers), \
+        "bert_tiny's linear layers are not oneDNN inner products at the template: this test checks nothing"
+    context = engine.create_execution_context(pad_first_calls=False)
+    rng = np.random.default_rng()
+    answered = _answers_counted(monkeypatch)
+    shapes = sorted({(int(rng.integers(1, 3)), int(rng.integers(2, 33))) for _ in range(12)} - {(2, 32)},
+                    key=lambda _: rng.random())  # within the template's sizes: no view grows it
+    feeds = [_tiny_feeds(rng, batch, seq) for batch, seq in shapes] + [_tiny_feeds(rng, 4, 16)]
+    traced = _runs_match(context, session, feeds)
+    assert (segment._grown or segment) is template
+    rewrite = template._rewrite
+    assert all(rewrite._members[k][0] is not None and rewrite._members[k][6] is not None for k in layers), \
+        "a oneDNN layer without its kiln-GEMM plan"
+    assert rewrite._whole.paths > 0, "no path of bert_tiny's walk was traced"
+    assert sum(answered) >= len(shapes) // 2, f"{sum(answered)} of {len(answered)} views from the traced walk"
+    for key, view in segment.resized.items():
+        on_onednn = _on_onednn(template, view)
+        assert on_onednn and (all(on_onednn) if key[0] == (4, 16) else not any(on_onednn)), (key, on_onednn)
+    assert _traced_views_are_the_walks(segment, monkeypatch) >= 3
+    with monkeypatch.context() as walking:
+        walking.setattr(view_trace.ViewTrace, "__call__", lambda self, key: None)  # the walk at every view
+        segment.resized.clear()
+        for f, ours in zip(feeds, traced):
+            for name, theirs in context.run(f).items():
+                np.testing.assert_array_equal(ours[name], theirs, err_msg=f"walked, {f['input_ids'].shape}")
+    _same_runs_bound_member_by_member(segment, context, feeds, traced, monkeypatch)
+
+
+def test_a_oneDNN_layers_kiln_gemm_plan_in_a_view_is_the_plan_its_layer_binds_there(tiny_on_onednn):
+    """Each oneDNN layer's kiln GEMM plan in a view (its rule's fields written over _other_kernel_layout's plan) is,
+    field by field, the plan its layer's BoundRows binds at the view's sizes (a view bound member by member: its
+    GemmCall made anew), the memory objects each reads at the same addresses, at fresh shapes."""
+    from kiln.kernels.cpu import gemm_native, onednn
+    from kiln.runtime import native
+
+    engine, _ = tiny_on_onednn
+    (segment,) = engine.program.segments
+    context = engine.create_execution_context(pad_first_calls=False)
+    rng = np.random.default_rng()
+    get_handle = onednn.load().lib.dnnl_memory_get_data_handle
+
+    def address(memory: int | None) -> int | None:
+        if not memory:
+            return None
+        handle = ctypes.c_void_p()
+        assert get_handle(ctypes.c_void_p(memory), ctypes.byref(handle)) == 0
+        return handle.value
+
+    compared = 0
+    for batch, seq in {(int(rng.integers(1, 3)), int(rng.integers(2, 33))) for _ in range(8)} - {(2, 32)}:
+        context.run(_tiny_feeds(rng, batch, seq))
+        template = segment._grown or segment
+        key = next(k for k in segment.resized if k[0] == (batch, seq))
+        view = segment.resized[key]
+        bound = native._Resized.bound_at(template, segment._natives_at(key).natives)
+        call_of = {k: i for i, k in enumerate(template._bound_members)}
+        for k in sorted(template._rewrite._switches):
+            i = call_of[k]
+            ours = gemm_native._Plan.from_address(view._c[PARALLEL][8][i])
+            theirs = gemm_native._Plan.from_address(bound._c[PARALLEL][8][i])
+            assert view._c[PARALLEL][1][i] == bound._c[PARALLEL][1][i], f"{batch}x{seq}: call {i}'s function"
+            for name, _kind in gemm_native._Plan._fields_:
+                if name in ("src", "dst", "residual"):  # memory objects of their own, at the same place
+                    assert address(getattr(ours, name)) == address(getattr(theirs, name)), (batch, seq, k, name)
+                else:
+                    assert getattr(ours, name) == getattr(theirs, name), (batch, seq, k, name)
+            compared += 1
+    assert compared >= 8, f"{compared} plans compared"
+
+
+def test_a_grown_templates_kiln_gemm_rows_of_oneDNN_layers_are_plans_and_their_tuned_rows_arguments(tiny_on_onednn,
+                                                                                                  monkeypatch):
+    """Grown to 4x48 (192 rows: the template runs the layers on kiln's GEMM, their plans by the same rule as
+    cpu.gemm.kiln_packed's), a view at the tuned 64 rows runs their inner products (the plan rule refuses those rows:
+    primitive_at's arguments, the other members' plans written), other views kiln GEMM plans; each run bit for bit
+    the view bound member by member and within ORT_TOL of onnxruntime."""
+    engine, session = tiny_on_onednn
+    (segment,) = engine.program.segments
+    context = engine.create_execution_context(pad_first_calls=False)
+    rng = np.random.default_rng()
+    context.run(_tiny_feeds(rng, 4, 48))
+    template = segment._grown or segment
+    assert template.entry_sizes[0] == (4, 48), template.entry_sizes
+    feeds = [_tiny_feeds(rng, batch, seq) for batch, seq in ((4, 16), (2, 16), (1, 40), (3, 7), (4, 16))]
+    ours = _runs_match(context, session, feeds)
+    assert template._rewrite._switches, "no member with a kiln GEMM plan and oneDNN arguments: this checks nothing"
+    for key, view in segment.resized.items():
+        if view.template is template:
+            on_onednn = _on_onednn(template, view)
+            assert all(on_onednn) if key[0] == (4, 16) else not any(on_onednn), (key, on_onednn)
+    _same_runs_bound_member_by_member(segment, context, feeds, ours, monkeypatch)
 
 
 @pytest.mark.parametrize("op_type, target, attributes", [

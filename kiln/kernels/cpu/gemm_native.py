@@ -222,6 +222,20 @@ def swiglu_panels(w: torch.Tensor, b: torch.Tensor | None, nr: int) -> tuple[tor
     return w, b
 
 
+def plan_threads(rows: int, gemm_n: int, k: int) -> int:
+    """A plan's `threads`: 1 (the calling thread alone) for a product too small to share out, else 0 (all)."""
+    return 1 if rows * gemm_n * k <= PARALLEL_MACS else 0
+
+
+def row_fields(rows: int, k: int, gemm_n: int, small_m: int, pack_m: int, swiglu: bool) -> dict[str, int]:
+    """PackedLinear.row_fields of a layer with these constants, without packing its weight: a size rule of a layer
+    that runs some row counts on kiln's GEMM (kiln/tactics/cpu/onednn_gemm.py OtherRows) answers before that layer
+    is packed. Arithmetic and comparisons of `rows` only (a traced rule follows it)."""
+    if rows > max(small_m, pack_m) or (swiglu and rows > small_m):
+        raise ValueError(f"kiln GEMM at {rows} rows needs scratch: plan() binds it")
+    return {"M": rows, "threads": plan_threads(rows, gemm_n, k), "c_scratch": 0}
+
+
 class PackedLinear:
     """One linear layer: W packed once; any row count; bind() gives a native segment its call.
 
@@ -287,15 +301,13 @@ class PackedLinear:
 
     def _threads(self, rows: int) -> int:
         """The plan's `threads`: 1 (the calling thread alone) for a product too small to share out, else 0 (all)."""
-        return 1 if rows * self.gemm_n * self.k <= PARALLEL_MACS else 0
+        return plan_threads(rows, self.gemm_n, self.k)
 
     def row_fields(self, rows: int) -> dict[str, int]:
         """The fields of plan(rows, scratch) that follow the row count, where that plan needs no scratch (A read in
         place, no SwiGLU staging): what a native segment's view writes into a copy of its template's plan.
         ValueError at row counts whose plan needs scratch (plan() makes those)."""
-        if rows > max(self.small_m, self.pack_m) or (self.swiglu and rows > self.small_m):
-            raise ValueError(f"kiln GEMM at {rows} rows needs scratch: plan() binds it")
-        return {"M": rows, "threads": self._threads(rows), "c_scratch": 0}
+        return row_fields(rows, self.k, self.gemm_n, self.small_m, self.pack_m, self.swiglu)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:

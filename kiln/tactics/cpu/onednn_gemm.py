@@ -5,7 +5,9 @@ A primitive is built for the row count the layer was tuned at (tactic_config["in
 profile's other shapes) bind without a new primitive where that measured as fast: small layers on kiln's packed
 GEMM (OtherRows), large ones at few rows on one matmul primitive with a runtime row count made at load
 (RuntimeRows, kiln/kernels/cpu/onednn_matmul.py); the rest on an inner product made for them, shared by the
-layers of one shape (kiln/kernels/cpu/onednn_primitives.py). The convolution, pooling and alias tactics are
+layers of one shape (kiln/kernels/cpu/onednn_primitives.py). The rows on kiln's GEMM have a plan rule (NativeStep
+.plan_at, kiln_rows_at): a native segment's view writes them into a kiln GEMM plan, and a walk of rules only is
+traced (kiln/runtime/view_trace.py). The convolution, pooling and alias tactics are
 onednn.py's.
 """
 
@@ -22,8 +24,8 @@ from kiln.kernels.cpu import gemm_native, onednn, onednn_ahead, onednn_matmul, o
 from kiln.plan.spec import StepSpec
 from kiln.tactics.cpu.onednn import _CACHED_SHAPES, _built, _configure
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import (InputMeta, NativeStep, PrimitiveRule, SizedPrimitive, Tactic, gemm_operands_refusal,
-                                 resizable, same_primitive)
+from kiln.tactics.tactic import (InputMeta, NativeStep, PlanRule, PrimitiveRule, SizedPlan, SizedPrimitive, Tactic,
+                                 gemm_operands_refusal, resizable, same_primitive)
 from kiln.tactics.tactic import attribute as _attr
 
 
@@ -106,10 +108,12 @@ def _prepare_gemm(step: StepSpec, constants: list[Any], device: torch.device):
         if on_kiln_gemm(rows_of(size)):
             bound = packed.rows(size)
             return NativeStep(size, bound.output_size, same_primitive(bound),
-                              residual_input=3 if with_residual else None, primitive_at=primitive_at)
+                              residual_input=3 if with_residual else None, primitive_at=primitive_at,
+                              plan_at=kiln_rows_at)
         layer = layer_at(rows_of(size))
         return NativeStep(size, (*size[:-1], n), same_primitive(layer),
-                          residual_input=3 if with_residual else None, primitive_at=primitive_at)
+                          residual_input=3 if with_residual else None, primitive_at=primitive_at,
+                          plan_at=kiln_rows_at)
 
     def sized_primitive(size: tuple[int, ...]) -> SizedPrimitive | None:
         """native_at(size)'s layer as a segment's view binds it (NativeStep.primitive_at), where it is an inner
@@ -125,6 +129,22 @@ def _prepare_gemm(step: StepSpec, constants: list[Any], device: torch.device):
                                                    b is not None, tuned, packed is not None,
                                                    None if runtime is None else runtime.key),
                                  primitives[rows_of(tuned)].fixed_arguments)
+
+    def kiln_rows(size: tuple[int, ...]) -> SizedPlan:
+        """native_at(size)'s plan fields where it runs on kiln's GEMM (OtherRows), without a BoundRows or the packed
+        weight; ValueError at the rows oneDNN runs (primitive_at's, or native_at's own)."""
+        if len(size) not in (2, 3) or size[-1] != tuned[-1]:
+            raise ValueError(f"inner product built for [..., {tuned[-1]}] inputs of rank 2 or 3, given {list(size)}")
+        rows = rows_of(size)
+        if not on_kiln_gemm(rows):
+            raise ValueError(f"{rows} rows run on oneDNN")
+        return SizedPlan(((*size[:-1], n),), packed.row_fields(rows))
+
+    # the rows on kiln's GEMM as a plan rule (a segment's view writes them into a kiln GEMM plan of the layer, and a
+    # walk of rules only is traced, kiln/runtime/view_trace.py): its key has primitive_at's (layers that mirror
+    # each other in a view take one answer of both) and what OtherRows.takes and row_fields follow
+    kiln_rows_at = None if packed is None else \
+        PlanRule(kiln_rows, ("kiln rows of oneDNN", primitive_at.key, packed.key), traceable=True)
 
     def ahead(scale: float) -> list[onednn_ahead.Job]:
         """What kiln/kernels/cpu/onednn_ahead.py makes before the row counts are met, up to AHEAD_ROWS and `scale` x
@@ -239,6 +259,11 @@ class OtherRows:
                       float(_attr(step, "beta", 0.0)))
         self._residual = (with_residual, bool(_attr(step, "residual_after_activation", 1)))
         self._macs_per_row = int(w.shape[0]) * int(w.shape[1])
+        # (k, gemm_n, small_m, pack_m, swiglu) as linear()'s PackedLinear sets them: its default kernel, no SwiGLU
+        # (cpu.gemm.onednn_direct refuses it)
+        k = int(w.shape[1])
+        self._plan_constants = (k, int(w.shape[0]), gemm_native.small_rows(gemm_native.linear_kernel(), k),
+                                gemm_native.NEVER, False)
         self._layer: gemm_native.PackedLinear | None = None
         self._bound: dict[int, gemm_native.BoundRows] = {}  # rows -> the last size bound at them
         self._lock = threading.Lock()
@@ -247,12 +272,26 @@ class OtherRows:
         """Whether `rows` rows run here rather than on a oneDNN primitive built for them."""
         return rows * self._macs_per_row < ONEDNN_FROM_MACS
 
+    @property
+    def key(self) -> tuple:
+        """What takes() and row_fields() follow besides the rows."""
+        return self._macs_per_row, self._plan_constants
+
+    def row_fields(self, rows: int) -> dict[str, int]:
+        """gemm_native.PackedLinear.row_fields of the layer linear() packs, without packing it (a view's size rule
+        asks before any row count ran here)."""
+        return gemm_native.row_fields(rows, *self._plan_constants)
+
     def linear(self) -> gemm_native.PackedLinear:
         with self._lock:
             if self._layer is None:
                 w, b, activation, alpha, beta = self._args
-                self._layer = gemm_native.PackedLinear(w, b, activation, alpha, beta, residual=self._residual[0],
-                                                       residual_after_activation=self._residual[1])
+                layer = gemm_native.PackedLinear(w, b, activation, alpha, beta, residual=self._residual[0],
+                                                 residual_after_activation=self._residual[1])
+                made = (layer.k, layer.gemm_n, layer.small_m, layer.pack_m, layer.swiglu)
+                if made != self._plan_constants:  # row_fields() answered for another plan: a bug here
+                    raise RuntimeError(f"kiln GEMM's plan constants {made} are not {self._plan_constants}")
+                self._layer = layer
             return self._layer
 
     def rows(self, size: tuple[int, ...]) -> gemm_native.BoundRows:
