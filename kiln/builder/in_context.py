@@ -52,7 +52,12 @@ from kiln.runtime.rss import return_free_memory
 from kiln.tactics import registry
 from kiln.tactics.tactic import DEFAULT, InputMeta
 
-RETIMED_OPS = ("FusedGemm",)  # layers whose native tactics are re-timed in context
+# layers whose native tactics are re-timed in context. FusedConv: MobileNetV2 at 2 threads (AVX2-capped Zen 4, load
+# 4-5) took cpu.conv.onednn_graph (outside the segments) for three 1x1 convolutions at 0.120 ms alone against
+# onednn_direct's 0.209, and the engine ran 1.12x slower than with onednn_direct there (9/9 rounds, one process:
+# bench/results/zoo-cpu-avx2-2026-12-06.md); a conv's rivals are few (onednn_direct, winograd on 3x3, onednn_silu
+# on SiLU), so a network's conv signatures to judge are a handful, each bounded as a GEMM's (CONTEXT_BUDGET_S)
+RETIMED_OPS = ("FusedGemm", "FusedConv")
 # A rival within this factor of the chosen tactic's time alone is re-timed; where the search timed several threads
 # by the process's CPU time (a shared machine, cpu_clock.py) every native rival is: a wait at a barrier for a
 # descheduled thread sleeps, uncounted, while a pool that does not wait for it (pool.c) counts its spinning. On
