@@ -472,11 +472,11 @@ def test_kiln_build_and_inspect_say_what_was_timed_in_context(tmp_path, retimes,
     finally:
         torch.set_num_threads(threads)
     assert len(retimes) == 1  # --no-in-context: not timed
-    assert "GEMM layer(s) timed again in the network" in built and "timed again" not in alone
+    assert "GEMM/conv layer(s) timed again in the network" in built and "timed again" not in alone
     assert main(["inspect", str(tmp_path / "ffn.kiln")]) == 0
     shown = capsys.readouterr().out
     compared = kiln.load(tmp_path / "ffn.kiln").plan.header["tactics"]["in_context"]["layers"]
-    assert f"{compared} GEMM layer(s) timed again in the network" in shown
+    assert f"{compared} GEMM/conv layer(s) timed again in the network" in shown
     assert main(["inspect", str(tmp_path / "ffn.kiln"), "--json"]) == 0
     layers = json.loads(capsys.readouterr().out)["layers"]
     assert sum("in_network" in layer.get("tactic", {}) for layer in layers) == compared
@@ -596,7 +596,8 @@ CHANNELS, SIDE = 8, 10
 CONV_RTOL, CONV_ATOL = 1e-4, 1e-5
 
 
-def _conv(name: str, x: str, w: str, b: str, out: str, tactic: str, activation: str = "", residual: str = "") -> StepSpec:
+def _conv(name: str, x: str, w: str, b: str, out: str, tactic: str, activation: str = "",
+          residual: str = "") -> StepSpec:
     step = StepSpec("FusedConv", name, [x, w, b] + ([residual] if residual else []), [out],
                     {"pads": [1, 1, 1, 1], "strides": [1, 1], "group": 1, "kernel_shape": [3, 3],
                      "activation": activation}, domain="kiln", tactic=tactic)
@@ -662,6 +663,11 @@ def test_a_conv_layers_native_rival_is_one_judged_in_context():
     assert rival.config == configure(WINOGRAD)
     torch_won = LayerTuning(TORCH_NHWC, 0.6, candidates={DIRECT: 1.0, WINOGRAD: 1.1, TORCH_NHWC: 0.9}, clock=WALL)
     assert in_context.rival_of(step, torch_won, metas, configure).tactic == DIRECT  # outside the segments: its rival
+    # ... at any margin alone (a GEMM's non-native winner keeps the margin): it splits the segment its rival joins
+    far = LayerTuning(TORCH_NHWC, 0.5, candidates={DIRECT: 2.0, WINOGRAD: 1.9, TORCH_NHWC: 0.5}, clock=WALL)
+    assert in_context.rival_of(step, far, metas, configure).tactic == WINOGRAD
+    assert in_context.rival_of(step, dataclasses.replace(far, tactic=DIRECT, candidates={DIRECT: 1.0, WINOGRAD: 1.3}),
+                               metas, configure) is None  # a native winner: past the margin
     again = in_context.rival_of(spec.steps[2], found, metas, configure)
     assert again.group == rival.group  # the second block's first conv: judged with the first's
 
