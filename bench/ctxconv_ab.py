@@ -3,7 +3,13 @@ build, whether a rebuild from the timing cache times nothing, and the engine it 
 chose alone, in one process.
 
     python bench/ctxconv_ab.py --avx2 --threads 2 --models mobilenet_v2,resnet50 --rounds 9
-    python bench/ctxconv_ab.py --avx2 --threads 2 --models mobilenet_v2 --seed-cache /tmp/zoo-avx2-tc-s21.json
+    python bench/ctxconv_ab.py --avx2 --threads 2 --models mobilenet_v2 --force cpu.conv.onednn_graph@576x96x1x1
+
+--force TACTIC@OxCxKhxKw: the search's choice alone for every FusedConv layer of that weight shape made TACTIC (its
+times alone as measured), in every build of the run: the case session 21's zoo met where the search took
+cpu.conv.onednn_graph for MobileNetV2's three 96 -> 576 1x1 convolutions at 2 threads (0.120 ms alone against
+onednn_direct's 0.209) and the engine ran 1.12x slower than with onednn_direct there; a search that does not pick it
+again on a quieter machine still shows what the stage does with it.
 
 Per model: a build with a fresh timing cache (the stage on: its seconds, layers compared, layers changed), a rebuild
 from that cache (the stage's seconds there: a cache hit), and a build from the same cache with the stage off (the
@@ -47,6 +53,29 @@ def conv_tactics(engine) -> dict[str, int]:
     return counts
 
 
+def force(tactic: str, shape: str) -> None:
+    """Every build's search takes `tactic` alone for the FusedConv layers whose weight is `shape` (where it was a
+    candidate), as a search under load did."""
+    from kiln.builder import autotune
+    from kiln.tactics import registry
+    from kiln.tactics.tactic import InputMeta
+
+    want = [int(v) for v in shape.split("x")]
+    tune = autotune._tune_layer
+
+    def forced(step, record, fn, ctx, attrs, constants, *args, **kwargs):
+        found, config = tune(step, record, fn, ctx, attrs, constants, *args, **kwargs)
+        w = constants[1] if step.op_type == "FusedConv" and len(constants) > 1 else None
+        if w is not None and list(w.shape) == want and isinstance(found.candidates.get(tactic), float):
+            metas = [InputMeta.of(a, c is not None) for a, c in zip(record.args, constants)]
+            found.tactic, found.time_ms = tactic, found.candidates[tactic]
+            config = registry.get(tactic).configure(step, metas)
+            print(f"  forced {step.name}: {tactic} alone ({found.candidates})", flush=True)
+        return found, config
+
+    autotune._tune_layer = forced
+
+
 def build(path: str, cache: str, in_context: bool) -> tuple[object, float, dict]:
     start = time.perf_counter()
     engine = kiln.build(path, timing_cache=cache, in_context=in_context)
@@ -64,7 +93,10 @@ def main() -> None:
     parser.add_argument("--no-ab", action="store_true", help="builds only")
     parser.add_argument("--seed-cache", default="", help="a timing cache the first build starts from (a copy): its "
                         "per-layer choices alone, e.g. a zoo run's; the stage's own entries are keyed anew")
+    parser.add_argument("--force", default="", help="TACTIC@OxCxKhxKw: that weight shape's convs chosen TACTIC alone")
     args = parser.parse_args()
+    if args.force:
+        force(*args.force.split("@"))
     torch.set_num_threads(args.threads)
     rows = []
     for name in args.models.split(","):
