@@ -56,8 +56,11 @@ from kiln.tactics.tactic import DEFAULT, InputMeta
 # layers whose native tactics are re-timed in context. FusedConv: MobileNetV2 at 2 threads (AVX2-capped Zen 4, load
 # 4-5) took cpu.conv.onednn_graph (outside the segments) for three 1x1 convolutions at 0.120 ms alone against
 # onednn_direct's 0.209, and the engine ran 1.12x slower than with onednn_direct there (9/9 rounds, one process:
-# bench/results/zoo-cpu-avx2-2026-12-06.md); a conv's rivals are few (onednn_direct, winograd on 3x3, onednn_silu
-# on SiLU), so a network's conv signatures to judge are a handful, each bounded as a GEMM's (CONTEXT_BUDGET_S)
+# bench/results/zoo-cpu-avx2-2026-12-06.md). A conv's native rivals are few (onednn_direct, winograd on 3x3,
+# onednn_silu on SiLU), so a network's conv signatures to judge are a handful, each bounded as a GEMM's
+# (CONTEXT_BUDGET_S): fresh builds at 2 threads, AVX2-capped Zen 4, load 3-5 (bench/ctxconv_ab.py): ResNet-50 4
+# signatures (12 3x3 layers, winograd vs onednn_direct), 9.3 s of a 25 s build; MobileNetV2 1 layer, 0.3 s, or
+# 5 layers, 1.1 s with the three onednn_graph convolutions (the engine 0.82x the one chosen alone); a rebuild 0 s
 RETIMED_OPS = ("FusedGemm", "FusedConv")
 # A rival within this factor of the chosen tactic's time alone is re-timed; where the search timed several threads
 # by the process's CPU time (a shared machine, cpu_clock.py) every native rival is: a wait at a barrier for a
