@@ -427,8 +427,8 @@ def _retime_in_context(program: ProgramSpec, placed: dict[str, Any], device: tor
         layer["in_network"] = in_network
     seconds = time.perf_counter() - start
     how = "from the timing cache" if result.cached else f"timed in {result.rounds} rounds ({result.stopped})"
-    say(f"tactics: {len(result.found)} GEMM/conv layer(s) in context, {how}, {seconds:.1f} s: {len(changed)} took the "
-        "tactic that was slower alone")
+    say(f"tactics: {len(result.found)} GEMM/conv layer(s) in context, {how}, {seconds:.1f} s: {len(changed)} took "
+        "the tactic that was slower alone")
     for swap in sorted(set(changed.values())):
         names = [name for name, s in changed.items() if s == swap]
         say(f"tactics: in context {swap}: {len(names)} layer(s), e.g. {names[0]}")

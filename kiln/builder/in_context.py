@@ -13,9 +13,9 @@ So, on the CPU, after the search: every FusedGemm and FusedConv layer (RETIMED_O
 native rival within CONTEXT_MARGIN of it alone (any, where CPU time timed several threads) is judged with the
 layers of its signature (every block's QKV GEMM), one signature at a time: two whole programs, the chosen
 tactics (A) and that signature's rival swapped in (B), run in interleaved rounds, each segment call timed by the
-segment's own loop (Segment.timed). A layer's cost in context is its span: its own call and the calls after it up to the next
-compared layer (the layer reading its output pays for where it left it), by the wall clock (at one thread, the
-thread's CPU time: context_clock); a signature's cost is the median over rounds of its layers' spans' sum. The
+segment's own loop (Segment.timed). A layer's cost in context is its span: its own call and the calls after it up
+to the next compared layer (the layer reading its output pays for where it left it), by the wall clock (at one
+thread, the thread's CPU time: context_clock); a signature's cost is the median over rounds of its layers' spans' sum. The
 rival is kept where that is faster. A chosen tactic that is not native (MKL, torch's default: outside the
 segments, where its rival would join them) is compared by whole runs instead (on T5 at 2 threads and load 16, a
 build whose search took MKL for 12 GEMMs by CPU time ran 3.1x onnxruntime; MobileNetV2's three 1x1 convolutions on
@@ -53,14 +53,12 @@ from kiln.runtime.rss import return_free_memory
 from kiln.tactics import registry
 from kiln.tactics.tactic import DEFAULT, InputMeta
 
-# layers whose native tactics are re-timed in context. FusedConv: MobileNetV2 at 2 threads (AVX2-capped Zen 4, load
-# 4-5) took cpu.conv.onednn_graph (outside the segments) for three 1x1 convolutions at 0.120 ms alone against
-# onednn_direct's 0.209, and the engine ran 1.12x slower than with onednn_direct there (9/9 rounds, one process:
-# bench/results/zoo-cpu-avx2-2026-12-06.md). A conv's native rivals are few (onednn_direct, winograd on 3x3,
-# onednn_silu on SiLU), so a network's conv signatures to judge are a handful, each bounded as a GEMM's
-# (CONTEXT_BUDGET_S): fresh builds at 2 threads, AVX2-capped Zen 4, load 3-5 (bench/ctxconv_ab.py): ResNet-50 4
-# signatures (12 3x3 layers, winograd vs onednn_direct), 9.3 s of a 25 s build; MobileNetV2 1 layer, 0.3 s, or
-# 5 layers, 1.1 s with the three onednn_graph convolutions (the engine 0.82x the one chosen alone); a rebuild 0 s
+# layers whose native tactics are re-timed in context. FusedConv: MobileNetV2 (ANY_MARGIN_OUTSIDE says how). A conv's
+# native rivals are few (onednn_direct, winograd on 3x3, onednn_silu on SiLU), so a network's conv signatures to
+# judge are a handful, each bounded as a GEMM's (CONTEXT_BUDGET_S). Fresh builds at 2 threads, AVX2-capped Zen 4,
+# load 3-8 (bench/ctxconv_ab.py, bench/results/zoo-cpu-avx2-2026-12-06.md): ResNet-50 4 signatures (12 3x3 layers,
+# winograd vs onednn_direct), 8-9 s of a 25-43 s build; MobileNetV2 1 layer, 0.3 s, or 5 layers, 1.1 s with the
+# three onednn_graph convolutions (the engine then 0.82x the one chosen alone); a rebuild 0 s
 RETIMED_OPS = ("FusedGemm", "FusedConv")
 # A rival within this factor of the chosen tactic's time alone is re-timed; where the search timed several threads
 # by the process's CPU time (a shared machine, cpu_clock.py) every native rival is: a wait at a barrier for a
