@@ -15,8 +15,8 @@ layers of its signature (every block's QKV GEMM), one signature at a time: two w
 tactics (A) and that signature's rival swapped in (B), run in interleaved rounds, each segment call timed by the
 segment's own loop (Segment.timed). A layer's cost in context is its span: its own call and the calls after it up
 to the next compared layer (the layer reading its output pays for where it left it), by the wall clock (at one
-thread, the thread's CPU time: context_clock); a signature's cost is the median over rounds of its layers' spans' sum. The
-rival is kept where that is faster. A chosen tactic that is not native (MKL, torch's default: outside the
+thread, the thread's CPU time: context_clock); a signature's cost is the median over rounds of its layers' spans'
+sum. The rival is kept where that is faster. A chosen tactic that is not native (MKL, torch's default: outside the
 segments, where its rival would join them) is compared by whole runs instead (on T5 at 2 threads and load 16, a
 build whose search took MKL for 12 GEMMs by CPU time ran 3.1x onnxruntime; MobileNetV2's three 1x1 convolutions on
 cpu.conv.onednn_graph at 2 threads, faster alone, made the engine 1.12x slower than onednn_direct there).
