@@ -240,8 +240,8 @@ def tactics_summary(tactics: dict) -> str:
 
 
 def in_context_summary(tactics: dict) -> str | None:
-    """One line: how many GEMM and conv layers were timed again in the network (kiln/builder/in_context.py), how (rounds, or
-    the timing cache), what it cost and which changed tactic; None where the stage did not run."""
+    """One line: how many GEMM and conv layers were timed again in the network (kiln/builder/in_context.py), how
+    (rounds, or the timing cache), what it cost and which changed tactic; None where the stage did not run."""
     stage = tactics.get("in_context")
     if not stage:
         return None
