@@ -18,7 +18,7 @@
        tactic is chosen (its result is still checked: where this layer's inputs fail it, the next fastest
        cached one that passes); on the CPU, a profile's mid and min shapes are checked and timed too, and
        the choice is the least summed ratio to each shape's best (_choose_over);
-    4. on the CPU, a GEMM layer whose chosen native tactic had a native rival close to it alone is timed again
+    4. on the CPU, a GEMM or conv layer whose chosen tactic had a native rival close to it alone is timed again
        in context, the two whole programs run as the engine runs them, and takes the faster there (in_context.py;
        the timing cache keeps that choice per network: a rebuild times nothing here either);
     5. the whole program runs once more with the chosen tactics and is judged against the error
@@ -427,8 +427,8 @@ def _retime_in_context(program: ProgramSpec, placed: dict[str, Any], device: tor
         layer["in_network"] = in_network
     seconds = time.perf_counter() - start
     how = "from the timing cache" if result.cached else f"timed in {result.rounds} rounds ({result.stopped})"
-    say(f"tactics: {len(result.found)} GEMM layer(s) in context, {how}, {seconds:.1f} s: {len(changed)} took the "
-        "tactic that was slower alone")
+    say(f"tactics: {len(result.found)} GEMM/conv layer(s) in context, {how}, {seconds:.1f} s: {len(changed)} took "
+        "the tactic that was slower alone")
     for swap in sorted(set(changed.values())):
         names = [name for name, s in changed.items() if s == swap]
         say(f"tactics: in context {swap}: {len(names)} layer(s), e.g. {names[0]}")

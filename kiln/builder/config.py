@@ -25,7 +25,8 @@ class BuildConfig:
     timing_cache: str | None = None  # JSON file of tactic timings, reused by later builds (kiln/tactics)
     tactics: list[str] = field(default_factory=list)  # tactic names (or prefixes: "cpu.conv") allowed; []: all
     tuning_runs: int = 10  # timed rounds per layer in the tactic search (median)
-    # on the CPU, GEMM tactics close to each other alone timed again in the network (kiln/builder/in_context.py)
+    # on the CPU, GEMM and conv tactics close to each other alone timed again in the network
+    # (kiln/builder/in_context.py)
     in_context: bool = True
     # processes compiling a CUDA build's Triton kernels while the search runs (kiln/builder/precompile.py);
     # None: the cores less one; 0: none (each kernel compiles on its first launch, on the building thread)

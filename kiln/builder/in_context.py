@@ -1,4 +1,4 @@
-"""GEMM tactics timed in context: close contenders re-timed as the engine runs them, inside its native segments.
+"""GEMM and conv tactics timed in context: close contenders re-timed as the engine runs them, in its native segments.
 
 The search (autotune.py) times each candidate alone: a loop of its own calls on its own inputs, its weights
 and activations warm in the caches and its threads awake. In the engine a layer runs after others that evicted
@@ -9,16 +9,17 @@ slower in the network (bench/results/t5-cpu-2026-12-04d.md); on the same machine
 process CPU time put onednn_direct's out projection at 0.2 ms where the network's wall clock saw 16-18 ms
 (a barrier waiting out a descheduled thread: bench/results/intune-cpu-2026-12-05.md).
 
-So, on the CPU, after the search: every FusedGemm layer whose chosen tactic has a native rival within
-CONTEXT_MARGIN of it alone (any, where CPU time timed several threads) is judged with the layers of its signature
-(every block's QKV GEMM), one signature at a time: two whole programs, the chosen tactics (A) and that signature's
-rival swapped in (B), run in interleaved rounds, each segment call timed by the segment's own loop
-(Segment.timed). A layer's cost in context is its span: its own call and the calls after it up to the next
-compared layer (the layer reading its output pays for where it left it), by the wall clock (at one thread, the
-thread's CPU time: context_clock); a signature's cost is the median over rounds of its layers' spans' sum. The
-rival is kept where that is faster. A chosen tactic that is not native (MKL, torch's default: outside the
+So, on the CPU, after the search: every FusedGemm and FusedConv layer (RETIMED_OPS) whose chosen tactic has a
+native rival within CONTEXT_MARGIN of it alone (any, where CPU time timed several threads) is judged with the
+layers of its signature (every block's QKV GEMM), one signature at a time: two whole programs, the chosen
+tactics (A) and that signature's rival swapped in (B), run in interleaved rounds, each segment call timed by the
+segment's own loop (Segment.timed). A layer's cost in context is its span: its own call and the calls after it up
+to the next compared layer (the layer reading its output pays for where it left it), by the wall clock (at one
+thread, the thread's CPU time: context_clock); a signature's cost is the median over rounds of its layers' spans'
+sum. The rival is kept where that is faster. A chosen tactic that is not native (MKL, torch's default: outside the
 segments, where its rival would join them) is compared by whole runs instead (on T5 at 2 threads and load 16, a
-build whose search took MKL for 12 GEMMs by CPU time ran 3.1x onnxruntime).
+build whose search took MKL for 12 GEMMs by CPU time ran 3.1x onnxruntime; MobileNetV2's three 1x1 convolutions on
+cpu.conv.onednn_graph at 2 threads, faster alone, made the engine 1.12x slower than onednn_direct there).
 
 Cost: A bound once; each B shares every launch of A it does not swap (shared_launches), A's activation arena and
 every native segment of A it would bind alike (they run in turn: Program's turns_with; one arena and one set of
@@ -52,13 +53,27 @@ from kiln.runtime.rss import return_free_memory
 from kiln.tactics import registry
 from kiln.tactics.tactic import DEFAULT, InputMeta
 
-RETIMED_OPS = ("FusedGemm",)  # layers whose native tactics are re-timed in context
+# layers whose native tactics are re-timed in context. FusedConv: MobileNetV2 (ANY_MARGIN_OUTSIDE says how). A conv's
+# native rivals are few (onednn_direct, winograd on 3x3, onednn_silu on SiLU), so a network's conv signatures to
+# judge are a handful, each bounded as a GEMM's (CONTEXT_BUDGET_S). Fresh builds at 2 threads, AVX2-capped Zen 4,
+# load 3-8 (bench/ctxconv_ab.py, bench/results/zoo-cpu-avx2-2026-12-06.md): ResNet-50 4 signatures (12 3x3 layers,
+# winograd vs onednn_direct), 8-9 s of a 25-43 s build; MobileNetV2 1 layer, 0.3 s, or 5 layers, 1.1 s with the
+# three onednn_graph convolutions (the engine then 0.82x the one chosen alone); a rebuild 0 s
+RETIMED_OPS = ("FusedGemm", "FusedConv")
 # A rival within this factor of the chosen tactic's time alone is re-timed; where the search timed several threads
 # by the process's CPU time (a shared machine, cpu_clock.py) every native rival is: a wait at a barrier for a
 # descheduled thread sleeps, uncounted, while a pool that does not wait for it (pool.c) counts its spinning. On
 # the T5-small encoder at load ~14 on 2 vCPUs, oneDNN's inner products timed 0.6-1.0 ms by CPU time alone, 2.5x
 # under kiln_packed's, and cost 24-28 ms each in the network, where kiln_packed's cost 1.7-4.8.
 CONTEXT_MARGIN = 1.25
+# ops whose chosen tactic, where it is not native, has its closest native rival judged at any margin alone: such a
+# convolution runs between native segments and splits the one its rival would join (a hand-off the search alone
+# does not see). MobileNetV2's three 96 -> 576 1x1 convolutions at 2 threads took cpu.conv.onednn_graph at 0.120 ms
+# alone, 1.74x under onednn_direct's 0.209, and the engine ran 1.12x slower than with onednn_direct there
+# (bench/results/zoo-cpu-avx2-2026-12-06.md). Not FusedGemm: confirmed() (autotune.py) times a non-native GEMM
+# winner again against the best native one, and MKL's GEMMs are many on an Intel machine (a whole-run comparison
+# each).
+ANY_MARGIN_OUTSIDE = ("FusedConv",)
 CONTEXT_ROUNDS = 12
 MIN_ROUNDS = 5
 CLEAR_ROUNDS = 3  # ... or this many, where the two programs' samples already lie apart (_apart)
@@ -105,11 +120,13 @@ class InContext:
 def rival_of(step: StepSpec, found: Any, inputs: list[InputMeta], configure) -> Rival | None:
     """The closest native rival of a layer's chosen tactic within its margin alone, or None; `found`: the
     search's LayerTuning, `configure(tactic)` a tactic's config for this layer. The margin is CONTEXT_MARGIN, or none
-    where several threads were timed by the process's CPU time."""
+    where several threads were timed by the process's CPU time or a conv's chosen tactic is not native
+    (ANY_MARGIN_OUTSIDE)."""
     chosen, candidates = found.tactic, found.candidates
     if step.op_type not in RETIMED_OPS or not isinstance(candidates.get(chosen), float):
         return None
-    margin = math.inf if found.clock == PROCESS_CPU and torch.get_num_threads() > 1 else CONTEXT_MARGIN
+    outside = step.op_type in ANY_MARGIN_OUTSIDE and not _native(chosen)
+    margin = math.inf if outside or (found.clock == PROCESS_CPU and torch.get_num_threads() > 1) else CONTEXT_MARGIN
     chosen_ms = candidates[chosen]
     rivals = [(ms, name) for name, ms in candidates.items()
               if name != chosen and isinstance(ms, float) and _native(name) and ms <= margin * chosen_ms]
@@ -129,7 +146,7 @@ def context_clock(threads: int) -> int:
 
 
 def _native(name: str) -> bool:
-    tactic = registry.get(name)
+    tactic = registry.get(name) if name else None
     return tactic is not None and tactic.native
 
 

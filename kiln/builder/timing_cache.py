@@ -7,8 +7,8 @@ capability or CPU family/model and ISA, driver, thread count, torch/triton/kiln 
 sources). A key that matches means the same problem on the same machine and kernels: the
 cached winner is taken without timing, so a rebuild is deterministic. Entries for other machines may share the file; they never match here.
 
-A second table, `in_context`, holds the GEMM tactics chosen in context (kiln/builder/in_context.py), keyed by a
-whole network as it runs on this machine: a layer's cost there depends on its neighbours.
+A second table, `in_context`, holds the GEMM and conv tactics chosen in context (kiln/builder/in_context.py), keyed
+by a whole network as it runs on this machine: a layer's cost there depends on its neighbours.
 """
 
 from __future__ import annotations

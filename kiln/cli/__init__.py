@@ -108,8 +108,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timing-cache", metavar="FILE.json",
                    help="tactic timings to reuse and extend: a rebuild with it times nothing (kiln/tactics)")
     p.add_argument("--no-in-context", dest="in_context", action="store_false",
-                   help="CPU: keep the GEMM tactics chosen alone, without timing close rivals again in the network "
-                        "(kiln/builder/in_context.py; the timing cache keeps that choice too)")
+                   help="CPU: keep the GEMM and conv tactics chosen alone, without timing close rivals again in the "
+                        "network (kiln/builder/in_context.py; the timing cache keeps that choice too)")
     p.add_argument("--compile-workers", type=int, metavar="N",
                    help="CUDA: processes compiling the candidates' Triton kernels while the tactic search runs "
                         "(default: the cores less one; 0: each kernel compiles on its first launch)")

@@ -240,8 +240,8 @@ def tactics_summary(tactics: dict) -> str:
 
 
 def in_context_summary(tactics: dict) -> str | None:
-    """One line: how many GEMM layers were timed again in the network (kiln/builder/in_context.py), how (rounds, or
-    the timing cache), what it cost and which changed tactic; None where the stage did not run."""
+    """One line: how many GEMM and conv layers were timed again in the network (kiln/builder/in_context.py), how
+    (rounds, or the timing cache), what it cost and which changed tactic; None where the stage did not run."""
     stage = tactics.get("in_context")
     if not stage:
         return None
@@ -251,7 +251,7 @@ def in_context_summary(tactics: dict) -> str | None:
     changed = stage.get("changed") or {}
     swaps = sorted(set(changed.values()))
     listed = "; ".join(f"{sum(v == swap for v in changed.values())} x {swap}" for swap in swaps)
-    return (f"{stage.get('layers')} GEMM layer(s) timed again in the network, {how}, {stage.get('seconds')} s; "
+    return (f"{stage.get('layers')} GEMM/conv layer(s) timed again in the network, {how}, {stage.get('seconds')} s; "
             f"{len(changed)} changed" + (f": {listed}" if listed else ""))
 
 

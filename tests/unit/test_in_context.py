@@ -114,7 +114,7 @@ def test_the_closest_native_rival_within_the_margin_is_the_one_timed_again(monke
     rival = in_context.rival_of(step, found(PROCESS_CPU, packed=1.0, onednn=9.0), metas, configure)
     assert rival is not None and rival.tactic == ONEDNN  # several threads timed by CPU time: any native rival
     assert in_context.rival_of(step, found(WALL, packed=1.0, onednn=1.3), metas, configure) is None
-    other = dataclasses.replace(step, op_type="FusedConv")
+    other = dataclasses.replace(step, op_type="LayerNormalization")
     assert in_context.rival_of(other, found(WALL, packed=1.0, onednn=1.1), metas, configure) is None
     again = in_context.rival_of(spec.steps[2], found(WALL, packed=1.0, onednn=1.1), metas, configure)
     assert again.group == rival.group  # the second block's up projection: judged with the first's
@@ -317,7 +317,7 @@ def _build_one_thread(model: bytes, **options):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return kiln.build(model, tactics=[PACKED, ONEDNN], **options)
+        return kiln.build(model, **{"tactics": [PACKED, ONEDNN], **options})
     finally:
         torch.set_num_threads(threads)
 
@@ -472,11 +472,11 @@ def test_kiln_build_and_inspect_say_what_was_timed_in_context(tmp_path, retimes,
     finally:
         torch.set_num_threads(threads)
     assert len(retimes) == 1  # --no-in-context: not timed
-    assert "GEMM layer(s) timed again in the network" in built and "timed again" not in alone
+    assert "GEMM/conv layer(s) timed again in the network" in built and "timed again" not in alone
     assert main(["inspect", str(tmp_path / "ffn.kiln")]) == 0
     shown = capsys.readouterr().out
     compared = kiln.load(tmp_path / "ffn.kiln").plan.header["tactics"]["in_context"]["layers"]
-    assert f"{compared} GEMM layer(s) timed again in the network" in shown
+    assert f"{compared} GEMM/conv layer(s) timed again in the network" in shown
     assert main(["inspect", str(tmp_path / "ffn.kiln"), "--json"]) == 0
     layers = json.loads(capsys.readouterr().out)["layers"]
     assert sum("in_network" in layer.get("tactic", {}) for layer in layers) == compared
@@ -585,3 +585,186 @@ def test_the_accuracy_check_judges_outputs_it_is_given_without_binding_a_program
     off = accuracy.settle(spec, weights, torch.device("cpu"), [x], default, default_outputs, lambda msg: None,
                           tuned_outputs=[t + 1.0 for t in tuned])
     assert off.first_problem is not None and "max abs error" in off.first_problem
+
+
+# ---- convolutions judged in context (RETIMED_OPS: FusedConv) ---------------------------------------------------------
+
+DIRECT, WINOGRAD, TORCH_NHWC = "cpu.conv.onednn_direct", "cpu.conv.winograd", "cpu.conv.torch_nhwc"
+CHANNELS, SIDE = 8, 10
+# float32 3x3 convolutions (K = 72) against the float64 reference, relative to the output's scale; Winograd
+# F(2x2,3x3)'s transforms round more than a direct convolution's sums
+CONV_RTOL, CONV_ATOL = 1e-4, 1e-5
+
+
+def _conv(name: str, x: str, w: str, b: str, out: str, tactic: str, activation: str = "",
+          residual: str = "") -> StepSpec:
+    step = StepSpec("FusedConv", name, [x, w, b] + ([residual] if residual else []), [out],
+                    {"pads": [1, 1, 1, 1], "strides": [1, 1], "group": 1, "kernel_shape": [3, 3],
+                     "activation": activation}, domain="kiln", tactic=tactic)
+    step.tactic_config = _conv_config(step, tactic)
+    return step
+
+
+def _conv_metas(step: StepSpec) -> list[InputMeta]:
+    x = InputMeta((1, CHANNELS, SIDE, SIDE), torch.float32, False)
+    metas = [x, InputMeta((CHANNELS, CHANNELS, 3, 3), torch.float32, True), InputMeta((CHANNELS,), torch.float32, True)]
+    return metas + ([x] if len(step.inputs) > 3 else [])
+
+
+def _conv_config(step: StepSpec, tactic: str) -> dict:
+    return registry.get(tactic).configure(step, _conv_metas(step))
+
+
+def _conv_blocks(up: str, down: str, blocks: int = 2) -> tuple[ProgramSpec, dict[str, torch.Tensor]]:
+    """`blocks` residual blocks x -> h = relu(conv(x)) -> y = conv(h) + x of 3x3 convolutions, the `up` ones on one
+    tactic, the `down` ones on another: two conv signatures, two layers each."""
+    g = torch.Generator().manual_seed(13)
+    weights, steps, x = {}, [], "x"
+    for block in range(blocks):
+        for kind in ("w1", "w2"):
+            weights[f"{kind}_{block}"] = torch.randn(CHANNELS, CHANNELS, 3, 3, generator=g) * 0.2
+            weights[f"b{kind[1]}_{block}"] = torch.randn(CHANNELS, generator=g)
+        out = "y" if block == blocks - 1 else f"y{block}"
+        steps += [_conv(f"up{block}", x, f"w1_{block}", f"b1_{block}", f"h{block}", up, "Relu"),
+                  _conv(f"down{block}", f"h{block}", f"w2_{block}", f"b2_{block}", out, down, residual=x)]
+        x = out
+    return ProgramSpec(["x"], ["y"], steps, {k: k for k in weights}), weights
+
+
+def _conv_rivals(spec: ProgramSpec, rival: dict[str, str]) -> dict[int, in_context.Rival]:
+    """Each layer whose name starts with a key of `rival`: that tactic as its rival, as rival_of would make it."""
+    rivals = {}
+    for i, step in enumerate(spec.steps):
+        found = LayerTuning(step.tactic, 1.0, candidates={step.tactic: 1.0, rival[step.name.rstrip("01")]: 1.1},
+                            clock=WALL)
+        rivals[i] = in_context.rival_of(step, found, _conv_metas(step), lambda name, s=step: _conv_config(s, name))
+    return rivals
+
+
+def _assert_conv_close(got: torch.Tensor, want64: torch.Tensor) -> None:
+    scale = want64.abs().max().item()
+    error = (got.double() - want64).abs().max().item()
+    assert error <= CONV_ATOL + CONV_RTOL * scale, f"max abs error {error:.3g} at scale {scale:.3g}"
+
+
+def test_a_conv_layers_native_rival_is_one_judged_in_context():
+    """FusedConv is among RETIMED_OPS: a conv whose chosen tactic has a native rival within the margin gets it (the
+    closest), grouped with the layers of its signature; a tactic that is not native (torch's) is no rival."""
+    spec, _ = _conv_blocks(DIRECT, DIRECT)
+    step = spec.steps[0]
+    metas = _conv_metas(step)
+
+    def configure(name: str) -> dict:
+        return _conv_config(step, name)
+
+    found = LayerTuning(DIRECT, 1.0, candidates={DIRECT: 1.0, WINOGRAD: 1.2, TORCH_NHWC: 1.01}, clock=WALL)
+    rival = in_context.rival_of(step, found, metas, configure)
+    assert rival is not None and (rival.tactic, rival.chosen_ms, rival.rival_ms) == (WINOGRAD, 1.0, 1.2)
+    assert rival.config == configure(WINOGRAD)
+    torch_won = LayerTuning(TORCH_NHWC, 0.6, candidates={DIRECT: 1.0, WINOGRAD: 1.1, TORCH_NHWC: 0.9}, clock=WALL)
+    assert in_context.rival_of(step, torch_won, metas, configure).tactic == DIRECT  # outside the segments: its rival
+    # ... at any margin alone (a GEMM's non-native winner keeps the margin): it splits the segment its rival joins
+    far = LayerTuning(TORCH_NHWC, 0.5, candidates={DIRECT: 2.0, WINOGRAD: 1.9, TORCH_NHWC: 0.5}, clock=WALL)
+    assert in_context.rival_of(step, far, metas, configure).tactic == WINOGRAD
+    assert in_context.rival_of(step, dataclasses.replace(far, tactic=DIRECT, candidates={DIRECT: 1.0, WINOGRAD: 1.3}),
+                               metas, configure) is None  # a native winner: past the margin
+    again = in_context.rival_of(spec.steps[2], found, metas, configure)
+    assert again.group == rival.group  # the second block's first conv: judged with the first's
+
+
+@pytest.mark.parametrize("faster", ["up", "down", "neither"])
+def test_a_conv_signature_takes_its_native_rival_where_its_spans_run_faster_in_the_network(monkeypatch, faster):
+    """Convolutions on DIRECT, WINOGRAD their rival; profile_segments made to say WINOGRAD costs 0.5 ms on the `faster`
+    layers and 2 ms elsewhere, DIRECT 1 ms: each signature takes its rival where it is faster in the network, and
+    the program of what it took is right (float64 oracle)."""
+    def fake(program, inputs, runs=10, clock=None):
+        return {s.name: [(0.5 if s.name.startswith(faster) else 2.0) if s.tactic == WINOGRAD else 1.0] * runs
+                for s in program.spec.steps}
+
+    monkeypatch.setattr(in_context, "profile_segments", fake)
+    spec, weights = _conv_blocks(DIRECT, DIRECT)
+    x = torch.randn(1, CHANNELS, SIDE, SIDE, generator=torch.Generator().manual_seed(3))
+    found = in_context.retime(spec, weights, torch.device("cpu"), [x], _conv_rivals(spec, {"up": WINOGRAD,
+                                                                                          "down": WINOGRAD})).found
+    assert sorted(found) == [0, 1, 2, 3]
+    for i, step in enumerate(spec.steps):
+        swapped = step.name.startswith(faster)
+        assert step.tactic == (WINOGRAD if swapped else DIRECT)
+        assert found[i] == {DIRECT: 1.0, WINOGRAD: 0.5 if swapped else 2.0}
+    with torch.inference_mode():
+        _assert_conv_close(Program(spec, weights).run([x])[0], _reference(spec, weights, x))
+
+
+def test_a_conv_chosen_outside_the_segments_takes_its_native_rival_where_whole_runs_are_faster(monkeypatch):
+    """The MobileNetV2 case (cpu.conv.onednn_graph, not native, faster alone, slower in the network): the up convs
+    chosen on torch's conv (TORCH_NHWC, outside the segments), DIRECT their rival; profile_segments made to cost 4 ms
+    of the calling thread's CPU whenever TORCH_NHWC runs them: the up signature takes DIRECT on the whole runs."""
+    def fake(program, inputs, runs=10, clock=None):
+        tactics = {s.name: s.tactic for s in program.spec.steps}
+        if tactics["up0"] == TORCH_NHWC:
+            spin_until = time.thread_time() + 0.004 * runs
+            while time.thread_time() < spin_until:
+                pass
+        return {name: [1.0] * runs for name, tactic in tactics.items() if tactic != TORCH_NHWC}
+
+    monkeypatch.setattr(in_context, "profile_segments", fake)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # timed by the thread's CPU time
+    spec, weights = _conv_blocks(TORCH_NHWC, DIRECT)
+    rivals = {i: r for i, r in _conv_rivals(spec, {"up": DIRECT, "down": WINOGRAD}).items()
+              if spec.steps[i].name.startswith("up")}
+    x = torch.randn(1, CHANNELS, SIDE, SIDE, generator=torch.Generator().manual_seed(4))
+    result = in_context.retime(spec, weights, torch.device("cpu"), [x], rivals)
+    assert sorted(result.found) == [0, 2]
+    assert [s.tactic for s in spec.steps] == [DIRECT] * 4
+    assert result.found[0] == result.found[2] and result.found[0][TORCH_NHWC] >= 3.5 > result.found[0][DIRECT]
+    (y,) = result.outputs  # the one signature's rival program ran the tuned tactics: its outputs handed on
+    _assert_conv_close(y, _reference(spec, weights, x))
+
+
+def _conv_model(blocks: int = 2, channels: int = 8, side: int = 12) -> bytes:
+    """`blocks` residual blocks x -> conv(relu(conv(x))) + x of 3x3 convolutions on [1, channels, side, side]."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(7)
+    inits, nodes, x = [], [], "x"
+    for block in range(blocks):
+        for k in (1, 2):
+            inits += [numpy_helper.from_array(
+                          rng.standard_normal((channels, channels, 3, 3)).astype(np.float32) * 0.2, f"w{k}_{block}"),
+                      numpy_helper.from_array(rng.standard_normal(channels).astype(np.float32), f"b{k}_{block}")]
+        nodes += [helper.make_node("Conv", [x, f"w1_{block}", f"b1_{block}"], [f"c{block}"], pads=[1, 1, 1, 1]),
+                  helper.make_node("Relu", [f"c{block}"], [f"a{block}"]),
+                  helper.make_node("Conv", [f"a{block}", f"w2_{block}", f"b2_{block}"], [f"m{block}"],
+                                   pads=[1, 1, 1, 1]),
+                  helper.make_node("Add", [f"m{block}", x], [f"y{block}"])]
+        x = f"y{block}"
+    shape = [1, channels, side, side]
+    graph = helper.make_graph(nodes, "convs", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)], inits)
+    graph.node[-1].output[0] = "y"
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+def test_a_built_conv_engine_judges_its_convs_in_context_matches_onnxruntime_and_a_rebuild_times_nothing(
+        tmp_path, retimes):
+    """Two residual conv blocks built at one thread with torch's conv, oneDNN's direct and Winograd allowed: every
+    conv has a native rival (whichever won alone), so each is timed again in the network and runs the tactic that
+    was faster there; the engine agrees with onnxruntime; a rebuild from the timing cache times nothing."""
+    import onnxruntime as ort
+
+    cache = str(tmp_path / "timing.json")
+    model = _conv_model()
+    first = _build_one_thread(model, timing_cache=cache, tactics=[TORCH_NHWC, DIRECT, WINOGRAD])
+    layers = first.plan.header["tactics"]["layers"]
+    steps = {s.name: s for s in first.plan.program.steps}
+    convs = [name for name, step in steps.items() if step.op_type == "FusedConv"]
+    assert len(convs) == 4 and retimes == [4]
+    for name in convs:
+        in_network = layers[name]["in_network"]
+        assert steps[name].tactic == layers[name]["tactic"] == min(in_network, key=in_network.get), layers[name]
+    session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    feed = np.random.default_rng().standard_normal((1, 8, 12, 12), dtype=np.float32)
+    np.testing.assert_allclose(first.run({"x": feed})["y"], session.run(None, {"x": feed})[0], rtol=1e-4, atol=1e-4)
+    again = _build_one_thread(model, timing_cache=cache, tactics=[TORCH_NHWC, DIRECT, WINOGRAD])
+    assert retimes == [4] and again.plan.header["tactics"]["in_context"]["cached"]
+    assert _choices(again) == _choices(first)
