@@ -422,3 +422,41 @@ def test_a_bidirectional_lstm_at_a_symbolic_batch_is_one_segment_at_every_batch(
                                    rtol=1e-5, atol=1e-5, err_msg=f"batch {batch}")
         assert any(key[0][0] == batch and view is not None for key, view in segment.resized.items()) or batch == 4, \
             f"batch {batch} ran the layers one by one"
+
+
+@pytest.mark.parametrize("input_size, dims, perm, shape", [
+    ((2, 5, 3, 4), [-1, 5, 12], [0, 2, 1], [-1, 12, 5]),  # NHWC memory to [N, H·W, C] rows (ConvNeXt's permute)
+    ((2, 12, 5), [-1, 3, 4, 5], [0, 3, 1, 2], [-1, 5, 3, 4]),  # and back
+    ((3, 5, 3, 4), [-1, 5, 12], [0, 1, 2], [-1, 5, 12]),  # NHWC memory read as NCHW rows: moves bytes, no alias
+    ((1, 4, 6), [-1, 6], [0, 1], [-1, 3, 2]),  # rows split: a block holds several of dims' and shape's rows
+])
+def test_a_relayout_aliass_size_rule_is_its_walk_at_every_batch(input_size, dims, perm, shape):
+    """The alias form's size rule (NativeStep.plan_at, what a segment's traced view follows) against the walk made
+    at each size (alias_of: the relayout kernel built there) at random batches, in both forms (NHWC and rows
+    input): the same output size where the walk aliases, a ValueError where it does not."""
+    from kiln.plan.spec import StepSpec
+    from kiln.tactics.cpu import relayout as tactic
+
+    step = StepSpec(op_type="Relayout", name="relayout", inputs=["x"], outputs=["y"], domain="kiln",
+                    attributes={"dims": dims, "perm": perm, "shape": shape}, tactic="cpu.relayout.native",
+                    tactic_config={"input_size": list(input_size)})
+    native = tactic._prepare(step, [None], torch.device("cpu")).native
+    rng = np.random.default_rng(len(dims))
+    checked = 0
+    for form in (native, native.reading_rows() if native.reading_rows is not None else None):
+        if form is None or form.aliasing is None:
+            continue
+        alias = form.aliasing()
+        assert alias.alias and alias.plan_at is not None
+        for batch in [*rng.integers(1, 40, 12), 1, input_size[0]]:
+            size = (int(batch), *input_size[1:])
+            try:
+                expected = (tuple(alias.at(size).output_size),)
+            except ValueError:
+                with pytest.raises(ValueError):
+                    alias.plan_at(size)
+                continue
+            assert alias.plan_at(size).output_sizes == expected and alias.plan_at(size).fields == {}
+            checked += 1
+    moves = relayout.Relayout(input_size, relayout.relayout_move(dims, perm, shape)).moves_nothing is False
+    assert moves or checked
