@@ -431,9 +431,10 @@ def test_a_bidirectional_lstm_at_a_symbolic_batch_is_one_segment_at_every_batch(
     ((1, 4, 6), [-1, 6], [0, 1], [-1, 3, 2]),  # rows split: a block holds several of dims' and shape's rows
 ])
 def test_a_relayout_aliass_size_rule_is_its_walk_at_every_batch(input_size, dims, perm, shape):
-    """The alias form's size rule (NativeStep.plan_at, what a segment's traced view follows) against the walk made
-    at each size (alias_of: the relayout kernel built there) at random batches, in both forms (NHWC and rows
-    input): the same output size where the walk aliases, a ValueError where it does not."""
+    """The alias form's size rule (NativeStep.plan_at, what a segment's traced view follows) and its NativeStep at
+    other batches (NativeStep.at, which answers from the same batch blocks) against the walk the relayout kernel
+    builds at each size, at random batches, in both forms (NHWC and rows input): the same output size where the
+    walk aliases, a ValueError where it does not."""
     from kiln.plan.spec import StepSpec
     from kiln.tactics.cpu import relayout as tactic
 
@@ -450,13 +451,17 @@ def test_a_relayout_aliass_size_rule_is_its_walk_at_every_batch(input_size, dims
         assert alias.alias and alias.plan_at is not None
         for batch in [*rng.integers(1, 40, 12), 1, input_size[0]]:
             size = (int(batch), *input_size[1:])
-            try:
-                expected = (tuple(alias.at(size).output_size),)
-            except ValueError:
+            walk = relayout.Relayout(size, relayout.relayout_move(dims, perm, shape), rows_input=form.rows_input)
+            if not walk.moves_nothing:
                 with pytest.raises(ValueError):
                     alias.plan_at(size)
+                with pytest.raises(ValueError):
+                    alias.at(size)
                 continue
+            expected = (tuple(walk.output_size),)
             assert alias.plan_at(size).output_sizes == expected and alias.plan_at(size).fields == {}
+            at = alias.at(size)
+            assert at.alias and (tuple(at.output_size),) == expected and at.plan_at is alias.plan_at
             checked += 1
     moves = relayout.Relayout(input_size, relayout.relayout_move(dims, perm, shape)).moves_nothing is False
     assert moves or checked

@@ -113,17 +113,21 @@ def _launch(tuned: tuple[int, ...], kernel: relayout.Relayout, other_sizes: Call
         """The relayout at `size` as an alias of its input's memory (NativeStep.aliasing); at another size of a
         dynamic profile where the walk does move bytes, a ValueError (there the layers run one by one, as for any
         layer a segment cannot bind at a size)."""
-        walk = walk_at(size, rows_input)
-        if not walk.moves_nothing:
-            raise ValueError(f"{walk.what}: moves bytes at this size, not an alias")
-        return NativeStep(size, walk.output_size, None, alias=True, rows_input=rows_input,
-                          plan_at=rule_for(rows_input))
+        rule = rule_for(rows_input)
+        out = rule[1](size) if rule is not None else None
+        if out is None:  # no batch-block answer: the walk at this size says (~25 ms at ConvNeXt's batch 32)
+            walk = walk_at(size, rows_input)
+            if not walk.moves_nothing:
+                raise ValueError(f"{walk.what}: moves bytes at this size, not an alias")
+            out = walk.output_size
+        return NativeStep(size, out, None, alias=True, rows_input=rows_input,
+                          plan_at=rule[0] if rule is not None else None)
 
-    rules: dict[bool, PlanRule | None] = {}
+    rules: dict[bool, tuple | None] = {}
 
-    def rule_for(rows_input: bool) -> PlanRule | None:
-        """The alias's size rule in this form, made at its first alias (checked against alias_of at the tuned size,
-        which asks here again: None meanwhile)."""
+    def rule_for(rows_input: bool) -> tuple | None:
+        """The alias's size rule in this form and its batch-block answer (_alias_rule), made at its first alias
+        (checked against the walk at the tuned size through alias_of, which asks here again: None meanwhile)."""
         if rows_input not in rules:
             rules[rows_input] = None
             rules[rows_input] = _alias_rule(tuned, dims, perm, shape, rows_input, alias_of)
@@ -142,7 +146,8 @@ def _launch(tuned: tuple[int, ...], kernel: relayout.Relayout, other_sizes: Call
 
 
 def _alias_rule(tuned: tuple[int, ...], dims: tuple[int, ...], perm: tuple[int, ...],
-                shape: tuple[int, ...], rows_input: bool, alias_of: Callable[..., NativeStep]) -> PlanRule | None:
+                shape: tuple[int, ...], rows_input: bool, alias_of: Callable[..., NativeStep]
+                ) -> tuple[PlanRule, Callable[[tuple], tuple | None]] | None:
     """The alias form's output size at other batches as arithmetic on the input's (NativeStep.plan_at: no fields,
     an alias has no plan), or None where its answer could differ from alias_of's (the walk worked out at the size).
 
@@ -150,10 +155,12 @@ def _alias_rule(tuned: tuple[int, ...], dims: tuple[int, ...], perm: tuple[int, 
     input of the tuned size past its batch dim is then N blocks of one layout (a segment lays a value out batch
     first, row-major or NHWC), each row of dims and of shape inside one block (their other dims divide a block),
     each row permuted alike; so the walk moves nothing at any batch N >= 1 iff it does at the tuned one, and the
-    output is [N·block / prod(shape[1:]), *shape[1:]]. At other sizes (or past the walk's TABLE_LIMIT) the rule
-    asks alias_of, as the view did before: such a rule is run, not traced. Without it a segment's view with a
-    relayout alias (ConvNeXt's permutes at a new batch) evaluated the member by making its NativeStep (the walk
-    built on torch) and was never traced (kiln/runtime/view_trace.py)."""
+    output is [N·block / prod(shape[1:]), *shape[1:]] (an alias has no kernel: no TABLE_LIMIT). At other sizes the
+    rule asks alias_of (the walk built there): such a rule is run, not traced. (the rule, that batch-block answer:
+    the output size or None), which alias_of takes at every batch too: the walk it built at each new batch (an index
+    table, strided_form) cost ~25 ms an alias at ConvNeXt-tiny's batch 32, bound member by member. Without the
+    rule a segment's view with a relayout alias evaluated the member by making its NativeStep and was never traced
+    (kiln/runtime/view_trace.py)."""
     block = math.prod(tuned[1:])
     rest_dims, rest_shape = math.prod(dims[1:]), math.prod(shape[1:])
     if not (len(tuned) >= 1 and dims and shape and dims[0] == -1 and shape[0] == -1 and perm and perm[0] == 0
@@ -162,18 +169,23 @@ def _alias_rule(tuned: tuple[int, ...], dims: tuple[int, ...], perm: tuple[int, 
         return None
     inner, per_block = tuple(tuned[1:]), block // rest_shape
 
+    def batch_block(in_size: tuple) -> tuple | None:
+        if len(in_size) == len(tuned) and tuple(in_size[1:]) == inner and 1 <= in_size[0]:
+            return (in_size[0] * per_block, *shape[1:])
+        return None
+
     def sized(in_size: tuple) -> SizedPlan:
-        if len(in_size) == len(tuned) and tuple(in_size[1:]) == inner and 1 <= in_size[0] \
-                and in_size[0] * block <= TABLE_LIMIT:
-            return SizedPlan(((in_size[0] * per_block, *shape[1:]),), {})
-        return SizedPlan((tuple(alias_of(tuple(in_size), rows_input).output_size),), {})  # ValueError as at's
+        out = batch_block(in_size)
+        if out is None:
+            out = tuple(alias_of(tuple(in_size), rows_input).output_size)  # ValueError as at's
+        return SizedPlan((out,), {})
 
     try:
         if sized(tuned).output_sizes != (tuple(alias_of(tuned, rows_input).output_size),):
             return None
     except ValueError:  # not an alias at the tuned size in this form
         return None
-    return PlanRule(sized, ("alias", "Relayout", dims, perm, shape, inner, rows_input), traceable=True)
+    return PlanRule(sized, ("alias", "Relayout", dims, perm, shape, inner, rows_input), traceable=True), batch_block
 
 
 register(Tactic(
