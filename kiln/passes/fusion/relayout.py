@@ -14,10 +14,13 @@ a chain whose table no strided walk gives is left alone. MobileViT's unfold and 
 ([1, C, H, W] -> [4, H*W/4, C] and back): unfused, each Transpose is a step on torch that splits the
 CPU's native segment in two; fused, one copy kernel inside it (kiln/kernels/cpu/relayout.py).
 Only CPU builds ask for it (fusion.CPU_RULES); the chain must have a Transpose (or a 4-D end as above),
-float32 values of static shapes, and each inner value read only by the next node. One exception: a chain that
+float32 values of static shapes, and each inner value read only by the next node. Two exceptions: a chain that
 moves a recurrent layer's X or Y over one symbolic dim (a dynamic batch: the exporter's batch-first Transpose, a
-bidirectional Y's merge) is found at two sizes of that dim and fused with -1 where they differ (dims and shape),
-which holds at every batch (kiln/tactics/cpu/relayout.py binds it at each size a segment meets).
+bidirectional Y's merge), and a chain over a dynamic batch (x's first dim its only symbol) that moves each batch's
+block alike (ConvNeXt's permutes to NHWC rows and back, a ViT's head split), are found at two sizes of that dim and
+fused with -1 where they differ (dims and shape), which holds at every batch (kiln/tactics/cpu/relayout.py binds it
+at each size a segment meets); flatten_channels_last_runs keeps the batch's symbol. Before, ConvNeXt-tiny at a
+dynamic batch ran its 18 permutes on torch between 5 segments (bench/results/first-call-2026-12-06.md).
 """
 
 from __future__ import annotations
