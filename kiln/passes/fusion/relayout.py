@@ -263,7 +263,7 @@ def _shape_of(value: ir.Value, batch: str | None) -> list[int] | None:
 def _run_from(start: ir.Node, batch: str | None = None) -> tuple[list[ir.Node], list[ir.Node]] | str:
     """(the nodes of the run after `start`, the Relayouts that end it), or why there is no such run. `batch`: the
     run's dynamic batch symbol (its sizes then compared at PROBES[0])."""
-    static_shape = functools.partial(_shape_of, batch=batch)  # noqa: F841  (shadows the static one here)
+    shape_of = functools.partial(_shape_of, batch=batch)
     inner: list[ir.Node] = []
     ends: list[ir.Node] = []
     values = [start.outputs[0]]
@@ -274,11 +274,11 @@ def _run_from(start: ir.Node, batch: str | None = None) -> tuple[list[ir.Node], 
         for reader in dict.fromkeys(u.node for u in value.uses()):
             if reader in inner or reader in ends:
                 continue
-            shape = static_shape(reader.inputs[0]) if reader.inputs[0] is value else None
+            shape = shape_of(reader.inputs[0]) if reader.inputs[0] is value else None
             if shape is None:
                 return f"{reader.name!r} reads the run's value other than as its first input"
             if is_op(reader, "Relayout", domain=KILN_DOMAIN):
-                back = static_shape(reader.outputs[0])
+                back = shape_of(reader.outputs[0])
                 if back != [shape[0], shape[3], shape[1], shape[2]] or not _moves_like(reader, shape, [0, 3, 1, 2]):
                     return f"{reader.name!r} moves the run's value otherwise than back to NCHW"
                 ends.append(reader)
@@ -287,11 +287,11 @@ def _run_from(start: ir.Node, batch: str | None = None) -> tuple[list[ir.Node], 
                 return f"{reader.name!r} ({reader.op_type}) is not an op over the last axis"
             if int(attr(reader, "axis", -1)) not in (-1, 3) or attr(reader, "residual_after_activation", 0):
                 return f"{reader.name!r} is over another axis than the last"
-            if any(v is not None and static_shape(v) is not None and len(static_shape(v)) > 2 and v is not value
+            if any(v is not None and shape_of(v) is not None and len(shape_of(v)) > 2 and v is not value
                    for v in reader.inputs) or any(v is not None and v is not value and v.const_value is None
                                                   for v in reader.inputs):
                 return f"{reader.name!r} reads another value than the run's and constants of rank <= 2"
-            out = static_shape(reader.outputs[0])
+            out = shape_of(reader.outputs[0])
             if len(reader.outputs) != 1 or out is None or len(out) != 4 or out[:3] != shape[:3]:
                 return f"{reader.name!r}'s output is not [N, H, W, *] like its input"
             inner.append(reader)
