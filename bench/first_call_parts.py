@@ -2,6 +2,7 @@
 first call at a new input shape, and the same run's repeat, on an engine of a BERT-like model.
 
     python bench/first_call_parts.py --engine /tmp/bert_base.kiln
+    python bench/first_call_parts.py --engine /tmp/convnext_tiny.kiln --image 3x64x64 --named 1x1,1x2,1x8,1x16
 
 Padding of first calls off (every new shape binds: DirectRuns.bind, then one call of the compiled loop). After
 warm_up and two throw-away shapes (3x5, 2x7: one-time costs), the shapes 1x8, 2x16, 4x64, 1x200 (--named) one by one,
@@ -54,6 +55,9 @@ def main() -> None:
     ap.add_argument("--named", default="1x8,2x16,4x64,1x200")
     ap.add_argument("--shapes", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--image", default="", help="CxHxW: an image model's pixel_values at new batches (--named and "
+                    "the shapes are then batches: 1x8 is batch 8, the stream batches 1 to --max-batch)")
+    ap.add_argument("--max-batch", type=int, default=32)
     args = ap.parse_args()
     context = warm_context(args.engine)
     spans, timed = span_timer()
@@ -67,16 +71,24 @@ def main() -> None:
         out = context.run(feeds)
         return (time.thread_time_ns() - start) / 1e3, dict(spans), out
 
-    for batch, seq in ((3, 5), (2, 7)):
-        feeds = {"input_ids": rng.integers(0, 1000, (batch, seq)), "attention_mask": np.ones((batch, seq), np.int64)}
-        run(batch, seq, feeds)
+    image = tuple(int(v) for v in args.image.split("x")) if args.image else None
+
+    def feeds_at(batch, seq):
+        if image is not None:  # a batch of `seq` images (the 1 of --named's 1xB, the stream's 1)
+            return {"pixel_values": rng.standard_normal((seq, *image)).astype(np.float32)}
+        return {"input_ids": rng.integers(0, 1000, (batch, seq)), "attention_mask": np.ones((batch, seq), np.int64)}
+
+    throwaway = [(1, 3), (1, 5)] if image is not None else [(3, 5), (2, 7)]
+    for batch, seq in throwaway:
+        run(batch, seq, feeds_at(batch, seq))
     named = [tuple(int(v) for v in shape.split("x")) for shape in args.named.split(",")]
-    stream = [(b, s) for s in range(3, 40) for b in (1, 2, 3) if (b, s) not in named + [(3, 5), (2, 7)]]
+    stream = [(1, s) for s in range(1, args.max_batch + 1) if (1, s) not in named + throwaway] if image is not None \
+        else [(b, s) for s in range(3, 40) for b in (1, 2, 3) if (b, s) not in named + throwaway]
     rng.shuffle(stream)
     columns: list[tuple[str, dict[str, float]]] = []
     stream_rows: dict[str, list[float]] = {}
     for k, (batch, seq) in enumerate(named + stream[:args.shapes]):
-        feeds = {"input_ids": rng.integers(0, 1000, (batch, seq)), "attention_mask": np.ones((batch, seq), np.int64)}
+        feeds = feeds_at(batch, seq)
         first, got, first_out = run(batch, seq, feeds)
         repeats = [run(batch, seq, feeds) for _ in range(3)]
         for _, _, out in repeats:

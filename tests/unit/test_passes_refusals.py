@@ -447,9 +447,10 @@ def quantize_after_a_head_merge():
 
 
 def transpose_of_a_dynamic_batch():
-    """A Transpose whose batch is symbolic: a Relayout's attributes would hold one size only."""
-    return model([node("Transpose", ["x"], ["y"], perm=[0, 2, 3, 1])], [value("x", ["N", 3, 4, 5])],
-                 [value("y", ["N", 4, 5, 3])])
+    """A Transpose that moves the symbolic batch (not each batch's block alike): a Relayout's attributes would hold
+    one size only."""
+    return model([node("Transpose", ["x"], ["y"], perm=[1, 0, 2, 3])], [value("x", ["N", 3, 4, 5])],
+                 [value("y", [3, "N", 4, 5])])
 
 
 def split_of_a_dynamic_batch():
@@ -497,7 +498,7 @@ CASES = {
     "softmax/two_axes": Case("fuse_softmax", softmax_over_two_axes, "not over exactly one axis"),
     "conv/symbolic_channels": Case("fuse_conv", lambda: conv(["C", 3, 3, 3]), "output channels is not static"),
     "conv/unknown_weight_rank": Case("fuse_conv", lambda: conv(None), "rank is unknown"),
-    "relayout/dynamic_batch": Case("fuse_relayout", transpose_of_a_dynamic_batch, "shape is not static"),
+    "relayout/dynamic_batch": Case("fuse_relayout", transpose_of_a_dynamic_batch, "across its batch"),
     "split_slices/dynamic_axis": Case("split_as_slices", split_of_a_dynamic_batch, "has no static size"),
     "zero_initial_states/not_zeros": Case("drop_zero_initial_states", lstm_whose_initial_state_is_not_zeros, None),
     "reshape_target/two_computed_dims": Case("constant_reshape_target", reshape_to_two_computed_dims,

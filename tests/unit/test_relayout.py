@@ -172,16 +172,18 @@ def test_engine_matches_onnxruntime_with_unfold_and_fold_inside_one_segment(c, h
         np.testing.assert_allclose(engine.run({"x": x})["y"], _onnxruntime(proto, {"x": x}), rtol=1e-5, atol=1e-5)
 
 
-def test_a_dynamic_batch_keeps_its_transpose_and_runs_every_batch():
-    """Static shapes only: a Relayout's attributes hold one size, so a symbolic batch leaves the Transpose."""
+def test_a_transpose_over_a_dynamic_batch_is_one_relayout_that_runs_every_batch():
+    """A Transpose that moves each batch's block alike at a symbolic batch is one Relayout of -1 the batch's dim
+    (its attributes hold at every batch), bit for bit onnxruntime's at batches other than the tuned one."""
     nodes = [helper.make_node("Transpose", ["x"], ["t"], perm=[0, 2, 3, 1], name="to_nhwc"),
              helper.make_node("Relu", ["t"], ["y"], name="relu")]
     graph = helper.make_graph(nodes, "dynamic", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 5, 3, 4])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3, 4, 5])])
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     engine = kiln.build(proto.SerializeToString(), shapes={"x": [2, 5, 3, 4]})
-    assert "Relayout" not in [s.op_type for s in engine.plan.program.steps]
-    for batch in (2, 3):
+    (relayout_step,) = [s for s in engine.plan.program.steps if s.op_type == "Relayout"]
+    assert relayout_step.attributes["dims"][0] == -1 and relayout_step.attributes["shape"][0] == -1
+    for batch in (2, 3, 1, 6):
         x = np.random.default_rng(batch).standard_normal((batch, 5, 3, 4)).astype(np.float32)
         np.testing.assert_array_equal(engine.run({"x": x})["y"], _onnxruntime(proto, {"x": x}))
 
@@ -422,3 +424,102 @@ def test_a_bidirectional_lstm_at_a_symbolic_batch_is_one_segment_at_every_batch(
                                    rtol=1e-5, atol=1e-5, err_msg=f"batch {batch}")
         assert any(key[0][0] == batch and view is not None for key, view in segment.resized.items()) or batch == 4, \
             f"batch {batch} ran the layers one by one"
+
+
+@pytest.mark.parametrize("input_size, dims, perm, shape", [
+    ((2, 5, 3, 4), [-1, 5, 12], [0, 2, 1], [-1, 12, 5]),  # NHWC memory to [N, H·W, C] rows (ConvNeXt's permute)
+    ((2, 12, 5), [-1, 3, 4, 5], [0, 3, 1, 2], [-1, 5, 3, 4]),  # and back
+    ((3, 5, 3, 4), [-1, 5, 12], [0, 1, 2], [-1, 5, 12]),  # NHWC memory read as NCHW rows: moves bytes, no alias
+    ((1, 4, 6), [-1, 6], [0, 1], [-1, 3, 2]),  # rows split: a block holds several of dims' and shape's rows
+])
+def test_a_relayout_aliass_size_rule_is_its_walk_at_every_batch(input_size, dims, perm, shape):
+    """The alias form's size rule (NativeStep.plan_at, what a segment's traced view follows) and its NativeStep at
+    other batches (NativeStep.at, which answers from the same batch blocks) against the walk the relayout kernel
+    builds at each size, at random batches, in both forms (NHWC and rows input): the same output size where the
+    walk aliases, a ValueError where it does not."""
+    from kiln.plan.spec import StepSpec
+    from kiln.tactics.cpu import relayout as tactic
+
+    step = StepSpec(op_type="Relayout", name="relayout", inputs=["x"], outputs=["y"], domain="kiln",
+                    attributes={"dims": dims, "perm": perm, "shape": shape}, tactic="cpu.relayout.native",
+                    tactic_config={"input_size": list(input_size)})
+    native = tactic._prepare(step, [None], torch.device("cpu")).native
+    rng = np.random.default_rng(len(dims))
+    checked = 0
+    for form in (native, native.reading_rows() if native.reading_rows is not None else None):
+        if form is None or form.aliasing is None:
+            continue
+        alias = form.aliasing()
+        assert alias.alias and alias.plan_at is not None
+        for batch in [*rng.integers(1, 40, 12), 1, input_size[0]]:
+            size = (int(batch), *input_size[1:])
+            walk = relayout.Relayout(size, relayout.relayout_move(dims, perm, shape), rows_input=form.rows_input)
+            if not walk.moves_nothing:
+                with pytest.raises(ValueError):
+                    alias.plan_at(size)
+                with pytest.raises(ValueError):
+                    alias.at(size)
+                continue
+            expected = (tuple(walk.output_size),)
+            assert alias.plan_at(size).output_sizes == expected and alias.plan_at(size).fields == {}
+            at = alias.at(size)
+            assert at.alias and (tuple(at.output_size),) == expected and at.plan_at is alias.plan_at
+            checked += 1
+    moves = relayout.Relayout(input_size, relayout.relayout_move(dims, perm, shape)).moves_nothing is False
+    assert moves or checked
+
+
+def _at_a_dynamic_batch(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """`proto` with its input's and output's first dim the symbol N (value_info dropped: inferred anew)."""
+    proto = onnx.ModelProto.FromString(proto.SerializeToString())
+    for v in [*proto.graph.input, *proto.graph.output]:
+        v.type.tensor_type.shape.dim[0].dim_param = "N"
+    del proto.graph.value_info[:]
+    return proto
+
+
+_CONVNEXT_TACTICS = ["cpu.conv.onednn_direct", "cpu.relayout.native", "cpu.layernormalization.native",
+                     "cpu.gemm.kiln_packed", "cpu.add.nhwc"]
+
+
+def test_a_convnext_block_at_a_dynamic_batch_is_one_segment_of_aliases_bound_at_every_batch(tmp_path, monkeypatch):
+    """ConvNeXt's block over a dynamic batch: its permutes fused at the symbol (-1 the batch's) and its run
+    flattened, so the block is one segment with both relayouts as aliases (before: the Transposes ran on torch and
+    split it), each with a size rule; at new batches the segment binds (its residual Add too) and runs bit for bit
+    as the same engine whose aliases are the walks built at each batch (no rule), and near onnxruntime."""
+    from kiln.tactics.cpu import relayout as tactic
+
+    proto = _at_a_dynamic_batch(convnext_block_model(c=12, h=6, w=5))
+    engine = kiln.build(proto.SerializeToString(), tactics=_CONVNEXT_TACTICS,
+                        profiles=[{"x": "1x12x6x5,2x12x6x5,8x12x6x5"}])
+    tactics = [s.tactic for s in engine.plan.program.steps]
+    assert "" not in tactics and tactics.count("cpu.relayout.native") == 2, tactics
+    (segment,) = engine.program.segments
+    relayouts = [m.fn.native for m in segment.members if m.ctx.op_type == "Relayout"]
+    assert segment.aliased == 2 and len(relayouts) == 2 and all(n.alias and n.plan_at for n in relayouts)
+    engine.save(str(tmp_path / "block.kiln"))
+    monkeypatch.setattr(tactic, "_alias_rule", lambda *args: None)  # the aliases' sizes from the walk at each batch
+    walked = kiln.load(str(tmp_path / "block.kiln"))
+    assert all(m.fn.native.plan_at is None for m in walked.program.segments[0].members
+               if m.ctx.op_type == "Relayout")
+    for batch in (3, 1, 5, 8):
+        assert segment._bind_sizes(((batch, 12, 6, 5),)) is not None, batch  # bound, not layer by layer
+        x = np.random.default_rng(batch).standard_normal((batch, 12, 6, 5)).astype(np.float32)
+        ours = engine.run({"x": x})["y"]
+        np.testing.assert_array_equal(ours, walked.run({"x": x})["y"])
+        np.testing.assert_allclose(ours, _onnxruntime(proto, {"x": x}), rtol=1e-4, atol=1e-5)
+
+
+def test_a_chain_over_a_dynamic_batch_that_moves_across_batches_is_left_alone():
+    """Only a chain moving each batch's block alike is fused at a dynamic batch (outside recurrent layers): a
+    Transpose of the batch with the channels stays a Transpose."""
+    graph = helper.make_graph(
+        [helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0, 2, 3], name="across"),
+         helper.make_node("Relu", ["t"], ["y"], name="relu")], "across",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 5, 3, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [5, "N", 3, 4])])
+    proto = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    model = optimize(onnx_frontend.load(proto), PassOptions(cpu_rules=True), report := PassReport())
+    assert "Relayout" not in [n.op_type for n in model.graph] and not report.fired.get("fuse_relayout"), \
+        report.refused
+    assert any("across its batch" in line for line in report.refused), report.refused

@@ -14,13 +14,18 @@ a chain whose table no strided walk gives is left alone. MobileViT's unfold and 
 ([1, C, H, W] -> [4, H*W/4, C] and back): unfused, each Transpose is a step on torch that splits the
 CPU's native segment in two; fused, one copy kernel inside it (kiln/kernels/cpu/relayout.py).
 Only CPU builds ask for it (fusion.CPU_RULES); the chain must have a Transpose (or a 4-D end as above),
-float32 values of static shapes, and each inner value read only by the next node. One exception: a chain that
+float32 values of static shapes, and each inner value read only by the next node. Two exceptions: a chain that
 moves a recurrent layer's X or Y over one symbolic dim (a dynamic batch: the exporter's batch-first Transpose, a
-bidirectional Y's merge) is found at two sizes of that dim and fused with -1 where they differ (dims and shape),
-which holds at every batch (kiln/tactics/cpu/relayout.py binds it at each size a segment meets).
+bidirectional Y's merge), and a chain over a dynamic batch (x's first dim its only symbol) that moves each batch's
+block alike (ConvNeXt's permutes to NHWC rows and back, a ViT's head split), are found at two sizes of that dim and
+fused with -1 where they differ (dims and shape), which holds at every batch (kiln/tactics/cpu/relayout.py binds it
+at each size a segment meets); flatten_channels_last_runs keeps the batch's symbol. Before, ConvNeXt-tiny at a
+dynamic batch ran its 18 permutes on torch between 5 segments (bench/results/first-call-2026-12-06.md).
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import onnx_ir as ir
@@ -90,8 +95,11 @@ def fuse_relayout(node: ir.Node, report: PassReport) -> bool:
         return False
     x = chain[0].inputs[0]
     shape, out = static_shape(x), static_shape(node.outputs[0])
-    if shape is None and any(n.op_type == "Transpose" for n in chain) and _around_recurrent(chain):
-        return _fuse_at_symbolic_batch(chain, report)
+    if shape is None and any(n.op_type == "Transpose" for n in chain):
+        if _around_recurrent(chain):
+            return _fuse_at_symbolic_batch(chain, report)
+        if _batch_first(x):
+            return _fuse_at_symbolic_batch(chain, report, batch_outer=True)
     relaid = shape is not None and out is not None and not (_keeps_order(shape) and _keeps_order(out))
     if not any(n.op_type == "Transpose" for n in chain) and not relaid:
         return False  # Reshapes alone: a view, and inside a segment an alias
@@ -143,6 +151,12 @@ def _around_recurrent(chain: list[ir.Node]) -> bool:
         is_op(reader, *_RECURRENT) and reader.inputs[0] is chain[-1].outputs[0])
 
 
+def _batch_first(x: ir.Value) -> bool:
+    """Whether x's only symbolic dim is its first (a dynamic batch, every other dim static)."""
+    dims = symbolic_shape(x)
+    return bool(dims) and isinstance(dims[0], str) and all(isinstance(d, int) for d in dims[1:])
+
+
 def _table_at(chain: list[ir.Node], shape: list[int], probe: int) -> np.ndarray | str:
     """The chain run on arange over `shape` (the symbolic dim at `probe`): Reshapes by their constant target."""
     table = np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape)
@@ -177,7 +191,10 @@ def _one_inferred(a: list[int], b: list[int]) -> list[int] | None:
     return [-1 if k in differ else a[k] for k in range(len(a))]
 
 
-def _fuse_at_symbolic_batch(chain: list[ir.Node], report: PassReport) -> bool:
+def _fuse_at_symbolic_batch(chain: list[ir.Node], report: PassReport, batch_outer: bool = False) -> bool:
+    """`batch_outer`: a chain not around a recurrent layer over a dynamic batch (ConvNeXt's permutes to NHWC rows
+    and back), fused only where it moves every batch's block alike (-1 the first of dims and shape, axis 0 kept
+    first): then it holds at every batch, and an alias form's size rule is exact (tactics/cpu/relayout.py)."""
     # Transpose(Y [S, 2, batch, H], (0, 2, 1, 3)); Reshape(.., [S, 0, 2H]) -> Relayout(dims [S, 2, -1, H],
     #   perm (0, 2, 1, 3), shape [S, -1, 2H]): the walk found at two sizes of the symbolic dim, -1 where they differ
     node = chain[-1]
@@ -206,6 +223,10 @@ def _fuse_at_symbolic_batch(chain: list[ir.Node], report: PassReport) -> bool:
     if perm_a != perm_b or walk_dims is None or shape is None:
         report.refuse(RULE, node, "the chain moves elements otherwise at different sizes of its symbolic dim")
         return False
+    if batch_outer and not (walk_dims[0] == -1 and shape[0] == -1 and perm_a[0] == 0 and
+                            -1 not in walk_dims[1:] and -1 not in shape[1:]):
+        report.refuse(RULE, node, "a chain over a dynamic batch that moves elements across its batch")
+        return False
     symbol = next(iter(symbols))
     node.outputs[0].shape = ir.Shape([symbol if a != b and a == PROBES[0] and b == PROBES[1] else
                                       (a if a == b else None) for a, b in zip(*outs)])
@@ -229,8 +250,20 @@ def _moves_like(node: ir.Node, shape: list[int], perm: list[int]) -> bool:
     return bool(np.array_equal(np.arange(numel).reshape(dims).transpose(order).reshape(-1), want))
 
 
-def _run_from(start: ir.Node) -> tuple[list[ir.Node], list[ir.Node]] | str:
-    """(the nodes of the run after `start`, the Relayouts that end it), or why there is no such run."""
+def _shape_of(value: ir.Value, batch: str | None) -> list[int] | None:
+    """value's static shape, or with `batch` (a dynamic batch's symbol) at PROBES[0] where it is its first dim."""
+    if batch is None:
+        return static_shape(value)
+    dims = symbolic_shape(value)
+    if not dims or dims[0] != batch or not all(isinstance(d, int) for d in dims[1:]):
+        return static_shape(value)
+    return [PROBES[0], *dims[1:]]
+
+
+def _run_from(start: ir.Node, batch: str | None = None) -> tuple[list[ir.Node], list[ir.Node]] | str:
+    """(the nodes of the run after `start`, the Relayouts that end it), or why there is no such run. `batch`: the
+    run's dynamic batch symbol (its sizes then compared at PROBES[0])."""
+    shape_of = functools.partial(_shape_of, batch=batch)
     inner: list[ir.Node] = []
     ends: list[ir.Node] = []
     values = [start.outputs[0]]
@@ -241,11 +274,11 @@ def _run_from(start: ir.Node) -> tuple[list[ir.Node], list[ir.Node]] | str:
         for reader in dict.fromkeys(u.node for u in value.uses()):
             if reader in inner or reader in ends:
                 continue
-            shape = static_shape(reader.inputs[0]) if reader.inputs[0] is value else None
+            shape = shape_of(reader.inputs[0]) if reader.inputs[0] is value else None
             if shape is None:
                 return f"{reader.name!r} reads the run's value other than as its first input"
             if is_op(reader, "Relayout", domain=KILN_DOMAIN):
-                back = static_shape(reader.outputs[0])
+                back = shape_of(reader.outputs[0])
                 if back != [shape[0], shape[3], shape[1], shape[2]] or not _moves_like(reader, shape, [0, 3, 1, 2]):
                     return f"{reader.name!r} moves the run's value otherwise than back to NCHW"
                 ends.append(reader)
@@ -254,11 +287,11 @@ def _run_from(start: ir.Node) -> tuple[list[ir.Node], list[ir.Node]] | str:
                 return f"{reader.name!r} ({reader.op_type}) is not an op over the last axis"
             if int(attr(reader, "axis", -1)) not in (-1, 3) or attr(reader, "residual_after_activation", 0):
                 return f"{reader.name!r} is over another axis than the last"
-            if any(v is not None and static_shape(v) is not None and len(static_shape(v)) > 2 and v is not value
+            if any(v is not None and shape_of(v) is not None and len(shape_of(v)) > 2 and v is not value
                    for v in reader.inputs) or any(v is not None and v is not value and v.const_value is None
                                                   for v in reader.inputs):
                 return f"{reader.name!r} reads another value than the run's and constants of rank <= 2"
-            out = static_shape(reader.outputs[0])
+            out = shape_of(reader.outputs[0])
             if len(reader.outputs) != 1 or out is None or len(out) != 4 or out[:3] != shape[:3]:
                 return f"{reader.name!r}'s output is not [N, H, W, *] like its input"
             inner.append(reader)
@@ -275,11 +308,14 @@ def flatten_channels_last_runs(node: ir.Node, report: PassReport) -> bool:
     # segment would be laid out [N, W, C, H] and the run would leave it).
     if not is_op(node, "Relayout", domain=KILN_DOMAIN):
         return False
-    shape, out = static_shape(node.inputs[0]), static_shape(node.outputs[0])
+    batch = None
+    if static_shape(node.inputs[0]) is None and _batch_first(node.inputs[0]):
+        batch = symbolic_shape(node.inputs[0])[0]  # a dynamic batch: sizes at a probe, the symbol written back
+    shape, out = _shape_of(node.inputs[0], batch), _shape_of(node.outputs[0], batch)
     if shape is None or len(shape) != 4 or out != [shape[0], shape[2], shape[3], shape[1]] \
             or not _moves_like(node, shape, [0, 2, 3, 1]):
         return False
-    found = _run_from(node)
+    found = _run_from(node, batch)
     if isinstance(found, str):
         report.refuse(RULE_RUNS, node, found)
         return False
@@ -288,10 +324,10 @@ def flatten_channels_last_runs(node: ir.Node, report: PassReport) -> bool:
         report.refuse(RULE_RUNS, node, "the run does not end in a Relayout back to NCHW")
         return False
     n, h, w = out[0], out[1], out[2]
-    node.attributes["shape"] = ir.AttrInt64s("shape", [n, h * w, out[3]])
+    node.attributes["shape"] = ir.AttrInt64s("shape", [n if batch is None else -1, h * w, out[3]])
     for value in [node.outputs[0], *(m.outputs[0] for m in inner)]:
-        last = static_shape(value)[3]
-        value.shape = ir.Shape([n, h * w, last])
+        last = _shape_of(value, batch)[3]
+        value.shape = ir.Shape([n if batch is None else batch, h * w, last])
     for m in inner:
         if "axis" in m.attributes:
             m.attributes["axis"] = ir.AttrInt64("axis", -1)

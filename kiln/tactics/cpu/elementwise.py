@@ -28,7 +28,7 @@ from kiln.plan.spec import StepSpec
 from kiln.tactics.cpu.broadcast import broadcast_input_shapes
 from kiln.tactics.cpu.native_member import prepared_native, sizes_config
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, same_primitive
+from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, resizable, same_primitive
 from kiln.tactics.tactic import attribute as _attr
 
 _F32 = torch.float32
@@ -190,8 +190,22 @@ def _nhwc_add_prepare(step: StepSpec, constants: list[Any], device: torch.device
         rows = {k: x.contiguous(memory_format=_CL).permute(0, 2, 3, 1).reshape(n * h * w, c) for k, x in enumerate((a, b))}
         return kernel(rows).reshape(n, h, w, c).permute(0, 3, 1, 2)  # [N, C, H, W] channels-last
 
-    launch.native = NativeStep(size, size, same_primitive(kernel), reads={0: (size, _F32), 1: (size, _F32)},
-                               channels_last=True)
+    kernels_at = {size: kernel}  # the kernel at each size a segment bound (a dynamic batch's)
+
+    @resizable
+    def native_at(sizes: dict[int, tuple[int, ...]]) -> NativeStep:
+        """The add at other sizes of both operands (one size, 4-D): a segment over a dynamic batch (ConvNeXt's
+        residuals) binds it at each batch; without it the whole segment ran layer by layer there."""
+        a, b = (tuple(sizes[k]) for k in (0, 1))
+        if a != b or len(a) != 4:
+            raise ValueError(f"{step.name}: two 4-D images of one size only, given {list(a)} and {list(b)}")
+        found = kernels_at.get(a)
+        if found is None:
+            n_, c_, h_, w_ = a
+            found = kernels_at.setdefault(a, transformer_kernels.Add((n_ * h_ * w_, c_), (n_ * h_ * w_, c_)))
+        return NativeStep(a, a, same_primitive(found), reads={0: (a, _F32), 1: (a, _F32)}, channels_last=True)
+
+    launch.native = native_at({0: size, 1: size})
     return launch
 
 

@@ -17,6 +17,7 @@ the input dies at the relayout.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +29,7 @@ from kiln.ops.registry import OpContext, lookup
 from kiln.ops.relayout import TABLE_LIMIT
 from kiln.plan.spec import StepSpec
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, resizable, same_primitive
+from kiln.tactics.tactic import InputMeta, NativeStep, PlanRule, SizedPlan, Tactic, resizable, same_primitive
 from kiln.tactics.tactic import attribute as _attr
 
 _F32 = torch.float32
@@ -80,11 +81,12 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
     # the attributes hold for the tuned size only (or, with a -1, at every size whose elements it divides): at
     # another, the op's own code says why not
     return _launch(tuned, kernel, lambda x: x.reshape(dims).permute(perm).reshape(shape), move,
-                   resizes=-1 in dims or -1 in shape)
+                   resizes=-1 in dims or -1 in shape, dims=tuple(dims), perm=tuple(perm), shape=tuple(shape))
 
 
 def _launch(tuned: tuple[int, ...], kernel: relayout.Relayout, other_sizes: Callable[[torch.Tensor], torch.Tensor],
-            move: Callable[[torch.Tensor], torch.Tensor], resizes: bool = False):
+            move: Callable[[torch.Tensor], torch.Tensor], resizes: bool = False,
+            dims: tuple[int, ...] = (), perm: tuple[int, ...] = (), shape: tuple[int, ...] = ()):
     """The kernel at the tuned input size (and as a segment member), `other_sizes` at any other. A 4-D input whose
     NHWC order differs from row-major offers the walk of its row-major memory too (NativeStep.reading_rows: after a
     recurrent layer's Y [S, D, N, H], which kiln's loop writes row-major). `resizes`: `move` holds at every input
@@ -111,10 +113,25 @@ def _launch(tuned: tuple[int, ...], kernel: relayout.Relayout, other_sizes: Call
         """The relayout at `size` as an alias of its input's memory (NativeStep.aliasing); at another size of a
         dynamic profile where the walk does move bytes, a ValueError (there the layers run one by one, as for any
         layer a segment cannot bind at a size)."""
-        walk = walk_at(size, rows_input)
-        if not walk.moves_nothing:
-            raise ValueError(f"{walk.what}: moves bytes at this size, not an alias")
-        return NativeStep(size, walk.output_size, None, alias=True, rows_input=rows_input)
+        rule = rule_for(rows_input)
+        out = rule[1](size) if rule is not None else None
+        if out is None:  # no batch-block answer: the walk at this size says (~25 ms at ConvNeXt's batch 32)
+            walk = walk_at(size, rows_input)
+            if not walk.moves_nothing:
+                raise ValueError(f"{walk.what}: moves bytes at this size, not an alias")
+            out = walk.output_size
+        return NativeStep(size, out, None, alias=True, rows_input=rows_input,
+                          plan_at=rule[0] if rule is not None else None)
+
+    rules: dict[bool, tuple | None] = {}
+
+    def rule_for(rows_input: bool) -> tuple | None:
+        """The alias's size rule in this form and its batch-block answer (_alias_rule), made at its first alias
+        (checked against the walk at the tuned size through alias_of, which asks here again: None meanwhile)."""
+        if rows_input not in rules:
+            rules[rows_input] = None
+            rules[rows_input] = _alias_rule(tuned, dims, perm, shape, rows_input, alias_of)
+        return rules[rows_input]
 
     def alias_at(size: tuple[int, ...], rows_input: bool) -> NativeStep:
         step = alias_of(size, rows_input)
@@ -126,6 +143,49 @@ def _launch(tuned: tuple[int, ...], kernel: relayout.Relayout, other_sizes: Call
         else (lambda size: native_of(tuple(size), True))
     launch.native = plain_at(tuned) if resizes else native_of(tuned, False)
     return launch
+
+
+def _alias_rule(tuned: tuple[int, ...], dims: tuple[int, ...], perm: tuple[int, ...],
+                shape: tuple[int, ...], rows_input: bool, alias_of: Callable[..., NativeStep]
+                ) -> tuple[PlanRule, Callable[[tuple], tuple | None]] | None:
+    """The alias form's output size at other batches as arithmetic on the input's (NativeStep.plan_at: no fields,
+    an alias has no plan), or None where its answer could differ from alias_of's (the walk worked out at the size).
+
+    Exact where the -1 is the batch's, the first of both dims and shape, and the permutation keeps axis 0 first: an
+    input of the tuned size past its batch dim is then N blocks of one layout (a segment lays a value out batch
+    first, row-major or NHWC), each row of dims and of shape inside one block (their other dims divide a block),
+    each row permuted alike; so the walk moves nothing at any batch N >= 1 iff it does at the tuned one, and the
+    output is [N·block / prod(shape[1:]), *shape[1:]] (an alias has no kernel: no TABLE_LIMIT). At other sizes the
+    rule asks alias_of (the walk built there): such a rule is run, not traced. (the rule, that batch-block answer:
+    the output size or None), which alias_of takes at every batch too: the walk it built at each new batch (an index
+    table, strided_form) cost ~25 ms an alias at ConvNeXt-tiny's batch 32, bound member by member. Without the
+    rule a segment's view with a relayout alias evaluated the member by making its NativeStep and was never traced
+    (kiln/runtime/view_trace.py)."""
+    block = math.prod(tuned[1:])
+    rest_dims, rest_shape = math.prod(dims[1:]), math.prod(shape[1:])
+    if not (len(tuned) >= 1 and dims and shape and dims[0] == -1 and shape[0] == -1 and perm and perm[0] == 0
+            and -1 not in dims[1:] and -1 not in shape[1:] and rest_dims > 0 and rest_shape > 0
+            and block % rest_dims == 0 and block % rest_shape == 0):
+        return None
+    inner, per_block = tuple(tuned[1:]), block // rest_shape
+
+    def batch_block(in_size: tuple) -> tuple | None:
+        if len(in_size) == len(tuned) and tuple(in_size[1:]) == inner and 1 <= in_size[0]:
+            return (in_size[0] * per_block, *shape[1:])
+        return None
+
+    def sized(in_size: tuple) -> SizedPlan:
+        out = batch_block(in_size)
+        if out is None:
+            out = tuple(alias_of(tuple(in_size), rows_input).output_size)  # ValueError as at's
+        return SizedPlan((out,), {})
+
+    try:
+        if sized(tuned).output_sizes != (tuple(alias_of(tuned, rows_input).output_size),):
+            return None
+    except ValueError:  # not an alias at the tuned size in this form
+        return None
+    return PlanRule(sized, ("alias", "Relayout", dims, perm, shape, inner, rows_input), traceable=True), batch_block
 
 
 register(Tactic(
