@@ -22,6 +22,7 @@ from kiln.builder.lower import lower
 from kiln.kernels.cpu import onednn
 from kiln.passes import PassOptions, optimize
 from kiln.quant import calibrators
+from kiln.runtime import profiler
 from kiln.runtime.program import Program
 
 
@@ -249,3 +250,24 @@ def test_a_float_stem_feeding_an_int8_depthwise_stays_in_one_native_segment():
         want = np.asarray(next(iter(emulated.run({"x": x}).values())))
         spread = float(want.max() - want.min())
         assert np.abs(got - want).max() <= spread / 255 * 1.5, np.abs(got - want).max() / spread * 255
+
+
+@pytest.mark.skipif(not onednn.available(), reason="needs oneDNN")
+def test_a_segment_entered_by_8_bit_values_runs_its_native_loop():
+    """The quantize left outside segments (cpu.quantize.torch_per_channel: channels of different zero points): the
+    segment after it (depthwise, project) is entered by uint8 values and must run as one native loop. Before, a
+    QConv's NativeStep read float32 by default, the segment's entry check refused the uint8 tensor on every call
+    and the segment ran layer by layer (MobileNetV2's mixed engine: 68 of its 72 members)."""
+    rng = np.random.default_rng(22)
+    proto = _wide_model(rng)
+    calibration = [{"x": rng.uniform(-1, 1, size=(1, 3, 40, 40)).astype(np.float32)} for _ in range(4)]
+    options = dict(precision="int8", calibration=calibration, calibrator="minmax", layer_precision={"stem": "fp32"})
+    engine = kiln.build(ir.from_proto(proto), **options, tactics=[
+        "cpu.quantize.torch_per_channel", "cpu.quantize.onednn", "cpu.qconv.onednn", "cpu.conv.onednn_direct"])
+    emulated = kiln.build(ir.from_proto(proto), **options, quantization="emulate")
+    x = rng.uniform(-1, 1, size=(1, 3, 40, 40)).astype(np.float32)
+    timed = profiler.profile_segments(engine.program, engine.program_inputs({"x": x}), runs=2)
+    assert {"depthwise", "project"} <= set(timed), sorted(timed)  # ran inside the segment's own loop
+    got = np.asarray(next(iter(engine.run({"x": x}).values())))
+    want = np.asarray(next(iter(emulated.run({"x": x}).values())))
+    assert np.abs(got - want).max() <= float(want.max() - want.min()) / 255 * 1.5  # torch's quantize is ONNX's

@@ -123,7 +123,7 @@ def _prepare_qadd_onednn(step: StepSpec, constants: list[Any], device: torch.dev
         def native_at(size: tuple[int, ...]) -> NativeStep:
             primitive = built(tuple(size), a_dtype, b_dtype)
             return NativeStep(tuple(size), tuple(size), same_primitive(primitive), residual_input=3,
-                              output_dtype=out)
+                              output_dtype=out, input_dtype=a_dtype, residual_dtype=b_dtype)
 
         launch.native = native_at(tuple(step.tactic_config["input_size"]))
     return launch
@@ -171,7 +171,7 @@ def _prepare_max_pool(step: StepSpec, constants: list[Any], device: torch.device
         with lock:
             primitive = _built(primitives, tuple(size), build, tuned)
         return NativeStep(tuple(size), primitive.output_size, same_primitive(primitive),
-                          output_dtype=dtype)
+                          output_dtype=dtype, input_dtype=dtype)
 
     launch.native = native_at(tuned)
     return launch
@@ -249,7 +249,7 @@ def _prepare_scaled(step: StepSpec, constants: list[Any], device: torch.device):
             primitive = primitives.get(key)
             if primitive is None:
                 primitive = primitives[key] = onednn_int8.ScaledReorder(list(size), src, dst, scale, z, len(size) == 4)
-        return NativeStep(tuple(size), tuple(size), same_primitive(primitive), output_dtype=dst)
+        return NativeStep(tuple(size), tuple(size), same_primitive(primitive), output_dtype=dst, input_dtype=src)
 
     lock = threading.Lock()
     launch.native = native_at(tuple(step.tactic_config["input_size"]))
