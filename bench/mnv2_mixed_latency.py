@@ -44,7 +44,8 @@ def main() -> None:
     parser.add_argument("--float-only", action="store_true", help="also the target's build without weight-only layers")
     parser.add_argument("--before-native-quantize", action="store_true",
                         help="also the target's engine (same float layers) built without "
-                             "cpu.quantize.onednn_per_channel: its per-channel quantizes in torch ops, outside segments")
+                             "cpu.quantize.onednn_per_channel: its per-channel quantizes in torch ops, outside "
+                             "segments")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     images = photo_variants()
