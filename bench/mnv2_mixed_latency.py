@@ -13,6 +13,7 @@ Prints a table; load and CPU named.
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import sys
 import time
@@ -30,6 +31,7 @@ import kiln  # noqa: E402
 from kiln import zoo  # noqa: E402
 from kiln.builder.timing_cache import cpu_name  # noqa: E402
 from kiln.quant.data import photo_variants  # noqa: E402
+from kiln.tactics import registry  # noqa: E402
 from kiln.zoo.timing import time_samples  # noqa: E402
 
 
@@ -40,6 +42,10 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.97)
     parser.add_argument("--no-gptq", action="store_true")
     parser.add_argument("--float-only", action="store_true", help="also the target's build without weight-only layers")
+    parser.add_argument("--before-native-quantize", action="store_true",
+                        help="also the target's engine (same float layers) built without "
+                             "cpu.quantize.onednn_per_channel: its per-channel quantizes in torch ops, outside "
+                             "segments")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     images = photo_variants()
@@ -67,6 +73,27 @@ def main() -> None:
                         "weight_only": len(q.get("weight_only") or {}), "kept_float": len(q.get("kept_float") or {}),
                         "expected_top1": (q.get("accuracy") or {}).get("top1")}
         print(label, notes[label], flush=True)
+    if args.before_native_quantize:  # the same float layers, the per-channel quantize as before (torch ops)
+        target = engines[f"int8 target {args.target}"].plan.header["quantization"]
+        pins = {name: "fp32" for name in target.get("kept_float") or {}}
+        pins.update({name: "weight_only" for name in target.get("weight_only") or {}})
+        label = f"int8 target {args.target}, per-channel Q in torch (before)"
+        tactic = registry.get("cpu.quantize.onednn_per_channel")
+        registry.unregister(tactic.name)
+        try:
+            engines[label] = kiln.build(path, **common, layer_precision=pins)
+        finally:
+            registry.register(tactic)
+        q = engines[label].plan.header.get("quantization") or {}
+        ran = [v["precision"] for v in (q.get("layers") or {}).values()]
+        notes[label] = {"ran": {p: ran.count(p) for p in sorted(set(ran))}}
+        print(label, notes[label], flush=True)
+    for label, engine in engines.items():
+        found = collections.Counter(step.tactic for step in engine.program.spec.steps
+                                    if step.op_type == "QuantizeLinear" and "per_channel" in (step.tactic or ""))
+        members = sum(len(segment.members) for segment in engine.program.segments)
+        print(f"{label}: per-channel quantize tactics {dict(found)}, {len(engine.program.segments)} native "
+              f"segment(s), {members} members", flush=True)
     contexts = {label: e.create_execution_context() for label, e in engines.items()}
 
     def run(label: str, feeds: dict) -> np.ndarray:

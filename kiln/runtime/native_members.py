@@ -43,7 +43,8 @@ def _expects(native: NativeStep, role: Any) -> tuple[tuple[int, ...], torch.dtyp
         size, dtype = native.reads[role]
         return tuple(size), dtype, "nhwc" if native.channels_last and len(size) == 4 else "rows"
     size = tuple(native.input_size if role == "src" else native.output_size)
-    return size, torch.float32, "nhwc" if len(size) == 4 and not (role == "src" and native.rows_input) else "rows"
+    dtype = native.input_dtype if role == "src" else native.residual_dtype
+    return size, dtype, "nhwc" if len(size) == 4 and not (role == "src" and native.rows_input) else "rows"
 
 
 def _forms(members: list[BoundStep], natives: list[NativeStep]) -> dict[int, tuple]:

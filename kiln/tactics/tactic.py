@@ -197,6 +197,10 @@ class NativeStep:
     at: Callable[[tuple[int, ...]], NativeStep] | None = None
     reads: dict[int, tuple[tuple[int, ...], torch.dtype]] | None = None
     output_dtype: torch.dtype = torch.float32
+    # oneDNN's layers' form (reads None) only: the dtype its src and residual are read in (a quantized layer's
+    # 8-bit src); a segment's entry of another dtype runs the segment layer by layer (Segment.__call__)
+    input_dtype: torch.dtype = torch.float32
+    residual_dtype: torch.dtype = torch.float32
     # kiln's own kernels only: the step's outputs past the first, (size, dtype) each, row-major; bound as
     # roles "dst1", "dst2"... (a pre-LN LayerNorm's sum x + residual)
     more_outputs: tuple[tuple[tuple[int, ...], torch.dtype], ...] = ()

@@ -12,13 +12,17 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 import torch
+
+import kiln
 from onnx import helper
 
 from kiln.builder.calibration import quantize
 from kiln.builder.config import BuildConfig
 from kiln.builder.lower import lower
+from kiln.kernels.cpu import onednn
 from kiln.passes import PassOptions, optimize
 from kiln.quant import calibrators
+from kiln.runtime import profiler
 from kiln.runtime.program import Program
 
 
@@ -197,3 +201,73 @@ def test_fp8_emulation_equals_torch_float8_e4m3fn_casts():
     close = np.isclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max()).all(axis=1)  # [1, 12, 12] positions
     assert (~close).sum() <= 3, np.argwhere(~close).tolist()
     np.testing.assert_allclose(got, want, rtol=0, atol=np.abs(want).max() / 16)
+
+
+def _wide_model(rng: np.random.Generator) -> onnx.ModelProto:
+    """_model's stem -> depthwise -> project at 32 channels and 40x40: large enough that a oneDNN reorder is the
+    quantize the autotuner keeps."""
+    c = 32
+    scales = np.geomspace(0.01, 3, c, dtype=np.float32)[:, None, None, None]
+    inits = [onnx.numpy_helper.from_array(a, n) for a, n in [
+        (rng.normal(size=(c, 3, 3, 3)).astype(np.float32) * scales, "w1"),
+        (rng.normal(size=c).astype(np.float32) * 0.1, "b1"),
+        (rng.normal(size=(c, 1, 3, 3)).astype(np.float32) * scales[::-1], "w2"),
+        (rng.normal(size=c).astype(np.float32), "b2"), (rng.normal(size=(8, c, 1, 1)).astype(np.float32), "w3"),
+        (np.array(0, np.float32), "lo"), (np.array(6, np.float32), "hi")]]
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="stem", pads=[1, 1, 1, 1]),
+             helper.make_node("Clip", ["c1", "lo", "hi"], ["r1"], name="relu6_1"),
+             helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], name="depthwise", group=c, pads=[1, 1, 1, 1]),
+             helper.make_node("Clip", ["c2", "lo", "hi"], ["r2"], name="relu6_2"),
+             helper.make_node("Conv", ["r2", "w3"], ["y"], name="project")]
+    graph = helper.make_graph(nodes, "dw", [helper.make_tensor_value_info("x", 1, [1, 3, 40, 40])],
+                              [helper.make_tensor_value_info("y", 1, [1, 8, 40, 40])], inits)
+    return onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+
+
+@pytest.mark.skipif(not onednn.available(), reason="needs oneDNN")
+def test_a_float_stem_feeding_an_int8_depthwise_stays_in_one_native_segment():
+    """An accuracy target's boundary (the stem kept float, the depthwise int8, quantized per channel): the CPU
+    engine quantizes per channel with cpu.quantize.onednn_per_channel, inside the native segment with the stem and
+    the depthwise (before: cpu.quantize.torch_per_channel, torch ops that ended the segment), and its output is the
+    emulated engine's within one output step (oneDNN multiplies by 1/s where ONNX divides: a near-tie of the
+    depthwise input may round one step the other way, and is carried through two layers)."""
+    rng = np.random.default_rng(21)
+    proto = _wide_model(rng)
+    calibration = [{"x": rng.uniform(-1, 1, size=(1, 3, 40, 40)).astype(np.float32)} for _ in range(4)]
+    options = dict(precision="int8", calibration=calibration, calibrator="minmax", layer_precision={"stem": "fp32"},
+                   tactics=["cpu.quantize.onednn_per_channel", "cpu.quantize.onednn", "cpu.qconv.onednn",
+                            "cpu.conv.onednn_direct"])
+    engine = kiln.build(ir.from_proto(proto), **options)
+    emulated = kiln.build(ir.from_proto(proto), **{**options, "quantization": "emulate", "tactics": []})
+    quantizes = [s for s in engine.program.spec.steps if s.op_type == "QuantizeLinear"
+                 and int(dict(s.attributes).get("axis", 1)) == 1 and "per_channel" in (s.tactic or "")]
+    assert [s.tactic for s in quantizes] == ["cpu.quantize.onednn_per_channel"]
+    members = [m.ctx.name for segment in engine.program.segments for m in segment.members]
+    assert quantizes[0].name in members and len(members) >= 3, members
+    for _ in range(3):
+        x = rng.uniform(-1, 1, size=(1, 3, 40, 40)).astype(np.float32)
+        got = np.asarray(next(iter(engine.run({"x": x}).values())))
+        want = np.asarray(next(iter(emulated.run({"x": x}).values())))
+        spread = float(want.max() - want.min())
+        assert np.abs(got - want).max() <= spread / 255 * 1.5, np.abs(got - want).max() / spread * 255
+
+
+@pytest.mark.skipif(not onednn.available(), reason="needs oneDNN")
+def test_a_segment_entered_by_8_bit_values_runs_its_native_loop():
+    """The quantize left outside segments (cpu.quantize.torch_per_channel: channels of different zero points): the
+    segment after it (depthwise, project) is entered by uint8 values and must run as one native loop. Before, a
+    QConv's NativeStep read float32 by default, the segment's entry check refused the uint8 tensor on every call
+    and the segment ran layer by layer (MobileNetV2's mixed engine: 68 of its 72 members)."""
+    rng = np.random.default_rng(22)
+    proto = _wide_model(rng)
+    calibration = [{"x": rng.uniform(-1, 1, size=(1, 3, 40, 40)).astype(np.float32)} for _ in range(4)]
+    options = dict(precision="int8", calibration=calibration, calibrator="minmax", layer_precision={"stem": "fp32"})
+    engine = kiln.build(ir.from_proto(proto), **options, tactics=[
+        "cpu.quantize.torch_per_channel", "cpu.quantize.onednn", "cpu.qconv.onednn", "cpu.conv.onednn_direct"])
+    emulated = kiln.build(ir.from_proto(proto), **options, quantization="emulate")
+    x = rng.uniform(-1, 1, size=(1, 3, 40, 40)).astype(np.float32)
+    timed = profiler.profile_segments(engine.program, engine.program_inputs({"x": x}), runs=2)
+    assert {"depthwise", "project"} <= set(timed), sorted(timed)  # ran inside the segment's own loop
+    got = np.asarray(next(iter(engine.run({"x": x}).values())))
+    want = np.asarray(next(iter(emulated.run({"x": x}).values())))
+    assert np.abs(got - want).max() <= float(want.max() - want.min()) / 255 * 1.5  # torch's quantize is ONNX's

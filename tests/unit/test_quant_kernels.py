@@ -310,3 +310,40 @@ def test_per_channel_quantize_tactic_is_onnx_references(dtype, channels_last):
     np.testing.assert_array_equal(got.numpy(), want)
     wrong_axis = dataclasses.replace(step, attributes={"axis": 2})
     assert "axis 1 only" in tactic.check(wrong_axis, metas)
+
+
+@pytest.mark.skipif(not onednn.available(), reason="needs oneDNN")
+@pytest.mark.parametrize("dtype,zero_point", [(torch.uint8, 0), (torch.uint8, 7), (torch.int8, -3)])
+def test_per_channel_quantize_onednn_is_onnx_references(dtype, zero_point):
+    """cpu.quantize.onednn_per_channel (one oneDNN reorder, per-channel scales, one zero point) against onnx.reference's
+    QuantizeLinear along axis 1: within one step (oneDNN multiplies by 1/s where ONNX divides: a near-tie may round
+    the other way), nearly all equal, saturated alike; a native-segment member. Channels of different zero points
+    take the torch ops, exactly ONNX's."""
+    rng = np.random.default_rng(11 + zero_point)
+    x = (rng.normal(size=(2, 40, 9, 6)) * rng.uniform(0.1, 30, size=(1, 40, 1, 1))).astype(np.float32)
+    scale = rng.uniform(0.01, 0.3, size=40).astype(np.float32)
+    info = np.iinfo(np.uint8 if dtype == torch.uint8 else np.int8)
+    elem = TensorProto.UINT8 if dtype == torch.uint8 else TensorProto.INT8
+    tactic = registry.get("cpu.quantize.onednn_per_channel")
+    step = StepSpec(op_type="QuantizeLinear", name="q", inputs=["x", "s", "z"], outputs=["y"], attributes={"axis": 1})
+    for zero in (np.full(40, zero_point, dtype=info.dtype),
+                 rng.integers(info.min, info.max // 2 + 1, size=40).astype(info.dtype)):
+        node = helper.make_node("QuantizeLinear", ["x", "s", "z"], ["y"], axis=1)
+        graph = helper.make_graph([node], "q", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape)],
+                                  [helper.make_tensor_value_info("y", elem, x.shape)],
+                                  [numpy_helper.from_array(scale, "s"), numpy_helper.from_array(zero, "z")])
+        want = ReferenceEvaluator(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])).run(
+            None, {"x": x})[0]
+        assert (want == info.min).any() and (want == info.max).any()  # the saturation is exercised
+        args = [torch.from_numpy(x), torch.from_numpy(scale), torch.from_numpy(zero)]
+        metas = [InputMeta.of(a, i > 0) for i, a in enumerate(args)]
+        assert tactic.check(step, metas) is True
+        bound = dataclasses.replace(step, tactic=tactic.name, tactic_config=tactic.configure(step, metas))
+        launch = tactic.prepare(bound, [None, *args[1:]], torch.device("cpu"))
+        got = launch(OpContext(name="q", op_type="QuantizeLinear"), tactic.to_layout(args[0]), *args[1:])
+        assert got.dtype == dtype and got.is_contiguous(memory_format=torch.channels_last)  # what QConv reads
+        off = np.abs(got.numpy().astype(np.int32) - want.astype(np.int32))
+        uniform = bool((zero == zero[0]).all())
+        assert off.max() <= (1 if uniform else 0) and (off > 0).mean() < 1e-3
+        assert (getattr(launch, "native", None) is not None) == uniform  # a segment member only on oneDNN's path
+    assert "4-D" in tactic.check(step, [InputMeta((2, 40), torch.float32, False), *metas[1:]])

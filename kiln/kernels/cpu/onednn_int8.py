@@ -319,8 +319,8 @@ class ScaledReorder(_Quantized):
     change of a network's input in the same pass. oneDNN rounds x·(1/scale) + zero point where ONNX rounds
     x/scale and then adds it: at an exact tie (an odd zero point, an inexact reciprocal) one step apart."""
 
-    def __init__(self, size: list[int], src_dtype: torch.dtype, dst_dtype: torch.dtype, scale: float,
-                 zero: int, src_channels_last: bool):
+    def __init__(self, size: list[int], src_dtype: torch.dtype, dst_dtype: torch.dtype,
+                 scale: float | torch.Tensor, zero: int | torch.Tensor, src_channels_last: bool):
         lib = _lib()
         four_d = len(size) == 4
         tags = {1: TAG_A, 2: TAG_AB, 3: TAG_ABC, 4: TAG_ABCD}
@@ -337,11 +337,19 @@ class ScaledReorder(_Quantized):
         attr = ctypes.c_void_p()
         _check(lib.lib.dnnl_primitive_attr_create(ctypes.byref(attr)), "attr")
         self._attr = _Handle(attr, "dnnl_primitive_attr_destroy")
-        _check(lib.lib.dnnl_primitive_attr_set_scales_mask(attr, side, 0), "reorder scale")
-        self._constants = [(ARG_ATTR_SCALES | side, torch.tensor([scale], dtype=torch.float32), F32)]
-        if zero:
-            _check(lib.lib.dnnl_primitive_attr_set_zero_points_mask(attr, side, 0), "reorder zero point")
-            self._constants.append((ARG_ATTR_ZERO_POINTS | side, torch.tensor([zero], dtype=torch.int32), S32))
+        # a tensor of scales / zero points: one per channel (axis 1), oneDNN's mask 1 << 1
+        scales = torch.as_tensor(scale, dtype=torch.float32).reshape(-1).contiguous()
+        zeros = torch.as_tensor(zero, dtype=torch.int32).reshape(-1).contiguous()
+        per_channel = torch.is_tensor(scale) and scales.numel() > 1
+        if per_channel and (len(size) < 2 or scales.numel() != size[1] or zeros.numel() not in (1, size[1])):
+            raise OneDNNError(f"{scales.numel()} scales and {zeros.numel()} zero points for a reorder of {list(size)}: "
+                              "one per channel (axis 1) expected")
+        _check(lib.lib.dnnl_primitive_attr_set_scales_mask(attr, side, 2 if per_channel else 0), "reorder scale")
+        self._constants = [(ARG_ATTR_SCALES | side, scales, F32)]
+        if bool(zeros.any()):
+            zero_mask = 2 if zeros.numel() > 1 else 0
+            _check(lib.lib.dnnl_primitive_attr_set_zero_points_mask(attr, side, zero_mask), "reorder zero point")
+            self._constants.append((ARG_ATTR_ZERO_POINTS | side, zeros, S32))
         pd = ctypes.c_void_p()
         _check(lib.lib.dnnl_reorder_primitive_desc_create(ctypes.byref(pd), self._src_md.value, lib.engine,
                                                           self._dst_md.value, lib.engine, attr),
@@ -351,7 +359,7 @@ class ScaledReorder(_Quantized):
         self.what = f"{'quantize' if quantize else 'dequantize'} {list(size)}"
         self._scalars, fixed = [], []
         for arg, value, dtype in self._constants:
-            md = memory_desc([1], torch.float32 if dtype == F32 else torch.int32, TAG_A)
+            md = memory_desc([value.numel()], torch.float32 if dtype == F32 else torch.int32, TAG_A)
             self._scalars.append((md, value))
             fixed.append((arg, _memory(md.value, value.data_ptr())))
         self._fixed, self._lock = fixed, threading.Lock()

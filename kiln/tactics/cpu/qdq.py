@@ -7,6 +7,10 @@ QuantizeLinear / DequantizeLinear, and the ops kept on 8-bit values (kiln::QAdd,
     cpu.quantize.onednn / cpu.dequantize.onednn   per-tensor Q / DQ as one scaled oneDNN reorder
     cpu.quantize.native / cpu.dequantize.native   per-tensor Q / DQ of rank 1-3 in kiln's C (elementwise.c), a
                        native-segment member: one pass, ONNX's rounding of x / s (BERT's QDQ model runs ~170)
+    cpu.quantize.onednn_per_channel   per-channel (axis 1) Q of a 4-D activation, one zero point, as one oneDNN
+                       reorder with per-channel scales, a native-segment member (a float layer's output feeding a
+                       depthwise int8 layer: an accuracy target's boundary)
+    cpu.quantize.torch_per_channel    the same in torch ops, any zero points, outside segments
 """
 
 from __future__ import annotations
@@ -119,7 +123,7 @@ def _prepare_qadd_onednn(step: StepSpec, constants: list[Any], device: torch.dev
         def native_at(size: tuple[int, ...]) -> NativeStep:
             primitive = built(tuple(size), a_dtype, b_dtype)
             return NativeStep(tuple(size), tuple(size), same_primitive(primitive), residual_input=3,
-                              output_dtype=out)
+                              output_dtype=out, input_dtype=a_dtype, residual_dtype=b_dtype)
 
         launch.native = native_at(tuple(step.tactic_config["input_size"]))
     return launch
@@ -167,7 +171,7 @@ def _prepare_max_pool(step: StepSpec, constants: list[Any], device: torch.device
         with lock:
             primitive = _built(primitives, tuple(size), build, tuned)
         return NativeStep(tuple(size), primitive.output_size, same_primitive(primitive),
-                          output_dtype=dtype)
+                          output_dtype=dtype, input_dtype=dtype)
 
     launch.native = native_at(tuned)
     return launch
@@ -245,7 +249,7 @@ def _prepare_scaled(step: StepSpec, constants: list[Any], device: torch.device):
             primitive = primitives.get(key)
             if primitive is None:
                 primitive = primitives[key] = onednn_int8.ScaledReorder(list(size), src, dst, scale, z, len(size) == 4)
-        return NativeStep(tuple(size), tuple(size), same_primitive(primitive), output_dtype=dst)
+        return NativeStep(tuple(size), tuple(size), same_primitive(primitive), output_dtype=dst, input_dtype=src)
 
     lock = threading.Lock()
     launch.native = native_at(tuple(step.tactic_config["input_size"]))
@@ -339,4 +343,61 @@ register(Tactic(
     supports=_per_channel_supports, prepare=_prepare_per_channel, layout="channels_last",
     description="QuantizeLinear per channel (axis 1) in float32 torch ops over NHWC rows: a depthwise "
                 "convolution's input written by a float layer (an accuracy target's) is quantized so",
+))
+
+
+def _per_channel_onednn_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    if not onednn.available():
+        return "libdnnl.so.3 cannot be loaded"
+    found = _per_channel_supports(step, inputs)
+    if isinstance(found, str):
+        return found
+    if len(inputs[0].shape) != 4:
+        return "only 4-D activations (NCHW, NHWC in memory)"
+    return True
+
+
+def _prepare_per_channel_onednn(step: StepSpec, constants: list[Any], device: torch.device):
+    """One oneDNN reorder with one scale per channel (mask 1 << 1): a native-segment member, so that a float layer
+    feeding a depthwise int8 layer (an accuracy target's boundary) does not end the segment. oneDNN takes zero
+    points per tensor only at execution (a per-channel mask builds, then fails to run: measured, oneDNN 3), so
+    channels of different zero points run cpu.quantize.torch_per_channel's torch ops instead, outside segments."""
+    scale, zero = constants[1].to(torch.float32).reshape(-1), constants[2].reshape(-1)
+    if bool((zero != zero[0]).any()):
+        return _prepare_per_channel(step, constants, device)
+    z = int(zero[0])
+    tuned = tuple(step.tactic_config["input_size"])
+    primitives: dict = {}
+    lock = threading.Lock()
+
+    def built(size: tuple[int, ...]) -> onednn_int8.ScaledReorder:
+        with lock:
+            primitive = primitives.get(size)
+            if primitive is None:
+                if len(primitives) > _CACHED_SHAPES:
+                    primitives.pop(next(iter(primitives)))
+                primitive = primitives[size] = onednn_int8.ScaledReorder(list(size), torch.float32, zero.dtype,
+                                                                         scale, z, True)
+        return primitive
+
+    def launch(ctx, x, *_inputs, **_attributes):
+        x = x.contiguous(memory_format=_CL)  # [N, C, H, W], NHWC in memory
+        return built(tuple(x.shape))(x)
+
+    @resizable
+
+    def native_at(size: tuple[int, ...]) -> NativeStep:
+        primitive = built(tuple(size))
+        return NativeStep(tuple(size), tuple(size), same_primitive(primitive), output_dtype=zero.dtype)
+
+    launch.native = native_at(tuned)
+    return launch
+
+
+register(Tactic(
+    name="cpu.quantize.onednn_per_channel", op_type="QuantizeLinear", domain="", device="cpu",
+    dtypes=(torch.float32,), supports=_per_channel_onednn_supports, configure=_scaled_configure,
+    prepare=_prepare_per_channel_onednn, layout="channels_last", available=onednn.available, native=True,
+    description="QuantizeLinear per channel (axis 1) of a 4-D activation as one oneDNN reorder with per-channel "
+                "scales (one zero point), a native-segment member",
 ))

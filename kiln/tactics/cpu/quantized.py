@@ -171,7 +171,7 @@ def _prepare_qconv(step: StepSpec, constants: list[Any], device: torch.device):
         with lock:
             primitive = _built(primitives, tuple(size), build, tuned)
         return NativeStep(tuple(size), primitive.output_size, same_primitive(primitive),
-                          output_dtype=primitive.out_dtype)
+                          output_dtype=primitive.out_dtype, input_dtype=torch.uint8)  # _common: uint8 sources
 
     launch.native = native_at(tuned)
     return launch
@@ -280,7 +280,7 @@ def _prepare_qgemm(step: StepSpec, constants: list[Any], device: torch.device):
         with lock:
             primitive = _built(primitives, math.prod(size[:-1]), build, tuned)
         return NativeStep(tuple(size), (*size[:-1], n), same_primitive(primitive),
-                          output_dtype=primitive.out_dtype)
+                          output_dtype=primitive.out_dtype, input_dtype=torch.uint8)
 
     launch.native = native_at(tuple(step.tactic_config["input_size"]))
     return launch
