@@ -307,6 +307,8 @@ _ELEMENTWISE = {
     "Reciprocal": torch.reciprocal, "Relu": torch.relu, "Sigmoid": torch.sigmoid, "Tanh": torch.tanh,
     "Erf": torch.erf, "Sin": torch.sin, "Cos": torch.cos, "Floor": torch.floor, "Ceil": torch.ceil,
     "Gelu": F.gelu, "GeluTanh": lambda x: F.gelu(x, approximate="tanh"),
+    # an E4M3 tensor and its per-tensor scale (kiln/passes/fusion/elementwise_dequantize.py): DequantizeLinear
+    "Dequantize": lambda q, scale: (q.to(torch.float32) * scale.to(torch.float32)).to(scale.dtype),
 }
 
 

@@ -23,9 +23,10 @@ from kiln.tactics.tactic import attribute as _attr
 from kiln.tactics.tactic import tensor_input as _input
 
 
-def _float_inputs(inputs: list[InputMeta]) -> bool | str:
+def _float_inputs(inputs: list[InputMeta], fp8: set[int] = frozenset()) -> bool | str:
+    """Float inputs only; those in `fp8` may also be E4M3 (an Elementwise's Dequantize operands)."""
     for k, x in enumerate(inputs):
-        if x.shape is not None and x.dtype not in _FLOAT:
+        if x.shape is not None and x.dtype not in _FLOAT and not (k in fp8 and x.dtype == torch.float8_e4m3fn):
             dtype = str(x.dtype).removeprefix("torch.")
             return f"input {k} is {dtype}: the Triton kernel reads float16/bfloat16/float32"
     return True
@@ -34,12 +35,12 @@ def _float_inputs(inputs: list[InputMeta]) -> bool | str:
 # ---- elementwise chains ------------------------------------------------------------------------
 
 def _elementwise_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
-    floats = _float_inputs(inputs)
+    from kiln.kernels.cuda.triton.elementwise import dequantized_inputs, parse_program
+    floats = _float_inputs(inputs, dequantized_inputs(list(_attr(step, "code", []))))
     if floats is not True:
         return floats
     if any(x.shape is None for x in inputs):
         return "an input is not a tensor"
-    from kiln.kernels.cuda.triton.elementwise import parse_program
     try:
         parse_program(list(_attr(step, "code", [])), len(inputs))
     except ValueError as e:

@@ -49,8 +49,11 @@ UNARY = {
 BINARY = {
     "Add": "{0} + {1}", "Sub": "{0} - {1}", "Mul": "{0} * {1}", "Div": "dm.div({0}, {1})",
     "Pow": "dm.pow({0}, {1})", "Max": "dm.maximum({0}, {1})", "Min": "dm.minimum({0}, {1})",
+    # DequantizeLinear of an E4M3 tensor by its scale: the load widened it to fp32 exactly
+    "Dequantize": "{0} * {1}",
 }
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8 = torch.float8_e4m3fn  # read only as a Dequantize line's first operand
 
 
 def cache_dir() -> Path:
@@ -80,6 +83,12 @@ def parse_program(code: Sequence[str], n_inputs: int) -> list[str]:
     if not lines:
         raise ValueError("kiln::Elementwise: empty program")
     return lines
+
+
+def dequantized_inputs(code: Sequence[str]) -> set[int]:
+    """The inputs read as a Dequantize line's quantized operand: the ones allowed to be E4M3."""
+    return {int(line.split()[1][1:]) for line in code
+            if line.split()[0] == "Dequantize" and line.split()[1][:1] == "i"}
 
 
 def generate_source(body: list[str], kinds: str, rank: int, index64: bool) -> str:
@@ -205,12 +214,17 @@ class ElementwiseKernel:
 
     def _plan(self, inputs: Sequence[torch.Tensor], out: torch.Tensor | None) -> _Launch:
         """Everything about a launch that depends only on the inputs' shapes, strides and dtypes."""
+        quantized = dequantized_inputs(self.code)
         for k, x in enumerate(inputs):
-            if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
-                raise TypeError(f"kiln::Elementwise input {k}: expected a float16/bfloat16/float32 tensor, got "
+            allowed = FLOAT_DTYPES + ((FP8,) if k in quantized else ())
+            if not isinstance(x, torch.Tensor) or x.dtype not in allowed:
+                raise TypeError(f"kiln::Elementwise input {k}: expected a float16/bfloat16/float32 tensor"
+                                f"{' or float8_e4m3fn' if k in quantized else ''}, got "
                                 f"{getattr(x, 'dtype', type(x).__name__)} (use the torch implementation)")
         shape = torch.broadcast_shapes(*(x.shape for x in inputs))
-        sized = [x for x in inputs if x.dim() > 0] or list(inputs)  # 0-d inputs do not decide the type (torch rule)
+        # 0-d inputs do not decide the type (torch rule), nor E4M3 ones: a Dequantize writes its scale's dtype
+        floats = [x for x in inputs if x.dtype != FP8]
+        sized = [x for x in floats if x.dim() > 0] or floats
         dtype = sized[0].dtype
         for x in sized[1:]:
             dtype = torch.promote_types(dtype, x.dtype)
@@ -265,4 +279,4 @@ def compile_elementwise(code: list[str], n_inputs: int) -> Callable[..., torch.T
     return _COMPILED[key]
 
 
-__all__ = ["compile_elementwise", "ElementwiseKernel", "parse_program", "generate_source"]
+__all__ = ["compile_elementwise", "ElementwiseKernel", "parse_program", "generate_source", "dequantized_inputs"]
