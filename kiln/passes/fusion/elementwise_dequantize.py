@@ -79,7 +79,9 @@ def fuse_dequantize_into_elementwise(node: ir.Node, report: PassReport) -> bool:
             continue
         inputs = [v for j, v in enumerate(node.inputs) if j != k] + [x, params.scale_value]
         fused_code = _with_input_dequantized(code, k, len(inputs) - 1)
-        fused = ir.Node(KILN_DOMAIN, "Elementwise", inputs, [ir.AttrStrings("code", fused_code)], name=node.name)
+        # the storage type, which the program's float32 scales no longer give (the builder's precision lowers it)
+        attributes = [ir.AttrStrings("code", fused_code), ir.AttrInt64("output_dtype", int(out_dtype))]
+        fused = ir.Node(KILN_DOMAIN, "Elementwise", inputs, attributes, name=node.name)
         replace_with([dq, node], fused, node.outputs[0], insert_before=node)
         return True
     return False

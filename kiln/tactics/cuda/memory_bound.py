@@ -15,6 +15,9 @@ from typing import Any
 
 import torch
 
+from kiln.ir import dtypes
+from kiln.ops.fused import dequantized_inputs
+
 from kiln.plan.spec import StepSpec
 from kiln.tactics.cuda.library import _FLOAT, _broadcasts_to, _kernels, _same_dtype, triton_available
 from kiln.tactics.registry import register
@@ -35,7 +38,7 @@ def _float_inputs(inputs: list[InputMeta], fp8: set[int] = frozenset()) -> bool 
 # ---- elementwise chains ------------------------------------------------------------------------
 
 def _elementwise_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
-    from kiln.kernels.cuda.triton.elementwise import dequantized_inputs, parse_program
+    from kiln.kernels.cuda.triton.elementwise import parse_program
     floats = _float_inputs(inputs, dequantized_inputs(list(_attr(step, "code", []))))
     if floats is not True:
         return floats
@@ -49,7 +52,9 @@ def _elementwise_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str
 
 
 def _prepare_elementwise(step: StepSpec, constants: list[Any], device: torch.device):
-    kernel = _kernels().compile_elementwise(list(step.attributes["code"]), len(step.inputs))
+    output_dtype = step.attributes.get("output_dtype")  # a program with Dequantize lines (its scales float32)
+    kernel = _kernels().compile_elementwise(list(step.attributes["code"]), len(step.inputs),
+                                            dtypes.from_onnx(output_dtype).torch if output_dtype else None)
 
     def launch(ctx, *inputs, **_attributes):
         return kernel(*inputs)  # one read of each input, one write, the chain in fp32 registers
