@@ -135,3 +135,60 @@ def test_bert_tiny_fp8_qdq_keeps_only_the_residual_dequantizes_on_cuda(tmp_path)
              and any(line.startswith("Dequantize") for a in n.attributes.values() if a.name == "code"
                      for line in a.value)]
     assert len(fused) == 12 == report.fired.get("fuse_dequantize_into_elementwise"), (len(fused), report.fired)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_bert_tiny_fp8_qdq_engine_on_the_fused_chains_is_onnxruntime(tmp_path, monkeypatch, precision):
+    """The CUDA build's graph (fusion.CUDA_RULES) built for the CPU with cuda.elementwise.triton registered there (the
+    interpreter): the builder's check passes it on the chains that read E4M3, and the engine forced onto it is
+    onnxruntime (its Q/DQ as written) within the model's coarsest per-tensor scale, as the CPU engine is
+    (tests/models/test_qdq_bert_attention.py). fp16: the chains' scales stay float32, their output fp16; the fp16
+    engine is itself 8 coarsest steps from onnxruntime's fp32 (0.081 vs 0.010, with or without the rule: the float
+    layers' rounding), so it is held to the fp16 engine built without the rule, within the same step."""
+    import dataclasses
+
+    import kiln
+    from kiln import zoo
+    from kiln.builder import build as build_module
+    from kiln.zoo.models import make_inputs
+    from tests.calibration import coarsest_scale, quantize_transformer, reference_session
+    from tests.unit.tactic_check import cuda_tactics_on_cpu
+
+    name = "cuda.elementwise.triton"
+    exported = zoo.export("bert_tiny", batch=2, seq=16, dynamic=True)
+    calibration = [make_inputs(zoo.get("bert_tiny"), batch=4, seq=16, seed=s) for s in (1, 2)]
+    path = str(tmp_path / "qdq.onnx")
+    quantize_transformer(str(exported.path), path, calibration, "fp8")
+    cuda_tactics_on_cpu(monkeypatch, lambda tactic: tactic == name)
+    plain = build_module.pass_options
+    monkeypatch.setattr(build_module, "pass_options", lambda config: dataclasses.replace(
+        plain(config), cuda_rules=True, cpu_rules=False, unsigned_activations=False))  # the CUDA build's graph
+    from kiln.passes import fusion
+    unfused_rules = [rule for rule in fusion.RULES if rule[0] != "fuse_dequantize_into_elementwise"]
+    with monkeypatch.context() as patch:
+        patch.setattr(fusion, "RULES", unfused_rules)
+        unfused = kiln.build(path, device="cpu", precision=precision, tuning_runs=2)
+    assert not any(line.startswith("Dequantize") for s in unfused.plan.program.steps
+                   for line in s.attributes.get("code", ()))
+    engine = kiln.build(path, device="cpu", precision=precision, tuning_runs=2)
+    fused = [s for s in engine.plan.program.steps if s.op_type == "Elementwise"
+             and any(line.startswith("Dequantize") for line in s.attributes["code"])]
+    assert len(fused) == 12
+    layers = engine.plan.header["tactics"]["layers"]
+    rejected = {n: note for layer in layers.values() for n, note in layer["candidates"].items()
+                if isinstance(note, str) and "rejected" in note}
+    assert not rejected, rejected
+    for step in fused:  # on the CPU the interpreter never wins a timing
+        step.tactic, step.tactic_config = name, {}
+    on_kernel = kiln.Engine(engine.plan)
+    coarsest = coarsest_scale(path)
+    session = reference_session(path)
+    for seed in (7, 8):
+        feeds = make_inputs(zoo.get("bert_tiny"), batch=3, seq=16, seed=seed)
+        output = session.get_outputs()[0].name
+        want = session.run(None, feeds)[0] if precision == "fp32" else \
+            np.asarray(unfused.run(feeds)[output], dtype=np.float32)
+        got = np.asarray(on_kernel.run(feeds)[output], dtype=np.float32)
+        assert np.abs(got - want).max() <= coarsest, (np.abs(got - want).max(), coarsest)
+        assert np.abs(want).max() > 10 * coarsest
