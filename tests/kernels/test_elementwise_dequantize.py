@@ -200,3 +200,19 @@ def test_bert_tiny_fp8_qdq_engine_on_the_fused_chains_is_onnxruntime(tmp_path, m
         got = np.asarray(on_kernel.run(feeds)[output], dtype=np.float32)
         assert np.abs(got - want).max() <= coarsest, (np.abs(got - want).max(), coarsest)
         assert np.abs(want).max() > 10 * coarsest
+
+
+def test_the_cuda_tactic_takes_e4m3_only_where_a_dequantize_reads_it():
+    from kiln.plan.spec import StepSpec
+    from kiln.tactics import registry
+    from kiln.tactics.tactic import InputMeta
+
+    tactic = registry.all_tactics("cuda")["cuda.elementwise.triton"]
+    q, scale, bias = _fp8((2, 8), seed=1), torch.tensor(0.5), torch.randn(8)
+    alone = StepSpec(op_type="Elementwise", domain="kiln", name="gelu", inputs=["q", "s"], outputs=["y"],
+                     attributes={"code": ["Dequantize i0 i1", "Gelu t0"], "output_dtype": 1})
+    assert tactic.check(alone, [InputMeta.of(q, False), InputMeta.of(scale, True)]) is True
+    added = StepSpec(op_type="Elementwise", domain="kiln", name="add", inputs=["q", "b"], outputs=["y"],
+                     attributes={"code": ["Add i0 i1"]})
+    why = tactic.check(added, [InputMeta.of(q, False), InputMeta.of(bias, True)])
+    assert isinstance(why, str) and "float8_e4m3fn" in why, why

@@ -63,7 +63,10 @@ def _prepare_elementwise(step: StepSpec, constants: list[Any], device: torch.dev
 
 
 register(Tactic(
-    name="cuda.elementwise.triton", op_type="Elementwise", domain="kiln", device="cuda", dtypes=_FLOAT,
+    # E4M3 too: a chain of one dequantized input (Gelu(DQ(q))) has it first; _elementwise_supports admits E4M3
+    # only where a Dequantize line reads it
+    name="cuda.elementwise.triton", op_type="Elementwise", domain="kiln", device="cuda",
+    dtypes=_FLOAT + (torch.float8_e4m3fn,),
     supports=_elementwise_supports, prepare=_prepare_elementwise, available=triton_available,
     description="the elementwise chain as one generated Triton kernel (fp32 math, one pass over memory)",
 ))
