@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kiln.ops.fused import dequantize_scales
+from kiln.ops.fused import quantization_scales
 from kiln.ops.quantized import QUANTIZED_LAYERS
 from kiln.plan.spec import ProgramSpec
 
@@ -41,7 +41,7 @@ def lower_precision(program: ProgramSpec, weights: dict[str, Any], precision: st
     keep: set[str] = set()
     readers: dict[str, list[bool]] = {}
     for step in program.steps:
-        scales = dequantize_scales(step.attributes.get("code", ())) if step.op_type == "Elementwise" else set()
+        scales = quantization_scales(step.attributes.get("code", ())) if step.op_type == "Elementwise" else set()
         for i, value in enumerate(step.inputs):
             if (step.op_type, i) in KEEP_FP32_INPUTS | QUANTIZATION_SCALES or i in scales:
                 keep.add(value)

@@ -311,6 +311,9 @@ _ELEMENTWISE = {
     "Gelu": F.gelu, "GeluTanh": lambda x: F.gelu(x, approximate="tanh"),
     # an E4M3 tensor and its per-tensor scale (kiln/passes/fusion/elementwise_dequantize.py): DequantizeLinear
     "Dequantize": lambda q, scale: q.to(torch.float32) * scale.to(torch.float32),
+    # ... and the chain's result to E4M3 (the program's last line): QuantizeLinear, saturating at ±448, nearest-even
+    "Quantize": lambda v, scale: (v.to(torch.float32) / scale.to(torch.float32)).clamp(-448.0, 448.0).to(
+        torch.float8_e4m3fn),
 }
 
 
@@ -319,9 +322,10 @@ def dequantized_inputs(code) -> set[int]:
     return {int(line.split()[1][1:]) for line in code if line.split()[0] == "Dequantize" and line.split()[1][0] == "i"}
 
 
-def dequantize_scales(code) -> set[int]:
-    """The inputs read as a Dequantize line's scale: float32 in every precision (kiln/builder/precision.py)."""
-    return {int(line.split()[2][1:]) for line in code if line.split()[0] == "Dequantize" and line.split()[2][0] == "i"}
+def quantization_scales(code) -> set[int]:
+    """The inputs read as a Dequantize / Quantize line's scale: float32 in every precision (kiln/builder/precision.py)."""
+    return {int(line.split()[2][1:]) for line in code
+            if line.split()[0] in ("Dequantize", "Quantize") and line.split()[2][0] == "i"}
 
 
 @register("Elementwise", domain="kiln")

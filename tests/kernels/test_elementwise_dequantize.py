@@ -72,7 +72,7 @@ def test_the_rule_takes_the_dequantize_into_the_chain_and_keeps_its_values():
     want = ReferenceEvaluator(model).run(None, {"q": _as_onnx_fp8(q)})[0]
     inputs = {v.name: v for v in nodes[0].inputs}
     bias = torch.from_numpy(np.array(inputs["bias"].const_value.numpy()))
-    scale = torch.from_numpy(np.asarray(inputs["s"].const_value.numpy()))
+    scale = torch.from_numpy(np.array(inputs["s"].const_value.numpy()))
     got = elementwise(None, bias, q, scale, code=list(code), output_dtype=1)
     # Gelu's erf in float32 (torch) vs onnx.reference's float64-then-float32: a few fp32 ulps
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-6, atol=1e-6)
@@ -120,9 +120,10 @@ def test_the_kernel_reads_e4m3_and_is_dequantize_then_the_chain(out):
 
 
 def test_bert_tiny_fp8_qdq_keeps_only_the_residual_dequantizes_on_cuda(tmp_path):
-    """Per encoder layer onnxruntime's QDQ BERT left 8 DequantizeLinear and 4 bias Adds of their own on a CUDA build
-    (bench/results/gpu-s21-2026-12-06.md section 5): 6 GEMM outputs' DQs now sit in the chains reading them; the
-    2 residual DQs (of LayerNormQuantize's 8-bit output, read by the next norm) stay."""
+    """Per encoder layer onnxruntime's QDQ BERT left 8 DequantizeLinear, 4 QuantizeLinear and 4 bias Adds of their
+    own on a CUDA build (bench/results/gpu-s21-2026-12-06.md section 5): 6 GEMM outputs' DQs now sit in the chains
+    reading them, the 4 Qs at their ends; the 2 residual DQs (of LayerNormQuantize's 8-bit output, read by the next
+    norm) stay."""
     from kiln import zoo
     from kiln.zoo.models import make_inputs
     from tests.calibration import quantize_transformer
@@ -136,6 +137,8 @@ def test_bert_tiny_fp8_qdq_keeps_only_the_residual_dequantizes_on_cuda(tmp_path)
     ops = [n.op_type for n in graph]
     assert ops.count("DequantizeLinear") == 4, ops  # 2 layers x the 2 residuals
     assert ops.count("Add") == 1, ops  # the embeddings' sum only
+    assert ops.count("QuantizeLinear") == 0, ops  # q (scaled), k (scaled), v, Gelu: each chain stores E4M3
+    assert report.fired.get("fuse_quantize_into_elementwise") == 8, report.fired
     for node in graph:
         if node.op_type == "DequantizeLinear":
             assert {u.op_type for u, _ in node.outputs[0].uses()} <= {"LayerNormQuantize", "LayerNorm"}, node.name
@@ -173,7 +176,8 @@ def test_bert_tiny_fp8_qdq_engine_on_the_fused_chains_is_onnxruntime(tmp_path, m
     monkeypatch.setattr(build_module, "pass_options", lambda config: dataclasses.replace(
         plain(config), cuda_rules=True, cpu_rules=False, unsigned_activations=False))  # the CUDA build's graph
     from kiln.passes import fusion
-    unfused_rules = [rule for rule in fusion.RULES if rule[0] != "fuse_dequantize_into_elementwise"]
+    unfused_rules = [rule for rule in fusion.RULES
+                     if rule[0] not in ("fuse_dequantize_into_elementwise", "fuse_quantize_into_elementwise")]
     with monkeypatch.context() as patch:
         patch.setattr(fusion, "RULES", unfused_rules)
         unfused = kiln.build(path, device="cpu", precision=precision, tuning_runs=2)
@@ -181,8 +185,8 @@ def test_bert_tiny_fp8_qdq_engine_on_the_fused_chains_is_onnxruntime(tmp_path, m
                    for line in s.attributes.get("code", ()))
     engine = kiln.build(path, device="cpu", precision=precision, tuning_runs=2)
     fused = [s for s in engine.plan.program.steps if s.op_type == "Elementwise"
-             and any(line.startswith("Dequantize") for line in s.attributes["code"])]
-    assert len(fused) == 12
+             and any(line.startswith(("Dequantize", "Quantize")) for line in s.attributes["code"])]
+    assert len(fused) == 14
     layers = engine.plan.header["tactics"]["layers"]
     rejected = {n: note for layer in layers.values() for n, note in layer["candidates"].items()
                 if isinstance(note, str) and "rejected" in note}

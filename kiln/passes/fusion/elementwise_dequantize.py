@@ -9,6 +9,14 @@ and 48 single bias Adds on torch's kernel (bench/results/gpu-s21-2026-12-06.md s
 tensor and a float intermediate where one pass reading 8 bits does. Exact: DQ(q) = float32(q)·s for E4M3 (zero
 point 0), which is what the kernel computes before the chain's first op, in fp32 as the chain's other lines.
 CUDA only (fusion.CUDA_RULES): the CPU's native Elementwise reads float32 inputs only.
+
+    chain ─ QuantizeLinear(s, E4M3 0)     =>     Elementwise[..., "Quantize t<last> i<s>"]   (output E4M3)
+
+The same for the QuantizeLinear after a chain (q/k/v before the attention, the FFN's Gelu before the down GEMM:
+48 standalone layers in BERT-base): the kernel divides by the scale (IEEE), saturates and rounds onto the E4M3
+grid as kiln's other fp8 kernels (qmath.round_to_e4m3) and stores 8 bits. The chain is no longer rounded to the
+storage dtype before the division (fp32 registers): a near-tie may land one E4M3 step the other way, as the
+builder's check allows a quantized output (kiln/builder/accuracy.py integer_steps).
 """
 
 from __future__ import annotations
@@ -20,9 +28,10 @@ import onnx_ir as ir
 
 from kiln.passes._rewrite import KILN_DOMAIN, PassReport, attr, const, consumers, dtype_of, replace_with
 from kiln.passes.fusion.elementwise import _op_name
-from kiln.passes.fusion.qdq_propagate import dequantized
+from kiln.passes.fusion.qdq_propagate import dequantized, qparams
 
 RULE = "fuse_dequantize_into_elementwise"
+RULE_QUANTIZE = "fuse_quantize_into_elementwise"
 FP8_TYPES = (ir.DataType.FLOAT8E4M3FN,)
 
 
@@ -85,3 +94,32 @@ def fuse_dequantize_into_elementwise(node: ir.Node, report: PassReport) -> bool:
         replace_with([dq, node], fused, node.outputs[0], insert_before=node)
         return True
     return False
+
+
+def fuse_quantize_into_elementwise(node: ir.Node, report: PassReport) -> bool:
+    # Q(Elementwise(..), s, 0 E4M3) -> Elementwise(.., s)[.., "Quantize t<last> i<s>"]
+    if node.op_type != "QuantizeLinear" or node.domain not in ("", "ai.onnx"):
+        return False
+    params = qparams(node)
+    chain = node.inputs[0].producer() if node.inputs[0] is not None else None
+    code = _program(chain) if chain is not None else None
+    if params is None or code is None or ir.DataType.from_numpy(params.zero_point.dtype) not in FP8_TYPES:
+        return False
+    why = None
+    if not params.per_tensor:
+        why = "the QuantizeLinear is per channel"
+    elif np.any(params.zero_point.astype(np.float32) != 0) or attr(node, "saturate", 1) != 1:
+        why = "an E4M3 zero point other than 0, or no saturation"
+    elif consumers(node.inputs[0]) != [node] or node.inputs[0].is_graph_output():
+        why = "the chain's float result has other readers: it stays a tensor of its own"
+    elif any(line.split()[0] == "Quantize" for line in code):
+        why = "the chain already ends in a Quantize"
+    if why is not None:
+        report.refuse(RULE_QUANTIZE, node, why)
+        return False
+    inputs = [*chain.inputs, params.scale_value]
+    fused_code = [*code, f"Quantize t{len(code) - 1} i{len(inputs) - 1}"]
+    attributes = [ir.AttrStrings("code", fused_code), ir.AttrInt64("output_dtype", int(ir.DataType.FLOAT8E4M3FN))]
+    fused = ir.Node(KILN_DOMAIN, "Elementwise", inputs, attributes, name=chain.name)
+    replace_with([chain, node], fused, node.outputs[0])
+    return True

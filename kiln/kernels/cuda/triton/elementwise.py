@@ -35,7 +35,7 @@ import torch
 import triton
 
 from kiln.ops._util import merge_walked_dims
-from kiln.ops.fused import dequantize_scales, dequantized_inputs
+from kiln.ops.fused import quantization_scales, dequantized_inputs
 
 BLOCK = 1024
 NUM_WARPS = 4
@@ -52,6 +52,9 @@ BINARY = {
     "Pow": "dm.pow({0}, {1})", "Max": "dm.maximum({0}, {1})", "Min": "dm.minimum({0}, {1})",
     # DequantizeLinear of an E4M3 tensor by its scale: the load widened it to fp32 exactly
     "Dequantize": "{0} * {1}",
+    # QuantizeLinear to E4M3 (a program's last line): IEEE division, saturated, rounded onto the grid in fp32
+    # arithmetic (qmath: the interpreter's own fp8 conversion rounds wrongly), so the fp8 store is exact
+    "Quantize": "qm.round_to_e4m3(dm.div({0}, {1}))",
 }
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8 = torch.float8_e4m3fn  # read only as a Dequantize line's first operand
@@ -72,6 +75,8 @@ def parse_program(code: Sequence[str], n_inputs: int) -> list[str]:
         if table is None:
             raise ValueError(f"kiln::Elementwise line {k} {line!r}: op {op!r} has no Triton form "
                              f"(known: {sorted(UNARY) + sorted(BINARY)})")
+        if op == "Quantize" and k != len(code) - 1:
+            raise ValueError(f"kiln::Elementwise line {k} {line!r}: Quantize ends a program (its E4M3 is the output)")
         arity = 1 if table is UNARY else 2
         if len(args) != arity:
             raise ValueError(f"kiln::Elementwise line {k} {line!r}: {op} takes {arity} operand(s), got {len(args)}")
@@ -101,6 +106,7 @@ def generate_source(body: list[str], kinds: str, rank: int, index64: bool,
         "import triton",
         "import triton.language as tl",
         "from kiln.kernels.cuda.triton import device_math as dm",
+        "from kiln.kernels.cuda.triton import qmath as qm",
         "",
         "",
         "@triton.jit",
@@ -213,7 +219,7 @@ class ElementwiseKernel:
 
     def _plan(self, inputs: Sequence[torch.Tensor], out: torch.Tensor | None) -> _Launch:
         """Everything about a launch that depends only on the inputs' shapes, strides and dtypes."""
-        quantized, scales = dequantized_inputs(self.code), dequantize_scales(self.code)
+        quantized, scales = dequantized_inputs(self.code), quantization_scales(self.code)
         for k, x in enumerate(inputs):
             allowed = FLOAT_DTYPES + ((FP8,) if k in quantized else ())
             if not isinstance(x, torch.Tensor) or x.dtype not in allowed:
