@@ -220,3 +220,50 @@ def test_the_cuda_tactic_takes_e4m3_only_where_a_dequantize_reads_it():
                      attributes={"code": ["Add i0 i1"]})
     why = tactic.check(added, [InputMeta.of(q, False), InputMeta.of(bias, True)])
     assert isinstance(why, str) and "float8_e4m3fn" in why, why
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.float16], ids=str)
+def test_the_kernel_quantizes_as_quantize_linear_bit_for_bit(x_dtype):
+    """A chain ending in Quantize (Mul by a constant, then E4M3) against ONNX's QuantizeLinear of the chain's fp32
+    result: ties of the E4M3 grid (to even), saturation past ±448, values rounding to ∓0, subnormals."""
+    from kiln.ops.quantization import quantize_linear
+    from kiln.ops.registry import OpContext
+
+    scale = torch.tensor(0.0625)  # a power of two: the ties below stay ties after the division
+    x = torch.randn(4, 9, 33, generator=torch.Generator().manual_seed(9)) * 8
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(FP8).float()  # E4M3 values 0 .. 448
+    ties = (grid[1:] + grid[:-1]) / 2 * 0.0625  # x·2 / scale lands on each midpoint
+    x.view(-1)[:ties.numel()] = ties / 2
+    x.view(-1)[ties.numel():ties.numel() + 4] = torch.tensor([1e4, -1e4, -1e-9, 3e-4])
+    x = x.to(x_dtype)
+    two = torch.tensor(2.0, dtype=x_dtype)
+    code = ["Mul i0 i1", "Quantize t0 i2"]
+    got = compile_elementwise(code, 3, FP8)(x.to(DEVICE), two.to(DEVICE), scale.to(DEVICE)).cpu()
+    want = quantize_linear(OpContext("q", "QuantizeLinear"), x.float() * 2, scale, torch.tensor(0.0).to(FP8))
+    assert got.dtype == FP8 and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    reference = elementwise(None, x, two, scale, code=code, output_dtype=17)
+    if x_dtype == torch.float32:  # kiln's op in fp32: the same
+        assert torch.equal(reference.view(torch.uint8), got.view(torch.uint8))
+
+
+def test_the_rule_ends_the_chain_in_quantize_and_keeps_its_values():
+    """DQ -> Add(bias) -> Gelu -> Q(E4M3) as one Elementwise reading and writing E4M3, against onnx.reference."""
+    model = _bias_gelu_model(0.043)
+    graph = model.graph
+    graph.node.append(helper.make_node("QuantizeLinear", ["y", "ys", "z"], ["yq"], name="q"))
+    graph.initializer.append(numpy_helper.from_array(np.array(0.021, np.float32), "ys"))
+    graph.output[0].CopyFrom(helper.make_tensor_value_info("yq", TensorProto.FLOAT8E4M3FN, [2, 5, 64]))
+    report = PassReport()
+    nodes = list(optimize(onnx_frontend.load(model.SerializeToString()), CUDA, report).graph)
+    assert [n.op_type for n in nodes] == ["Elementwise"], [n.op_type for n in nodes]
+    code = list(nodes[0].attributes["code"].value)
+    assert code == ["Dequantize i1 i2", "Add t0 i0", "Gelu t1", "Quantize t2 i3"], code
+    q = _fp8((2, 5, 64), seed=12)
+    want = ReferenceEvaluator(model).run(None, {"q": _as_onnx_fp8(q)})[0]
+    want = torch.from_numpy(np.ascontiguousarray(want).view(np.uint8))
+    args = [torch.from_numpy(np.array(v.const_value.numpy())) if v.const_value is not None else q
+            for v in nodes[0].inputs]
+    got = compile_elementwise(code, 4, FP8)(*[a.to(DEVICE) for a in args]).cpu().view(torch.uint8)
+    # Gelu's erf: fp32 (Triton) vs onnx.reference's float64 -> float32, a few ulps: a near-tie one E4M3 step apart
+    apart = (got.to(torch.int32) - want.to(torch.int32)).abs()
+    assert apart.max() <= 1 and (apart > 0).float().mean() <= 0.01, apart.max()
