@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Device check for h-qadd (issue 12, <= 4 min, no carry): onnxruntime's FP8 QDQ BERT-base (bert_b64, 64 x 384,
-# --opt-level 2) before and after the E4M3 DequantizeLinear joined the elementwise chains reading it
-# (kiln/passes/fusion/elementwise_dequantize.py): kiln_fp8_dq_unfused is the engine with that rule dropped,
+# --opt-level 2) before and after the E4M3 DequantizeLinear / QuantizeLinear joined the elementwise chains around
+# them (kiln/passes/fusion/elementwise_dequantize.py): kiln_fp8_dq_unfused is the engine with those rules dropped,
 # kiln_fp8 the default. Section 5 of bench/results/gpu-s21-2026-12-06.md (H100): kiln_fp8 17.57 ms, kiln fp16
-# 10.17, 96 standalone DequantizeLinear (7.42 ms eager), 49 torch Adds (3.67 ms). Prints the engines table (ms, the
+# 10.17, 96 standalone DequantizeLinear (7.42 ms eager), 48 QuantizeLinear (3.87), 49 torch Adds (3.67). Prints the engines table (ms, the
 # layer counts in "8-bit layers") and the eager profile's top kinds per engine. Logs in $OUT.
 set -u
 . "$(dirname "$0")/device_env.sh" kiln-qadd

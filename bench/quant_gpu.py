@@ -247,8 +247,8 @@ def layers_table(rows: list[dict]) -> list[str]:
 ENGINES = {"resnet50_b256": ("resnet50", 256, None), "bert_b64": ("bert_base", 64, 384)}
 HALF = "fp16"  # kiln's float precision around the 8-bit layers
 MODES = ("torch_fp16", "kiln_fp16", "kiln_int8", "kiln_fp8", "kiln_fp8_ptq", "kiln_int8_unfused", "kiln_fp8_dq_unfused")
-# kiln_fp8_dq_unfused: kiln_fp8 with the E4M3 DequantizeLinear left out of the elementwise chains reading them
-# (kiln/passes/fusion/elementwise_dequantize.py dropped): the engine before that fusion, in the same run
+# kiln_fp8_dq_unfused: kiln_fp8 with the E4M3 DequantizeLinear / QuantizeLinear left out of the elementwise chains
+# around them (kiln/passes/fusion/elementwise_dequantize.py's two rules dropped): the engine before, in the same run
 # kiln_fp8_ptq: kiln's own FP8 post-training quantization (kiln.build(precision="fp8", calibration=...)): per-tensor
 # E4M3 weights, every GEMM a kiln::QGemm, LayerNorms writing fp8 (LayerNormQuantize), the FFN up projection's Gelu
 # writing fp8; the autotuner times each 8-bit layer against its fp16 form
@@ -450,8 +450,9 @@ def engine_row(key: str, mode: str, opt_level: int, profile: bool = False) -> di
     else:
         if mode in ("kiln_int8_unfused", "kiln_fp8_dq_unfused"):  # this process builds one engine: the rule list
             from kiln.passes import fusion  # is changed for it alone
-            dropped = "fuse_quantized_residual" if mode == "kiln_int8_unfused" else "fuse_dequantize_into_elementwise"
-            fusion.RULES = [(rule_name, rule) for rule_name, rule in fusion.RULES if rule_name != dropped]
+            dropped = ("fuse_quantized_residual",) if mode == "kiln_int8_unfused" else \
+                ("fuse_dequantize_into_elementwise", "fuse_quantize_into_elementwise")
+            fusion.RULES = [(rule_name, rule) for rule_name, rule in fusion.RULES if rule_name not in dropped]
         calibration = [make_inputs(zoo.get(name), batch=8, seq=seq or 0, seed=s) for s in (1, 2)]
         qdq = os.path.join(tempfile.mkdtemp(), "qdq.onnx")
         # a transformer's GEMMs only: its Adds/Muls of masks give onnxruntime's FP8 histograms degenerate ranges
@@ -468,10 +469,11 @@ def engine_row(key: str, mode: str, opt_level: int, profile: bool = False) -> di
                     f"{len(quantized)} on 8-bit kernels"
     if mode != "kiln_fp16":  # the layers between the 8-bit ones (issue 12: standalone DQ / Q / torch Adds)
         count = lambda op: sum(s.op_type == op for s in steps)  # noqa: E731
-        reads_fp8 = sum(s.op_type == "Elementwise" and any(line.startswith("Dequantize")
-                                                           for line in s.attributes.get("code", ())) for s in steps)
+        fp8_lines = lambda op: sum(s.op_type == "Elementwise" and any(  # noqa: E731
+            line.startswith(op) for line in s.attributes.get("code", ())) for s in steps)
         row["layers"] += f"; DQ {count('DequantizeLinear')}, Q {count('QuantizeLinear')}, Add {count('Add')}, " \
-                         f"Elementwise {count('Elementwise')} ({reads_fp8} reading E4M3)"
+                         f"Elementwise {count('Elementwise')} ({fp8_lines('Dequantize ')} reading E4M3, " \
+                         f"{fp8_lines('Quantize ')} writing it)"
     ctx = engine.create_execution_context()
     got = next(iter(ctx.run(dev).values()))
     row["accuracy"] = _accuracy(name, got, want)
