@@ -246,7 +246,9 @@ def layers_table(rows: list[dict]) -> list[str]:
 
 ENGINES = {"resnet50_b256": ("resnet50", 256, None), "bert_b64": ("bert_base", 64, 384)}
 HALF = "fp16"  # kiln's float precision around the 8-bit layers
-MODES = ("torch_fp16", "kiln_fp16", "kiln_int8", "kiln_fp8", "kiln_fp8_ptq", "kiln_int8_unfused")
+MODES = ("torch_fp16", "kiln_fp16", "kiln_int8", "kiln_fp8", "kiln_fp8_ptq", "kiln_int8_unfused", "kiln_fp8_dq_unfused")
+# kiln_fp8_dq_unfused: kiln_fp8 with the E4M3 DequantizeLinear / QuantizeLinear left out of the elementwise chains
+# around them (kiln/passes/fusion/elementwise_dequantize.py's two rules dropped): the engine before, in the same run
 # kiln_fp8_ptq: kiln's own FP8 post-training quantization (kiln.build(precision="fp8", calibration=...)): per-tensor
 # E4M3 weights, every GEMM a kiln::QGemm, LayerNorms writing fp8 (LayerNormQuantize), the FFN up projection's Gelu
 # writing fp8; the autotuner times each 8-bit layer against its fp16 form
@@ -272,7 +274,7 @@ def _ort_qdq(fp32_path: str, out_path: str, feeds: list[dict], mode: str, op_typ
         def get_next(self):
             return next(self.items, None)
 
-    fp8 = mode == "kiln_fp8"
+    fp8 = mode in ("kiln_fp8", "kiln_fp8_dq_unfused")
     kind = QuantType.QFLOAT8E4M3FN if fp8 else QuantType.QInt8
     # FP8: onnxruntime's default drops every Relu/Clip, trusting the Q after the layer to clip at its zero
     # point, which float8 does not: the model would have no Relu (top-1 = fp32 on 0% in onnxruntime itself).
@@ -446,10 +448,11 @@ def engine_row(key: str, mode: str, opt_level: int, profile: bool = False) -> di
         # max calibration, as TensorRT's FP8 PTQ (ModelOpt) does: E4M3's range is wide, clipping buys little
         engine = kiln.build(path, precision="fp8", calibration=calibration, calibrator="minmax", **build)
     else:
-        if mode == "kiln_int8_unfused":  # this process builds one engine: the rule list is changed for it alone
-            from kiln.passes import fusion
-            fusion.RULES = [(rule_name, rule) for rule_name, rule in fusion.RULES
-                            if rule_name != "fuse_quantized_residual"]
+        if mode in ("kiln_int8_unfused", "kiln_fp8_dq_unfused"):  # this process builds one engine: the rule list
+            from kiln.passes import fusion  # is changed for it alone
+            dropped = ("fuse_quantized_residual",) if mode == "kiln_int8_unfused" else \
+                ("fuse_dequantize_into_elementwise", "fuse_quantize_into_elementwise")
+            fusion.RULES = [(rule_name, rule) for rule_name, rule in fusion.RULES if rule_name not in dropped]
         calibration = [make_inputs(zoo.get(name), batch=8, seq=seq or 0, seed=s) for s in (1, 2)]
         qdq = os.path.join(tempfile.mkdtemp(), "qdq.onnx")
         # a transformer's GEMMs only: its Adds/Muls of masks give onnxruntime's FP8 histograms degenerate ranges
@@ -464,6 +467,13 @@ def engine_row(key: str, mode: str, opt_level: int, profile: bool = False) -> di
     quantized = [s for s in steps if s.op_type in ("QConv", "QGemm", "QAdd", "LayerNormQuantize")]
     row["layers"] = f"{sum(s.tactic.startswith(('cuda.q', 'cuda.layer_norm_quantize')) for s in quantized)}/" \
                     f"{len(quantized)} on 8-bit kernels"
+    if mode != "kiln_fp16":  # the layers between the 8-bit ones (issue 12: standalone DQ / Q / torch Adds)
+        count = lambda op: sum(s.op_type == op for s in steps)  # noqa: E731
+        fp8_lines = lambda op: sum(s.op_type == "Elementwise" and any(  # noqa: E731
+            line.startswith(op) for line in s.attributes.get("code", ())) for s in steps)
+        row["layers"] += f"; DQ {count('DequantizeLinear')}, Q {count('QuantizeLinear')}, Add {count('Add')}, " \
+                         f"Elementwise {count('Elementwise')} ({fp8_lines('Dequantize ')} reading E4M3, " \
+                         f"{fp8_lines('Quantize ')} writing it)"
     ctx = engine.create_execution_context()
     got = next(iter(ctx.run(dev).values()))
     row["accuracy"] = _accuracy(name, got, want)
@@ -473,7 +483,7 @@ def engine_row(key: str, mode: str, opt_level: int, profile: bool = False) -> di
         row["standalone_quantize_steps"] = sum(s.op_type == "QuantizeLinear" for s in steps)
         row["attention_fp8"] = f"{sum(s.tactic.startswith('cuda.attention.triton_fp8') for s in steps)}/" \
                                f"{sum(s.op_type == 'Attention' for s in steps)} on E4M3 tactics"
-    if mode in ("kiln_int8", "kiln_fp8", "kiln_int8_unfused"):
+    if mode in ("kiln_int8", "kiln_fp8", "kiln_int8_unfused", "kiln_fp8_dq_unfused"):
         try:
             row["vs_onnxruntime"] = _onnxruntime_agreement(name, qdq, feeds, got)
         except Exception as e:  # noqa: BLE001  a comparison that cannot run is a note in the row

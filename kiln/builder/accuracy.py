@@ -221,6 +221,10 @@ def integer_steps(ctx) -> int:
         return QUANTIZED_STEPS
     if ctx.domain == "kiln" and ctx.op_type == "Attention":  # an integer output only when quantized
         return QUANTIZED_ATTENTION_STEPS
+    # an Elementwise ending in Quantize (kiln/passes/fusion/elementwise_dequantize.py): its chain in fp32 registers,
+    # the reference's in the storage dtype, a near-tie a step apart (its float outputs ignore integer_steps)
+    if ctx.domain == "kiln" and ctx.op_type == "Elementwise":
+        return QUANTIZED_STEPS
     # a QuantizeLinear kernel may round x·(1/scale) + zero point (oneDNN's reorder): an exact tie, a step apart
     return QUANTIZED_STEPS if ctx.domain in ("", "ai.onnx") and ctx.op_type == "QuantizeLinear" else 0
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from kiln.ops.fused import quantization_scales
 from kiln.ops.quantized import QUANTIZED_LAYERS
 from kiln.plan.spec import ProgramSpec
 
@@ -40,8 +41,9 @@ def lower_precision(program: ProgramSpec, weights: dict[str, Any], precision: st
     keep: set[str] = set()
     readers: dict[str, list[bool]] = {}
     for step in program.steps:
+        scales = quantization_scales(step.attributes.get("code", ())) if step.op_type == "Elementwise" else set()
         for i, value in enumerate(step.inputs):
-            if (step.op_type, i) in KEEP_FP32_INPUTS | QUANTIZATION_SCALES:
+            if (step.op_type, i) in KEEP_FP32_INPUTS | QUANTIZATION_SCALES or i in scales:
                 keep.add(value)
             readers.setdefault(value, []).append(is_pinned(step))
     # Weights only pinned layers read stay fp32: pinning should not start from rounded weights.
@@ -61,6 +63,8 @@ def lower_precision(program: ProgramSpec, weights: dict[str, Any], precision: st
                 step.output_dtypes[:1] == ["float"]:
             # its output type is its scale's, which stays float32 (QUANTIZATION_SCALES): the engine's storage type
             step.attributes["output_dtype"] = onnx_id
+        if step.op_type == "Elementwise" and step.attributes.get("output_dtype") == FLOAT_ID:
+            step.attributes["output_dtype"] = onnx_id  # its Dequantize lines' scales stay float32, as DQ's
         if step.domain == "kiln" and step.op_type in QUANTIZED_LAYERS and \
                 step.attributes.get("output_dtype", FLOAT_ID) == FLOAT_ID:
             # a quantized layer's float output (no y_scale: a float reader) is written in the storage dtype: a

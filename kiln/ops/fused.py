@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kiln.ir import dtypes
+
 from kiln.ops.nn import _conv_params, _pad_spatial, convolution
 from kiln.ops.registry import register
 
@@ -307,23 +309,40 @@ _ELEMENTWISE = {
     "Reciprocal": torch.reciprocal, "Relu": torch.relu, "Sigmoid": torch.sigmoid, "Tanh": torch.tanh,
     "Erf": torch.erf, "Sin": torch.sin, "Cos": torch.cos, "Floor": torch.floor, "Ceil": torch.ceil,
     "Gelu": F.gelu, "GeluTanh": lambda x: F.gelu(x, approximate="tanh"),
+    # an E4M3 tensor and its per-tensor scale (kiln/passes/fusion/elementwise_dequantize.py): DequantizeLinear
+    "Dequantize": lambda q, scale: q.to(torch.float32) * scale.to(torch.float32),
+    # ... and the chain's result to E4M3 (the program's last line): QuantizeLinear, saturating at ±448, nearest-even
+    "Quantize": lambda v, scale: (v.to(torch.float32) / scale.to(torch.float32)).clamp(-448.0, 448.0).to(
+        torch.float8_e4m3fn),
 }
 
 
+def dequantized_inputs(code) -> set[int]:
+    """The inputs an Elementwise program reads as a Dequantize line's quantized operand (may be E4M3)."""
+    return {int(line.split()[1][1:]) for line in code if line.split()[0] == "Dequantize" and line.split()[1][0] == "i"}
+
+
+def quantization_scales(code) -> set[int]:
+    """The inputs read as a Dequantize / Quantize line's scale: float32 in every precision (kiln/builder/precision.py)."""
+    return {int(line.split()[2][1:]) for line in code
+            if line.split()[0] in ("Dequantize", "Quantize") and line.split()[2][0] == "i"}
+
+
 @register("Elementwise", domain="kiln")
-def elementwise(ctx, *inputs, code=None):
+def elementwise(ctx, *inputs, code=None, output_dtype=0):
     """A chain of elementwise ops as a small program: each line `Op a b` reads inputs `i<k>`
     or earlier results `t<k>`, and the last line's result is the output.
 
     On CPU each line is one torch call (the gain is fewer steps); on GPU the same program is
-    what a generated Triton kernel evaluates in one pass.
+    what a generated Triton kernel evaluates in one pass. output_dtype (ONNX id; a program with
+    Dequantize lines, whose float32 scales do not give the storage type): the result's dtype.
     """
     temps: list[torch.Tensor] = []
     for line in code:
         op, *args = line.split()
         values = [inputs[int(a[1:])] if a[0] == "i" else temps[int(a[1:])] for a in args]
         temps.append(_ELEMENTWISE[op](*values))
-    return temps[-1]
+    return temps[-1].to(dtypes.from_onnx(output_dtype).torch) if output_dtype else temps[-1]
 
 
 @register("EmbeddingConcat", domain="kiln")

@@ -418,6 +418,25 @@ def layer_norm_then_per_channel_quantize():
     return model(nodes, [value("x", [2, 8])], [value("y", [2, 8], U8)], inits)
 
 
+def fp8_dequantize_read_twice():
+    """DQ(q E4M3) -> Add(bias), the dequantized tensor also a graph output: it stays a tensor of its own."""
+    import ml_dtypes
+    inits = [("s", np.array(0.05, np.float32)), ("z", np.array(0, ml_dtypes.float8_e4m3fn)),
+             ("bias", np.ones(4, np.float32))]
+    nodes = [node("DequantizeLinear", ["q", "s", "z"], ["x"]), node("Add", ["x", "bias"], ["y"])]
+    return model(nodes, [value("q", [2, 4], TensorProto.FLOAT8E4M3FN)], [value("y", [2, 4]), value("x", [2, 4])],
+                 inits)
+
+
+def fp8_quantize_of_a_chain_read_twice():
+    """Add -> Relu -> Q(E4M3), the Relu's float result also a graph output."""
+    import ml_dtypes
+    inits = [("s", np.array(0.05, np.float32)), ("z", np.array(0, ml_dtypes.float8_e4m3fn))]
+    nodes = [node("Add", ["a", "b"], ["t"]), node("Relu", ["t"], ["r"]), node("QuantizeLinear", ["r", "s", "z"], ["y"])]
+    return model(nodes, [value("a", [2, 4]), value("b", [2, 4])],
+                 [value("y", [2, 4], TensorProto.FLOAT8E4M3FN), value("r", [2, 4])], inits)
+
+
 def qdq_concat_of_two_scales():
     n1, i1 = _quantize("a", 0.05, "a")
     n2, i2 = _quantize("b", 0.07, "b")
@@ -578,6 +597,10 @@ CASES = {
     "elementwise/intermediate_is_an_output": Case("fuse_elementwise", elementwise_chain_read_midway, None),
     "layer_norm_quantize/per_channel": Case("fuse_layer_norm_quantize", layer_norm_then_per_channel_quantize,
                                             "not per tensor"),
+    "dequantize_into_elementwise/read_twice": Case("fuse_dequantize_into_elementwise", fp8_dequantize_read_twice,
+                                                   "other readers"),
+    "quantize_into_elementwise/read_twice": Case("fuse_quantize_into_elementwise", fp8_quantize_of_a_chain_read_twice,
+                                                 "other readers", before=["fuse_elementwise"]),
 }
 
 

@@ -13,6 +13,7 @@ from kiln.passes.fusion.causal_conv import trim_conv_padding
 from kiln.passes.fusion.conv import fuse_conv, fuse_conv_final_activation
 from kiln.passes.fusion.conv1d import conv1d_as_conv2d, conv1d_mean_as_global_pool
 from kiln.passes.fusion.elementwise import fuse_elementwise
+from kiln.passes.fusion.elementwise_dequantize import fuse_dequantize_into_elementwise, fuse_quantize_into_elementwise
 from kiln.passes.fusion.embedding_concat import fuse_embedding_concat
 from kiln.passes.fusion.gelu import fuse_gelu
 from kiln.passes.fusion.gemm import fuse_gemm
@@ -70,6 +71,8 @@ RULES = [
     ("fuse_skip_layer_norm", fuse_skip_layer_norm),
     ("fuse_layer_norm_quantize", fuse_layer_norm_quantize),  # after the residual joins the norm: Q in its store
     ("fuse_elementwise", fuse_elementwise),
+    ("fuse_dequantize_into_elementwise", fuse_dequantize_into_elementwise),  # an E4M3 tensor read by the chain
+    ("fuse_quantize_into_elementwise", fuse_quantize_into_elementwise),  # ... and its result stored as E4M3
     ("drop_zero_initial_states", drop_zero_initial_states),  # a dynamic batch's zero states: absent
     ("constant_reshape_target", constant_reshape_target),  # a dynamic batch's shape arithmetic: 0 and -1
     ("split_as_slices", split_as_slices),  # after every rule that reads a Split: the rest cut segments
@@ -86,6 +89,6 @@ CPU_RULES = {"fuse_squeeze_excite", "fuse_conv_final_activation", "conv1d_as_con
 # Rules only a build for CUDA asks for (PassOptions.cuda_rules): every CUDA tactic of their fused op takes
 # it, the CPU's do not (a QConv with a residual would run as the float64 reference there).
 CUDA_RULES = {"fuse_quantized_residual", "fuse_quantized_residual_fp8", "fuse_layer_norm_quantize",
-              "fold_quantize_into_stem"}
+              "fold_quantize_into_stem", "fuse_dequantize_into_elementwise", "fuse_quantize_into_elementwise"}
 # Rules tried from opt_level 3 only: their fused layers are not yet measured on a GPU (default builds unchanged)
 LEVEL3_RULES = {"fuse_quantized_residual_fp8"}

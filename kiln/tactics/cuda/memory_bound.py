@@ -15,6 +15,9 @@ from typing import Any
 
 import torch
 
+from kiln.ir import dtypes
+from kiln.ops.fused import dequantized_inputs
+
 from kiln.plan.spec import StepSpec
 from kiln.tactics.cuda.library import _FLOAT, _broadcasts_to, _kernels, _same_dtype, triton_available
 from kiln.tactics.registry import register
@@ -23,9 +26,10 @@ from kiln.tactics.tactic import attribute as _attr
 from kiln.tactics.tactic import tensor_input as _input
 
 
-def _float_inputs(inputs: list[InputMeta]) -> bool | str:
+def _float_inputs(inputs: list[InputMeta], fp8: set[int] = frozenset()) -> bool | str:
+    """Float inputs only; those in `fp8` may also be E4M3 (an Elementwise's Dequantize operands)."""
     for k, x in enumerate(inputs):
-        if x.shape is not None and x.dtype not in _FLOAT:
+        if x.shape is not None and x.dtype not in _FLOAT and not (k in fp8 and x.dtype == torch.float8_e4m3fn):
             dtype = str(x.dtype).removeprefix("torch.")
             return f"input {k} is {dtype}: the Triton kernel reads float16/bfloat16/float32"
     return True
@@ -34,12 +38,12 @@ def _float_inputs(inputs: list[InputMeta]) -> bool | str:
 # ---- elementwise chains ------------------------------------------------------------------------
 
 def _elementwise_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
-    floats = _float_inputs(inputs)
+    from kiln.kernels.cuda.triton.elementwise import parse_program
+    floats = _float_inputs(inputs, dequantized_inputs(list(_attr(step, "code", []))))
     if floats is not True:
         return floats
     if any(x.shape is None for x in inputs):
         return "an input is not a tensor"
-    from kiln.kernels.cuda.triton.elementwise import parse_program
     try:
         parse_program(list(_attr(step, "code", [])), len(inputs))
     except ValueError as e:
@@ -48,7 +52,9 @@ def _elementwise_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str
 
 
 def _prepare_elementwise(step: StepSpec, constants: list[Any], device: torch.device):
-    kernel = _kernels().compile_elementwise(list(step.attributes["code"]), len(step.inputs))
+    output_dtype = step.attributes.get("output_dtype")  # a program with Dequantize lines (its scales float32)
+    kernel = _kernels().compile_elementwise(list(step.attributes["code"]), len(step.inputs),
+                                            dtypes.from_onnx(output_dtype).torch if output_dtype else None)
 
     def launch(ctx, *inputs, **_attributes):
         return kernel(*inputs)  # one read of each input, one write, the chain in fp32 registers
@@ -57,7 +63,10 @@ def _prepare_elementwise(step: StepSpec, constants: list[Any], device: torch.dev
 
 
 register(Tactic(
-    name="cuda.elementwise.triton", op_type="Elementwise", domain="kiln", device="cuda", dtypes=_FLOAT,
+    # E4M3 too: a chain of one dequantized input (Gelu(DQ(q))) has it first; _elementwise_supports admits E4M3
+    # only where a Dequantize line reads it
+    name="cuda.elementwise.triton", op_type="Elementwise", domain="kiln", device="cuda",
+    dtypes=_FLOAT + (torch.float8_e4m3fn,),
     supports=_elementwise_supports, prepare=_prepare_elementwise, available=triton_available,
     description="the elementwise chain as one generated Triton kernel (fp32 math, one pass over memory)",
 ))

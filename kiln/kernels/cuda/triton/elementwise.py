@@ -35,6 +35,7 @@ import torch
 import triton
 
 from kiln.ops._util import merge_walked_dims
+from kiln.ops.fused import quantization_scales, dequantized_inputs
 
 BLOCK = 1024
 NUM_WARPS = 4
@@ -49,8 +50,14 @@ UNARY = {
 BINARY = {
     "Add": "{0} + {1}", "Sub": "{0} - {1}", "Mul": "{0} * {1}", "Div": "dm.div({0}, {1})",
     "Pow": "dm.pow({0}, {1})", "Max": "dm.maximum({0}, {1})", "Min": "dm.minimum({0}, {1})",
+    # DequantizeLinear of an E4M3 tensor by its scale: the load widened it to fp32 exactly
+    "Dequantize": "{0} * {1}",
+    # QuantizeLinear to E4M3 (a program's last line): IEEE division, saturated, rounded onto the grid in fp32
+    # arithmetic (qmath: the interpreter's own fp8 conversion rounds wrongly), so the fp8 store is exact
+    "Quantize": "qm.round_to_e4m3(dm.div({0}, {1}))",
 }
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8 = torch.float8_e4m3fn  # read only as a Dequantize line's first operand
 
 
 def cache_dir() -> Path:
@@ -68,6 +75,8 @@ def parse_program(code: Sequence[str], n_inputs: int) -> list[str]:
         if table is None:
             raise ValueError(f"kiln::Elementwise line {k} {line!r}: op {op!r} has no Triton form "
                              f"(known: {sorted(UNARY) + sorted(BINARY)})")
+        if op == "Quantize" and k != len(code) - 1:
+            raise ValueError(f"kiln::Elementwise line {k} {line!r}: Quantize ends a program (its E4M3 is the output)")
         arity = 1 if table is UNARY else 2
         if len(args) != arity:
             raise ValueError(f"kiln::Elementwise line {k} {line!r}: {op} takes {arity} operand(s), got {len(args)}")
@@ -82,9 +91,11 @@ def parse_program(code: Sequence[str], n_inputs: int) -> list[str]:
     return lines
 
 
-def generate_source(body: list[str], kinds: str, rank: int, index64: bool) -> str:
+def generate_source(body: list[str], kinds: str, rank: int, index64: bool,
+                    quantized: frozenset[int] = frozenset()) -> str:
     """Triton source of one kernel: `kinds[k]` is input k's access kind (c/s/g), `rank` the
-    number of (merged) output dims the general inputs index over."""
+    number of (merged) output dims the general inputs index over; `quantized` the inputs a Dequantize
+    reads (maybe E4M3: their masked lanes load without a fill value, which float8 cannot take)."""
     n = len(kinds)
     general = [k for k, kind in enumerate(kinds) if kind == "g"]
     params = [f"in{k}" for k in range(n)] + ["out", "numel"]
@@ -95,6 +106,7 @@ def generate_source(body: list[str], kinds: str, rank: int, index64: bool) -> st
         "import triton",
         "import triton.language as tl",
         "from kiln.kernels.cuda.triton import device_math as dm",
+        "from kiln.kernels.cuda.triton import qmath as qm",
         "",
         "",
         "@triton.jit",
@@ -109,13 +121,14 @@ def generate_source(body: list[str], kinds: str, rank: int, index64: bool) -> st
             src += [f"    idx{d} = rest % size{d}", f"    rest = rest // size{d}"]
         src.append("    idx0 = rest")
     for k, kind in enumerate(kinds):
+        fill = "" if k in quantized else ", other=1"
         if kind == "c":
-            src.append(f"    i{k} = tl.load(in{k} + offs, mask=mask, other=1).to(tl.float32)")
+            src.append(f"    i{k} = tl.load(in{k} + offs, mask=mask{fill}).to(tl.float32)")
         elif kind == "s":
             src.append(f"    i{k} = tl.load(in{k}).to(tl.float32)")
         else:
             offset = " + ".join(f"idx{d} * stride{k}_{d}" for d in range(rank))
-            src.append(f"    i{k} = tl.load(in{k} + {offset}, mask=mask, other=1).to(tl.float32)")
+            src.append(f"    i{k} = tl.load(in{k} + {offset}, mask=mask{fill}).to(tl.float32)")
     src += ["    " + line for line in body]
     result = f"t{len(body) - 1}"
     if all(kind == "s" for kind in kinds):  # every operand a scalar: broadcast the result to the block
@@ -169,9 +182,10 @@ def _output_layout(inputs: Sequence[torch.Tensor], shape: torch.Size) -> list[in
 class ElementwiseKernel:
     """One compiled `kiln::Elementwise` program; call it on torch tensors (any device Triton runs on)."""
 
-    def __init__(self, code: Sequence[str], n_inputs: int):
+    def __init__(self, code: Sequence[str], n_inputs: int, output_dtype: torch.dtype | None = None):
         self.code = list(code)
         self.n_inputs = n_inputs
+        self.output_dtype = output_dtype
         self.body = parse_program(self.code, n_inputs)
         self._kernels: dict[tuple, Callable] = {}
         self._launches: dict[tuple, _Launch] = {}  # per input signature
@@ -179,7 +193,7 @@ class ElementwiseKernel:
     def kernel(self, kinds: str, rank: int, index64: bool) -> Callable:
         key = (kinds, rank, index64)
         if key not in self._kernels:
-            source = generate_source(self.body, kinds, rank, index64)
+            source = generate_source(self.body, kinds, rank, index64, frozenset(dequantized_inputs(self.code)))
             self._kernels[key] = load_source(source, "elementwise").elementwise_kernel
         return self._kernels[key]
 
@@ -205,15 +219,22 @@ class ElementwiseKernel:
 
     def _plan(self, inputs: Sequence[torch.Tensor], out: torch.Tensor | None) -> _Launch:
         """Everything about a launch that depends only on the inputs' shapes, strides and dtypes."""
+        quantized, scales = dequantized_inputs(self.code), quantization_scales(self.code)
         for k, x in enumerate(inputs):
-            if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
-                raise TypeError(f"kiln::Elementwise input {k}: expected a float16/bfloat16/float32 tensor, got "
+            allowed = FLOAT_DTYPES + ((FP8,) if k in quantized else ())
+            if not isinstance(x, torch.Tensor) or x.dtype not in allowed:
+                raise TypeError(f"kiln::Elementwise input {k}: expected a float16/bfloat16/float32 tensor"
+                                f"{' or float8_e4m3fn' if k in quantized else ''}, got "
                                 f"{getattr(x, 'dtype', type(x).__name__)} (use the torch implementation)")
         shape = torch.broadcast_shapes(*(x.shape for x in inputs))
-        sized = [x for x in inputs if x.dim() > 0] or list(inputs)  # 0-d inputs do not decide the type (torch rule)
-        dtype = sized[0].dtype
+        # 0-d inputs do not decide the type (torch rule), nor E4M3 tensors and their float32 scales: a program
+        # with Dequantize lines names its output dtype
+        floats = [x for k, x in enumerate(inputs) if k not in quantized | scales]
+        sized = [x for x in floats if x.dim() > 0] or floats
+        dtype = sized[0].dtype if sized else torch.float32
         for x in sized[1:]:
             dtype = torch.promote_types(dtype, x.dtype)
+        dtype = self.output_dtype or dtype
         order = (None if out is not None else _output_layout(inputs, shape)) or list(range(len(shape)))
         launch = _Launch(shape, dtype, order)
         numel = shape.numel()
@@ -248,20 +269,23 @@ class _Launch:
     copy_inputs: bool = False
 
 
-_COMPILED: dict[tuple[tuple[str, ...], int], ElementwiseKernel] = {}
+_COMPILED: dict[tuple[tuple[str, ...], int, torch.dtype | None], ElementwiseKernel] = {}
 
 
-def compile_elementwise(code: list[str], n_inputs: int) -> Callable[..., torch.Tensor]:
+def compile_elementwise(code: list[str], n_inputs: int,
+                        output_dtype: torch.dtype | None = None) -> Callable[..., torch.Tensor]:
     """The kernel for a `kiln::Elementwise` program: `fn(*inputs, out=None) -> Tensor`.
 
     Inputs: `n_inputs` float16/bfloat16/float32 tensors on one device, broadcasting numpy-style;
     the output has the broadcast shape, torch's promoted dtype, and the layout of the first
     full-size input when that is dense (channels-last in, channels-last out). Math is fp32.
     Raises ValueError here for a program it cannot generate, TypeError at call for other dtypes.
+    A program with Dequantize lines may read E4M3 tensors (their first operands); its output dtype is
+    `output_dtype`, else promoted from the inputs other than those and their scales.
     """
-    key = (tuple(code), n_inputs)
+    key = (tuple(code), n_inputs, output_dtype)
     if key not in _COMPILED:
-        _COMPILED[key] = ElementwiseKernel(code, n_inputs)
+        _COMPILED[key] = ElementwiseKernel(code, n_inputs, output_dtype)
     return _COMPILED[key]
 
 
