@@ -17,7 +17,7 @@ TRITON_INTERPRET=0 timeout 40 python3 -m pytest -q -p no:cacheprovider --tb=line
 for MODE in kiln_fp8_dq_unfused kiln_fp8; do
   T=$(( $(left) - 5 )); [ "$MODE" = kiln_fp8_dq_unfused ] && T=$(( T / 2 ))  # half for the first row
   stage "engine: bert_b64 $MODE (--profile), ${T} s"
-  timeout "$T" python3 bench/quant_gpu.py --sections engines --engines bert_b64 --modes "$MODE" \
+  timeout "$T" python3 bench/quant_gpu.py --sections engines --engines bert_b64 --modes "$MODE" --opt-level 3 \
     --row-timeout "$T" --profile --out "$OUT/engines" 2>&1 | grep "^| bert"
 done
 python3 bench/quant_gpu.py --show-profiles "$OUT/engines/quant_gpu.log" 2>/dev/null \

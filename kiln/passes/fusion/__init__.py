@@ -91,4 +91,7 @@ CPU_RULES = {"fuse_squeeze_excite", "fuse_conv_final_activation", "conv1d_as_con
 CUDA_RULES = {"fuse_quantized_residual", "fuse_quantized_residual_fp8", "fuse_layer_norm_quantize",
               "fold_quantize_into_stem", "fuse_dequantize_into_elementwise", "fuse_quantize_into_elementwise"}
 # Rules tried from opt_level 3 only: their fused layers are not yet measured on a GPU (default builds unchanged)
-LEVEL3_RULES = {"fuse_quantized_residual_fp8"}
+LEVEL3_RULES = {"fuse_quantized_residual_fp8",
+                # E4M3 Q/DQ into the elementwise chains (session 21): tested under TRITON_INTERPRET only, the device
+                # time ran out before bench/gpu_qadd.sh could time or compile them on a GPU
+                "fuse_dequantize_into_elementwise", "fuse_quantize_into_elementwise"}
