@@ -277,6 +277,18 @@ def _run_plain_tactic(name: str, op: str, args: list):
     return launch(OpContext(name="q", op_type=op), tactic.to_layout(args[0]), *args[1:])
 
 
+def _reference_quantize_axis1(x: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> np.ndarray:
+    """onnx.reference's QuantizeLinear of x along axis 1 (per-channel scale and zero point; the output type is
+    the zero point's)."""
+    elem = TensorProto.UINT8 if zero.dtype == np.uint8 else TensorProto.INT8
+    node = helper.make_node("QuantizeLinear", ["x", "s", "z"], ["y"], axis=1)
+    graph = helper.make_graph([node], "q", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape)],
+                              [helper.make_tensor_value_info("y", elem, x.shape)],
+                              [numpy_helper.from_array(scale, "s"), numpy_helper.from_array(zero, "z")])
+    return ReferenceEvaluator(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])).run(
+        None, {"x": x})[0]
+
+
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int8])
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_per_channel_quantize_tactic_is_onnx_references(dtype, channels_last):
@@ -287,13 +299,7 @@ def test_per_channel_quantize_tactic_is_onnx_references(dtype, channels_last):
     scale = rng.uniform(0.01, 0.3, size=24).astype(np.float32)
     info = np.iinfo(np.uint8 if dtype == torch.uint8 else np.int8)
     zero = rng.integers(info.min, info.max // 2 + 1, size=24).astype(info.dtype)
-    node = helper.make_node("QuantizeLinear", ["x", "s", "z"], ["y"], axis=1)
-    elem = TensorProto.UINT8 if dtype == torch.uint8 else TensorProto.INT8
-    graph = helper.make_graph([node], "q", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape)],
-                              [helper.make_tensor_value_info("y", elem, x.shape)],
-                              [numpy_helper.from_array(scale, "s"), numpy_helper.from_array(zero, "z")])
-    want = ReferenceEvaluator(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])).run(
-        None, {"x": x})[0]
+    want = _reference_quantize_axis1(x, scale, zero)
     assert (want == info.min).any() and (want == info.max).any()  # the saturation is exercised
     tensor = torch.from_numpy(x)
     if channels_last:
@@ -323,17 +329,11 @@ def test_per_channel_quantize_onednn_is_onnx_references(dtype, zero_point):
     x = (rng.normal(size=(2, 40, 9, 6)) * rng.uniform(0.1, 30, size=(1, 40, 1, 1))).astype(np.float32)
     scale = rng.uniform(0.01, 0.3, size=40).astype(np.float32)
     info = np.iinfo(np.uint8 if dtype == torch.uint8 else np.int8)
-    elem = TensorProto.UINT8 if dtype == torch.uint8 else TensorProto.INT8
     tactic = registry.get("cpu.quantize.onednn_per_channel")
     step = StepSpec(op_type="QuantizeLinear", name="q", inputs=["x", "s", "z"], outputs=["y"], attributes={"axis": 1})
     for zero in (np.full(40, zero_point, dtype=info.dtype),
                  rng.integers(info.min, info.max // 2 + 1, size=40).astype(info.dtype)):
-        node = helper.make_node("QuantizeLinear", ["x", "s", "z"], ["y"], axis=1)
-        graph = helper.make_graph([node], "q", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape)],
-                                  [helper.make_tensor_value_info("y", elem, x.shape)],
-                                  [numpy_helper.from_array(scale, "s"), numpy_helper.from_array(zero, "z")])
-        want = ReferenceEvaluator(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])).run(
-            None, {"x": x})[0]
+        want = _reference_quantize_axis1(x, scale, zero)
         assert (want == info.min).any() and (want == info.max).any()  # the saturation is exercised
         args = [torch.from_numpy(x), torch.from_numpy(scale), torch.from_numpy(zero)]
         metas = [InputMeta.of(a, i > 0) for i, a in enumerate(args)]
