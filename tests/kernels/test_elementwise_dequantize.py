@@ -35,7 +35,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpr
 FP8 = torch.float8_e4m3fn
 # TRITON_INTERPRET=0 on a GPU machine (bench/gpu_qadd.sh): the kernel test on the device
 DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available() else "cpu"
-CUDA = PassOptions(cuda_rules=True, cpu_rules=False, opt_level=3)  # the rules are LEVEL3_RULES until timed on a GPU
+CUDA = PassOptions(cuda_rules=True, cpu_rules=False)  # a CUDA build's rules at the default opt_level 2
 
 
 def _bias_gelu_model(scale: float, other_reader: bool = False) -> onnx.ModelProto:
@@ -174,7 +174,7 @@ def test_bert_tiny_fp8_qdq_engine_on_the_fused_chains_is_onnxruntime(tmp_path, m
     cuda_tactics_on_cpu(monkeypatch, lambda tactic: tactic == name)
     plain = build_module.pass_options
     monkeypatch.setattr(build_module, "pass_options", lambda config: dataclasses.replace(
-        plain(config), cuda_rules=True, cpu_rules=False, unsigned_activations=False, opt_level=3))  # a CUDA build's graph
+        plain(config), cuda_rules=True, cpu_rules=False, unsigned_activations=False))  # a CUDA build's graph
     from kiln.passes import fusion
     unfused_rules = [rule for rule in fusion.RULES
                      if rule[0] not in ("fuse_dequantize_into_elementwise", "fuse_quantize_into_elementwise")]
