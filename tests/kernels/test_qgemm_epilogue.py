@@ -1,0 +1,252 @@
+"""The chain after an FP8 QGemm in its epilogue (issue 12: onnxruntime's FP8 QDQ BERT computes each linear as
+y = Q(act(DQ(Q(x·W)) + b)·m); kiln/passes/fusion/qgemm_epilogue.py, kiln/ops/quantized.py inputs 9-11):
+
+    the rule       on small QDQ graphs against onnx.reference (E4M3 outputs bit for bit where no Gelu rounds
+                   differently; float outputs in float32 exactly), its refusals, and structurally on bert_tiny's
+                   FP8 QDQ graph as a CUDA build optimizes it
+    the tactics    Triton (plain and persistent), cuBLASLt + one pass (scaled_mm, scaled_mm_half) and the dequantized
+                   layer under the Triton interpreter, judged by the unfused pair's tolerance
+                   (kiln/tactics/cuda/quant_product_check.py), which a kernel missing the product's rounding fails
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+pytest.importorskip("triton")
+
+from kiln.frontend import onnx as onnx_frontend  # noqa: E402
+from kiln.ops.quantized import qgemm  # noqa: E402
+from kiln.ops.registry import OpContext  # noqa: E402
+from kiln.passes._rewrite import PassReport  # noqa: E402
+from kiln.passes.pipeline import PassOptions, optimize  # noqa: E402
+from kiln.tactics.cuda.quant_product_check import product_layer_checker  # noqa: E402
+from tests.kernels.qlayers import FP8, product_layer, refusal, run_tactic  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter evaluates masked-off lanes
+
+CUDA = PassOptions(cuda_rules=True, cpu_rules=False, opt_level=3)  # LEVEL3_RULES until timed on a GPU
+K, N = 64, 48
+
+
+def _linear_model(tail: str, seed: int = 0) -> onnx.ModelProto:
+    """x (E4M3 [2, 5, K]) -> DQ -> MatMul(DQ(w)) -> Q(s_p) -> DQ -> Add(b) -> `tail` -> y, onnxruntime's QDQ linear.
+    tail: "q" (Mul by c, then Q: a query projection), "gelu" (Gelu, then Q: an FFN up), "float" (y the float)."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((K, N)) * 2).astype(ml_dtypes.float8_e4m3fn)
+    nodes = [helper.make_node("DequantizeLinear", ["x", "s_x", "zero"], ["xf"], name="dq_x"),
+             helper.make_node("DequantizeLinear", ["w", "s_w", "zero"], ["wf"], name="dq_w"),
+             helper.make_node("MatMul", ["xf", "wf"], ["mm"], name="matmul"),
+             helper.make_node("QuantizeLinear", ["mm", "s_p", "zero"], ["p"], name="q_p"),
+             helper.make_node("DequantizeLinear", ["p", "s_p", "zero"], ["pf"], name="dq_p"),
+             helper.make_node("Add", ["pf", "b"], ["t"], name="bias_add")]
+    if tail == "q":
+        nodes += [helper.make_node("Mul", ["t", "c"], ["u"], name="mul"),
+                  helper.make_node("QuantizeLinear", ["u", "s_y", "zero"], ["y"], name="q_y")]
+    elif tail == "gelu":
+        nodes += [helper.make_node("Gelu", ["t"], ["u"], name="gelu"),
+                  helper.make_node("QuantizeLinear", ["u", "s_y", "zero"], ["y"], name="q_y")]
+    else:
+        nodes += [helper.make_node("Identity", ["t"], ["y"], name="out")]
+    out_type = TensorProto.FLOAT if tail == "float" else TensorProto.FLOAT8E4M3FN
+    inits = [numpy_helper.from_array(np.array(v, np.float32), name) for name, v in
+             (("s_x", 0.031), ("s_w", 0.0123), ("s_p", 0.0047), ("s_y", 0.0029), ("c", 0.35355339))]
+    inits += [helper.make_tensor("zero", TensorProto.FLOAT8E4M3FN, [], [0.0]),
+              helper.make_tensor("w", TensorProto.FLOAT8E4M3FN, [K, N], w.astype(np.float32).reshape(-1).tolist()),
+              numpy_helper.from_array((rng.standard_normal(N) * 0.3).astype(np.float32), "b")]
+    graph = helper.make_graph(nodes, f"qdq_linear_{tail}",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT8E4M3FN, [2, 5, K])],
+                              [helper.make_tensor_value_info("y", out_type, [2, 5, N])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+def _fp8(shape, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=gen) * torch.exp2(torch.randint(-3, 4, shape, generator=gen).float())).to(FP8)
+
+
+def _run_fused(node, x: torch.Tensor) -> torch.Tensor:
+    """The fused QGemm through kiln's op (its reference) on the node's constant inputs."""
+    def tensor(v):
+        array = np.array(v.const_value.numpy())
+        if array.dtype == ml_dtypes.float8_e4m3fn:
+            return torch.from_numpy(array.view(np.uint8)).view(FP8)
+        return torch.from_numpy(array)
+
+    args = [x] + [None if v is None else tensor(v) for v in node.inputs[1:]]
+    attributes = {a.name: a.value for a in node.attributes.values()}
+    ctx = OpContext(name=node.name, op_type="QGemm", domain="kiln", opset=1, num_inputs=len(args), num_outputs=1)
+    return qgemm(ctx, *args, **attributes)
+
+
+@pytest.mark.parametrize("tail", ["q", "gelu", "float"])
+def test_the_rule_makes_one_qgemm_that_is_the_qdq_graph(tail):
+    model = _linear_model(tail)
+    report = PassReport()
+    graph = optimize(onnx_frontend.load(model.SerializeToString()), CUDA, report).graph
+    nodes = list(graph)
+    assert [n.op_type for n in nodes] == ["QGemm"], [n.op_type for n in nodes]
+    assert report.fired.get("fuse_elementwise_into_qgemm") == 1, report.fired
+    node = nodes[0]
+    attributes = {a.name: a.value for a in node.attributes.values()}
+    assert attributes["activation"] == ("Gelu" if tail == "gelu" else "")
+    assert attributes["multiplier"] == pytest.approx(0.35355339 if tail == "q" else 1.0, rel=1e-7)
+    assert len(node.inputs) == 12 and (node.inputs[6] is None) == (tail == "float")
+    for seed in (11, 12):
+        x = _fp8((2, 5, K), seed)
+        want = ReferenceEvaluator(model).run(None, {"x": x.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)})[0]
+        got = _run_fused(node, x)
+        if tail == "float":  # DQ, Add in float32 as onnx.reference: the same operations
+            np.testing.assert_array_equal(got.numpy(), want)
+            continue
+        got_codes = got.view(torch.uint8).numpy()
+        want_codes = want.view(np.uint8)
+        if tail == "q":  # float32 DQ, Add, Mul and an IEEE division: bit for bit
+            np.testing.assert_array_equal(got_codes, want_codes)
+        else:  # Gelu's erf in float32 (torch) vs onnx.reference's float64: a near-tie may round the other way
+            ordinal = lambda c: np.where(c >= 128, -(c.astype(np.int32) & 127), c.astype(np.int32))  # noqa: E731
+            off = np.abs(ordinal(got_codes) - ordinal(want_codes))
+            assert off.max() <= 1 and (off > 0).mean() < 0.01, (off.max(), (off > 0).mean())
+
+
+def test_the_rule_refuses_what_the_epilogue_cannot_hold():
+    model = _linear_model("q")
+    model.graph.output.append(helper.make_tensor_value_info("p", TensorProto.FLOAT8E4M3FN, [2, 5, N]))  # p read
+    report = PassReport()
+    graph = optimize(onnx_frontend.load(model.SerializeToString()), CUDA, report).graph
+    assert "Elementwise" in [n.op_type for n in graph]
+    assert any("fuse_elementwise_into_qgemm" in why and "other readers" in why for why in report.refused), \
+        report.refused
+    cpu = optimize(onnx_frontend.load(_linear_model("q").SerializeToString()), PassOptions()).graph
+    assert all(len(n.inputs) <= 9 for n in cpu if n.op_type == "QGemm")  # CUDA_RULES only
+    level2 = optimize(onnx_frontend.load(_linear_model("q").SerializeToString()),
+                      dataclasses.replace(CUDA, opt_level=2)).graph
+    assert all(len(n.inputs) <= 9 for n in level2 if n.op_type == "QGemm")  # LEVEL3_RULES until timed
+
+
+def test_bert_tiny_fp8_qdq_linears_are_one_qgemm_each(tmp_path):
+    """Per encoder layer onnxruntime's QDQ BERT has 6 linears, each a QGemm writing E4M3 and the chain reading it
+    (test_elementwise_dequantize.py): all 12 chains are in their GEMMs now; k's float output still goes through
+    its head transpose to the scaled E4M3 the attention reads."""
+    from kiln import zoo
+    from kiln.zoo.models import make_inputs
+    from tests.calibration import quantize_transformer
+
+    exported = zoo.export("bert_tiny", batch=2, seq=16, dynamic=True)
+    calibration = [make_inputs(zoo.get("bert_tiny"), batch=4, seq=16, seed=s) for s in (1, 2)]
+    path = str(tmp_path / "qdq.onnx")
+    quantize_transformer(str(exported.path), path, calibration, "fp8")
+    report = PassReport()
+    graph = optimize(onnx_frontend.load(path), CUDA, report).graph
+    gemms = [n for n in graph if n.op_type == "QGemm"]
+    assert len(gemms) == 12 == report.fired.get("fuse_elementwise_into_qgemm"), (len(gemms), report.fired)
+    assert all(len(n.inputs) > 9 and n.inputs[9] is not None for n in gemms)
+    outputs = sorted(str(n.outputs[0].dtype) for n in gemms)
+    assert outputs.count("FLOAT8E4M3FN") == 6 and outputs.count("FLOAT") == 6, outputs  # q, v, up / k, o, down
+    chains = [n for n in graph if n.op_type == "Elementwise"]
+    assert not any(line.startswith("Dequantize") for n in chains for a in n.attributes.values() if a.name == "code"
+                   for line in a.value), "a chain still dequantizes a GEMM's output"
+
+
+# ---- the tactics --------------------------------------------------------------------------------------
+
+TACTICS = ["cuda.qgemm.triton.16x64x128", "cuda.qgemm.scaled_mm", "cuda.qgemm.scaled_mm_half",
+           "cuda.qgemm.dequantized"]
+CASES = [(FP8, "", 0.35355339), (FP8, "Gelu", 1.0), (torch.float16, "", 1.0), (torch.float32, "Relu", 1.0)]
+
+
+def _judge(layer, got) -> str | None:
+    return product_layer_checker(qgemm, layer.ctx, layer.args, layer.attributes)(got)
+
+
+@pytest.mark.parametrize("out, activation, multiplier", CASES, ids=lambda v: str(v).removeprefix("torch."))
+@pytest.mark.parametrize("name", TACTICS)
+def test_tactics_take_the_quantized_product(name, out, activation, multiplier):
+    layer = product_layer(out, activation=activation, multiplier=multiplier, per_channel=name.endswith("half"))
+    got = run_tactic(name, layer)
+    assert _judge(layer, got) is None
+    if name.startswith("cuda.qgemm.triton") or name == "cuda.qgemm.scaled_mm":
+        # fp32 sums of exact products (the interpreter's, the CPU's _scaled_mm) and the reference's float32 chain:
+        # the same values but where the sum's order moves a product across an E4M3 tie
+        want = layer.reference()
+        differ = (got.view(torch.uint8) != want.view(torch.uint8)) if out == FP8 else got != want
+        assert float(differ.double().mean()) < 0.01
+
+
+def test_the_persistent_kernel_takes_it():
+    """The persistent TMA kernel, several tiles a program, E4M3 and fp16 outputs (a LayerNorm's input)."""
+    name = "cuda.qgemm.triton_persistent.128x128x128.fast_accum"
+    for out, activation, multiplier in ((FP8, "", 0.35355339), (torch.float16, "", 1.0), (FP8, "Gelu", 1.0)):
+        layer = product_layer(out, activation=activation, multiplier=multiplier, lead=(3, 100), k=272, n=400,
+                              seed=4)
+        assert _judge(layer, run_tactic(name, layer)) is None, (out, activation)
+    assert "multiples of 16" in refusal(name, product_layer(FP8, n=88))
+    float32 = refusal(name, product_layer(torch.float32, lead=(3, 100), k=272, n=400))
+    assert "float32" in float32 or "scaled_mm_direct" in float32, float32
+
+
+def test_the_tactics_that_cannot_refuse_and_the_check_can_fail():
+    layer = product_layer(torch.float16)
+    assert "before the bias" in refusal("cuda.qgemm.scaled_mm_direct", layer)
+    # (a kernel that skips the product's rounding stays inside the bound, as the unfused QGemm one step off would:
+    # the bit-level comparison in test_tactics_take_the_quantized_product is what holds the Triton kernel to it)
+    for out in (torch.float16, FP8):
+        fused = product_layer(out, multiplier=0.35355339, seed=3)
+        no_multiplier = dataclasses.replace(fused, attributes={**fused.attributes, "multiplier": 1.0}).reference()
+        assert "beyond" in (_judge(fused, no_multiplier) or ""), out
+        # and a bias wrong in one column by 30 of the product's steps near its scale
+        bias = fused.args[11].clone()
+        bias[3] += 30 * float(fused.args[9])
+        shifted = dataclasses.replace(fused, args=fused.args[:11] + [bias]).reference()
+        assert _judge(fused, shifted) is not None
+
+
+@pytest.mark.slow
+def test_bert_tiny_fp8_qdq_engine_on_the_fused_gemms_is_onnxruntime(tmp_path, monkeypatch):
+    """The CUDA build's graph built for the CPU with the Triton QGemm (and Elementwise) tactics registered there (the
+    interpreter): the builder's check passes them on the 12 fused linears, and the engine forced onto them is
+    onnxruntime (its Q/DQ as written) within the model's coarsest per-tensor scale, as the chains were
+    (test_elementwise_dequantize.py)."""
+    import kiln
+    from kiln import zoo
+    from kiln.builder import build as build_module
+    from kiln.zoo.models import make_inputs
+    from tests.calibration import coarsest_scale, quantize_transformer, reference_session
+    from tests.unit.tactic_check import cuda_tactics_on_cpu
+
+    gemm, chain = "cuda.qgemm.triton.16x64x128", "cuda.elementwise.triton"
+    exported = zoo.export("bert_tiny", batch=2, seq=16, dynamic=True)
+    calibration = [make_inputs(zoo.get("bert_tiny"), batch=4, seq=16, seed=s) for s in (1, 2)]
+    path = str(tmp_path / "qdq.onnx")
+    quantize_transformer(str(exported.path), path, calibration, "fp8")
+    cuda_tactics_on_cpu(monkeypatch, lambda tactic: tactic in (gemm, chain))
+    plain = build_module.pass_options
+    monkeypatch.setattr(build_module, "pass_options", lambda config: dataclasses.replace(
+        plain(config), cuda_rules=True, cpu_rules=False, unsigned_activations=False, opt_level=3))
+    engine = kiln.build(path, device="cpu", precision="fp32", tuning_runs=2)
+    fused = [s for s in engine.plan.program.steps if s.op_type == "QGemm" and len(s.inputs) > 9 and s.inputs[9]]
+    assert len(fused) == 12
+    layers = engine.plan.header["tactics"]["layers"]
+    rejected = {n: note for layer in layers.values() for n, note in layer["candidates"].items()
+                if isinstance(note, str) and "rejected" in note}
+    assert not rejected, rejected
+    for step in fused:  # on the CPU the interpreter never wins a timing
+        step.tactic, step.tactic_config = gemm, {}
+    on_kernel = kiln.Engine(engine.plan)
+    coarsest = coarsest_scale(path)
+    session = reference_session(path)
+    for seed in (7, 8):
+        feeds = make_inputs(zoo.get("bert_tiny"), batch=3, seq=16, seed=seed)
+        output = session.get_outputs()[0].name
+        want = session.run(None, feeds)[0]
+        got = np.asarray(on_kernel.run(feeds)[output], dtype=np.float32)
+        assert np.abs(got - want).max() <= coarsest, (np.abs(got - want).max(), coarsest)
+        assert np.abs(want).max() > 10 * coarsest
