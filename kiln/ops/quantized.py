@@ -212,10 +212,17 @@ def qadd(ctx, a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale=None, 
 
 
 @register("LayerNormQuantize", domain="kiln")
-def layer_norm_quantize(ctx, x, scale=None, bias=None, residual=None, y_scale=None, y_zero_point=None, *, axis=-1,
-                        epsilon=1e-5):
+def layer_norm_quantize(ctx, x, scale=None, bias=None, residual=None, y_scale=None, y_zero_point=None,
+                        residual_scale=None, *, axis=-1, epsilon=1e-5):
     """kiln::LayerNorm then a per-tensor QuantizeLinear of its output (kiln/passes/fusion/layernorm_quantize.py):
-    outputs (y_q, [y]); y in x's dtype is what is quantized, as the unfused QuantizeLinear reads it."""
+    outputs (y_q, [y]); y in x's dtype is what is quantized, as the unfused QuantizeLinear reads it. With a
+    residual_scale the residual is E4M3 (the previous LayerNorm's quantized output): its DequantizeLinear,
+    float32(r)·residual_scale rounded to x's dtype, as the unfused one wrote it, is what is added."""
+    if residual_scale is not None:
+        if residual is None or residual.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"LayerNormQuantize {ctx.name}: a residual_scale goes with a float8e4m3fn residual, got "
+                             f"{None if residual is None else residual.dtype}")
+        residual = (residual.to(torch.float32) * residual_scale.to(torch.float32)).to(x.dtype)
     y = _layer_norm(dataclasses.replace(ctx, num_outputs=1), x, scale, bias, residual, axis=axis, epsilon=epsilon)
     y_q = quantize_linear(ctx, y, y_scale, y_zero_point)
     return (y_q, y) if ctx.num_outputs == 2 else y_q

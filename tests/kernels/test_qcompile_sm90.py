@@ -213,14 +213,15 @@ def cases():
                 "INDEX64": False, "BLOCK_R": qelementwise.ROWS_TILE // 256, "BLOCK_C": 256},
                {"num_warps": 8}, ("acc_ptr", "bias_ptr", "scale_ptr", "out_ptr", "channels"),
                HARDWARE_E4M3 if hardware else None, not hardware)
-    for write_y in (True, False):
-        types = {"x_ptr": "*fp16", "w_ptr": "*fp16", "b_ptr": "*fp16", "r_ptr": "*fp16", "y_ptr": "*fp16",
-                 "q_ptr": "*fp8e4nv", "rows": "i32", "n": "i32", "row_stride": "i32", "r_row_stride": "i32",
-                 "r_rows": "i32", "eps": "fp32", "y_scale": "fp32", "y_zero": "fp32"}
-        # (the arithmetic E4M3 rounding with y, the store's cvt without: both forms compile)
-        yield (f"layer_norm_quantize fp16 -> fp8{' + y' if write_y else ' (hardware e4m3)'} 768",
-               qnorm._layer_norm_quantize_kernel,
-               types, {"HAS_W": True, "HAS_B": True, "HAS_R": True, "WRITE_Y": write_y, "OUT": 2, "QMIN": 0,
+    for write_y, r_quantized in ((True, False), (False, False), (False, True)):
+        types = {"x_ptr": "*fp16", "w_ptr": "*fp16", "b_ptr": "*fp16", "r_ptr": "*fp8e4nv" if r_quantized else "*fp16",
+                 "y_ptr": "*fp16", "q_ptr": "*fp8e4nv", "rows": "i32", "n": "i32", "row_stride": "i32",
+                 "r_row_stride": "i32", "r_rows": "i32", "eps": "fp32", "y_scale": "fp32", "y_zero": "fp32",
+                 "r_scale": "fp32"}
+        # (the arithmetic E4M3 rounding with y, the store's cvt without: both forms compile; an E4M3 residual)
+        yield (f"layer_norm_quantize fp16 -> fp8{' + y' if write_y else ' (hardware e4m3)'} 768"
+               f"{' e4m3 residual' if r_quantized else ''}", qnorm._layer_norm_quantize_kernel,
+               types, {"HAS_W": True, "HAS_B": True, "HAS_R": True, "R_QUANTIZED": r_quantized, "WRITE_Y": write_y, "OUT": 2, "QMIN": 0,
                        "QMAX": 0, "HARDWARE_E4M3": not write_y, "ROWS": 1 if write_y else 4, "BLOCK": 1024},
                {"num_warps": 4 if write_y else 8},
                ("x_ptr", "w_ptr", "b_ptr", "r_ptr", "y_ptr", "q_ptr", "n", "row_stride", "r_row_stride"),

@@ -135,7 +135,8 @@ def test_the_rule_refuses_what_the_epilogue_cannot_hold():
 def test_bert_tiny_fp8_qdq_linears_are_one_qgemm_each(tmp_path):
     """Per encoder layer onnxruntime's QDQ BERT has 6 linears, each a QGemm writing E4M3 and the chain reading it
     (test_elementwise_dequantize.py): all 12 chains are in their GEMMs now; k's float output still goes through
-    its head transpose to the scaled E4M3 the attention reads."""
+    its head transpose to the scaled E4M3 the attention reads. The norms read the previous norm's E4M3 output
+    as their residual, not its DequantizeLinear."""
     from kiln import zoo
     from kiln.zoo.models import make_inputs
     from tests.calibration import quantize_transformer
@@ -151,6 +152,9 @@ def test_bert_tiny_fp8_qdq_linears_are_one_qgemm_each(tmp_path):
     assert all(len(n.inputs) > 9 and n.inputs[9] is not None for n in gemms)
     outputs = sorted(str(n.outputs[0].dtype) for n in gemms)
     assert outputs.count("FLOAT8E4M3FN") == 6 and outputs.count("FLOAT") == 6, outputs  # q, v, up / k, o, down
+    dequantized = [n for n in graph if n.op_type == "DequantizeLinear"]  # the final LayerNorm's residual alone: the
+    assert len(dequantized) == 1, [n.name for n in dequantized]  # LayerNormQuantizes read theirs as E4M3
+    assert report.fired.get("fuse_dequantize_into_layer_norm_quantize") == 3, report.fired
     chains = [n for n in graph if n.op_type == "Elementwise"]
     assert not any(line.startswith("Dequantize") for n in chains for a in n.attributes.values() if a.name == "code"
                    for line in a.value), "a chain still dequantizes a GEMM's output"
@@ -250,3 +254,93 @@ def test_bert_tiny_fp8_qdq_engine_on_the_fused_gemms_is_onnxruntime(tmp_path, mo
         got = np.asarray(on_kernel.run(feeds)[output], dtype=np.float32)
         assert np.abs(got - want).max() <= coarsest, (np.abs(got - want).max(), coarsest)
         assert np.abs(want).max() > 10 * coarsest
+
+
+# ---- the LayerNorm reading the E4M3 residual (kiln/passes/fusion/layernorm_quantize.py) -------------------------
+
+def _norm_model(other_reader: bool = False) -> onnx.ModelProto:
+    """h (float [2, 5, 32]) + DQ(r_q E4M3; s_r) -> LayerNormalization -> Q(s_y): a transformer's residual norm."""
+    rng = np.random.default_rng(5)
+    nodes = [helper.make_node("DequantizeLinear", ["r_q", "s_r", "zero"], ["r"], name="dq_r"),
+             helper.make_node("Add", ["h", "r"], ["s"], name="residual_add"),
+             helper.make_node("LayerNormalization", ["s", "gamma", "beta"], ["n"], name="norm", epsilon=1e-5),
+             helper.make_node("QuantizeLinear", ["n", "s_y", "zero"], ["y"], name="q_y")]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT8E4M3FN, [2, 5, 32])]
+    if other_reader:
+        nodes.append(helper.make_node("Relu", ["r"], ["r_relu"], name="other"))
+        outputs.append(helper.make_tensor_value_info("r_relu", TensorProto.FLOAT, [2, 5, 32]))
+    inits = [numpy_helper.from_array(np.array(0.043, np.float32), "s_r"),
+             numpy_helper.from_array(np.array(4.0 / 448, np.float32), "s_y"),
+             helper.make_tensor("zero", TensorProto.FLOAT8E4M3FN, [], [0.0]),
+             numpy_helper.from_array((rng.random(32) + 0.5).astype(np.float32), "gamma"),
+             numpy_helper.from_array((rng.standard_normal(32) * 0.1).astype(np.float32), "beta")]
+    inputs = [helper.make_tensor_value_info("h", TensorProto.FLOAT, [2, 5, 32]),
+              helper.make_tensor_value_info("r_q", TensorProto.FLOAT8E4M3FN, [2, 5, 32])]
+    graph = helper.make_graph(nodes, "residual_norm", inputs, outputs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+def test_the_norm_reads_the_e4m3_residual_and_is_the_qdq_graph():
+    from kiln.ops.quantized import layer_norm_quantize
+
+    model = _norm_model()
+    report = PassReport()
+    nodes = list(optimize(onnx_frontend.load(model.SerializeToString()), CUDA, report).graph)
+    assert [n.op_type for n in nodes] == ["LayerNormQuantize"], [n.op_type for n in nodes]
+    assert report.fired.get("fuse_dequantize_into_layer_norm_quantize") == 1
+    node = nodes[0]
+    assert node.inputs[3].name == "r_q" and len(node.inputs) == 7
+    consts = {v.name: torch.from_numpy(np.array(v.const_value.numpy()).view(np.uint8)).view(FP8)
+              if v.const_value.numpy().dtype == ml_dtypes.float8_e4m3fn else torch.from_numpy(np.array(v.const_value.numpy()))
+              for v in node.inputs if v is not None and v.const_value is not None}
+    gen = torch.Generator().manual_seed(9)
+    h = torch.randn(2, 5, 32, generator=gen) * 2
+    r_q = _fp8((2, 5, 32), seed=10)
+    args = [h, consts[node.inputs[1].name], consts[node.inputs[2].name], r_q, consts[node.inputs[4].name],
+            consts[node.inputs[5].name], consts[node.inputs[6].name]]
+    ctx = OpContext(name="norm", op_type="LayerNormQuantize", domain="kiln", opset=1, num_inputs=7, num_outputs=1)
+    got = layer_norm_quantize(ctx, *args, epsilon=1e-5).view(torch.uint8).numpy()
+    want = ReferenceEvaluator(model).run(None, {"h": h.numpy(), "r_q": r_q.view(torch.uint8).numpy().view(
+        ml_dtypes.float8_e4m3fn)})[0].view(np.uint8)
+    # torch's fp32 LayerNorm against onnx.reference's numpy one: the last bits of y, so a near-tie may round the
+    # other way onto the E4M3 grid (the residual's DequantizeLinear and Add are float32 in both: exact)
+    ordinal = lambda c: np.where(c >= 128, -(c.astype(np.int32) & 127), c.astype(np.int32))  # noqa: E731
+    off = np.abs(ordinal(got) - ordinal(want))
+    assert off.max() <= 1 and (off > 0).mean() < 0.02, (off.max(), (off > 0).mean())
+    shared = PassReport()
+    kept = optimize(onnx_frontend.load(_norm_model(other_reader=True).SerializeToString()), CUDA, shared).graph
+    assert "DequantizeLinear" in [n.op_type for n in kept]
+    assert any("other readers" in why for why in shared.refused), shared.refused
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.float16], ids=str)
+def test_the_norm_kernel_dequantizes_the_residual_as_its_dequantize_linear(x_dtype):
+    """The Triton LayerNormQuantize reading E4M3 and its scale is, bit for bit, the kernel given the residual its
+    DequantizeLinear wrote (float32(r)·s in x's dtype), itself judged against the reference in test_fp8_encoder.py;
+    and through the tactic the autotuner runs."""
+    from kiln.kernels.cuda.triton.qnorm import layer_norm_quantize
+    from kiln.plan.spec import StepSpec
+    from kiln.tactics import registry
+    from kiln.tactics.tactic import InputMeta
+
+    gen = torch.Generator().manual_seed(2)
+    x = (torch.randn(3, 13, 96, generator=gen) * 3).to(x_dtype)
+    r_q, s_r = _fp8((3, 13, 96), seed=3), 0.0371
+    gamma, beta = (torch.rand(96, generator=gen) + 0.5).to(x_dtype), (torch.randn(96, generator=gen) * 0.1).to(x_dtype)
+    r = (r_q.to(torch.float32) * torch.tensor(s_r, dtype=torch.float32)).to(x_dtype)
+    want_q, want_y = layer_norm_quantize(x, gamma, beta, 1e-5, 4.0 / 448, 0.0, FP8, residual=r)
+    q, y = layer_norm_quantize(x, gamma, beta, 1e-5, 4.0 / 448, 0.0, FP8, residual=r_q, residual_scale=s_r)
+    assert torch.equal(y, want_y) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    with pytest.raises(ValueError, match="residual"):
+        layer_norm_quantize(x, gamma, beta, 1e-5, 4.0 / 448, 0.0, FP8, residual=r_q)  # E4M3 without its scale
+    tactic = registry.all_tactics("cuda")["cuda.layer_norm_quantize.triton"]
+    args = [x, gamma, beta, r_q, torch.tensor(4.0 / 448), torch.zeros((), dtype=FP8), torch.tensor(s_r)]
+    step = StepSpec(op_type="LayerNormQuantize", domain="kiln", name="ln", inputs=[f"in{i}" for i in range(7)],
+                    outputs=["q"], attributes={"epsilon": 1e-5})
+    metas = [InputMeta.of(a, i in (1, 2, 4, 5, 6)) for i, a in enumerate(args)]
+    assert tactic.check(step, metas) is True
+    launch = tactic.prepare(step, [None, gamma, beta, None, *args[4:]], torch.device("cpu"))
+    ctx = OpContext(name="ln", op_type="LayerNormQuantize", domain="kiln", opset=1, num_inputs=7, num_outputs=1)
+    assert torch.equal(launch(ctx, *args).view(torch.uint8), want_q.view(torch.uint8))
+    float_residual = tactic.check(step, [*metas[:3], InputMeta.of(r, False), *metas[4:]])
+    assert isinstance(float_residual, str) and "float8_e4m3fn" in float_residual

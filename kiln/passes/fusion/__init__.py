@@ -19,7 +19,7 @@ from kiln.passes.fusion.gelu import fuse_gelu
 from kiln.passes.fusion.gemm import fuse_gemm
 from kiln.passes.fusion.global_pool import pool_as_global_mean
 from kiln.passes.fusion.layernorm import fuse_layer_norm
-from kiln.passes.fusion.layernorm_quantize import fuse_layer_norm_quantize
+from kiln.passes.fusion.layernorm_quantize import fuse_dequantize_into_layer_norm_quantize, fuse_layer_norm_quantize
 from kiln.passes.fusion.packed_rotary import fuse_packed_rotary
 from kiln.passes.fusion.parallel_gemm import merge_parallel_gemms
 from kiln.passes.fusion.qdq_layers import fold_quantize_into_stem, fuse_quantized_add, fuse_quantized_layer
@@ -71,6 +71,7 @@ RULES = [
     ("attention_mask_broadcast", use_broadcast_attention_mask),  # a materialised mask that masks: its small form
     ("fuse_skip_layer_norm", fuse_skip_layer_norm),
     ("fuse_layer_norm_quantize", fuse_layer_norm_quantize),  # after the residual joins the norm: Q in its store
+    ("fuse_dequantize_into_layer_norm_quantize", fuse_dequantize_into_layer_norm_quantize),  # ... an E4M3 residual
     ("fuse_elementwise", fuse_elementwise),
     ("fuse_dequantize_into_elementwise", fuse_dequantize_into_elementwise),  # an E4M3 tensor read by the chain
     ("fuse_quantize_into_elementwise", fuse_quantize_into_elementwise),  # ... and its result stored as E4M3
@@ -92,11 +93,11 @@ CPU_RULES = {"fuse_squeeze_excite", "fuse_conv_final_activation", "conv1d_as_con
 # it, the CPU's do not (a QConv with a residual would run as the float64 reference there).
 CUDA_RULES = {"fuse_quantized_residual", "fuse_quantized_residual_fp8", "fuse_layer_norm_quantize",
               "fold_quantize_into_stem", "fuse_dequantize_into_elementwise", "fuse_quantize_into_elementwise",
-              "fuse_elementwise_into_qgemm"}
+              "fuse_elementwise_into_qgemm", "fuse_dequantize_into_layer_norm_quantize"}
 # Rules tried from opt_level 3 only: their fused layers are not yet measured on a GPU (default builds unchanged)
 LEVEL3_RULES = {"fuse_quantized_residual_fp8",
                 # E4M3 Q/DQ into the elementwise chains (session 21): tested under TRITON_INTERPRET only, the device
                 # time ran out before bench/gpu_qadd.sh could time or compile them on a GPU
                 "fuse_dequantize_into_elementwise", "fuse_quantize_into_elementwise",
                 # the chain after an FP8 QGemm in its epilogue (session 22): interpreter-tested, bench/gpu_fp8gemm.sh
-                "fuse_elementwise_into_qgemm"}
+                "fuse_elementwise_into_qgemm", "fuse_dequantize_into_layer_norm_quantize"}
