@@ -17,6 +17,7 @@ import os
 import ml_dtypes
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
@@ -27,7 +28,7 @@ pytest.importorskip("triton")
 from kiln.frontend import onnx as onnx_frontend  # noqa: E402
 from kiln.ops.quantized import qgemm  # noqa: E402
 from kiln.ops.registry import OpContext  # noqa: E402
-from kiln.passes._rewrite import PassReport  # noqa: E402
+from kiln.passes._rewrite import PassReport, attr  # noqa: E402
 from kiln.passes.pipeline import PassOptions, optimize  # noqa: E402
 from kiln.tactics.cuda.quant_product_check import product_layer_checker  # noqa: E402
 from tests.kernels.qlayers import FP8, product_layer, refusal, run_tactic  # noqa: E402
@@ -135,10 +136,56 @@ def test_the_rule_refuses_what_the_epilogue_cannot_hold():
     assert all(len(n.inputs) <= 9 for n in level2 if n.op_type == "QGemm")  # LEVEL3_RULES until timed
 
 
+def _key_model() -> onnx.ModelProto:
+    """A key projection as the rules above leave it: QGemm (product quantized, float out) -> head Reshape ->
+    Transpose -> Elementwise[Mul by the scale share, Quantize] (kiln ops, as onnx_frontend loads them)."""
+    rng = np.random.default_rng(1)
+    w = (rng.standard_normal((N, K)) * 2).astype(ml_dtypes.float8_e4m3fn)
+    nodes = [helper.make_node("QGemm", ["x", "s_x", "zero", "w", "s_w", "zero", "", "", "", "s_p", "zero", "b"], ["r"],
+                              domain="kiln", name="gemm", activation="", output_dtype=1, multiplier=1.0),
+             helper.make_node("Reshape", ["r", "shape"], ["heads"], name="split"),
+             helper.make_node("Transpose", ["heads"], ["kt"], name="transpose", perm=[0, 2, 1, 3]),
+             helper.make_node("Elementwise", ["kt", "c", "s_y"], ["k_q"], domain="kiln", name="scale_q",
+                              code=["Mul i0 i1", "Quantize t0 i2"], output_dtype=17)]
+    inits = [numpy_helper.from_array(np.array(v, np.float32), name) for name, v in
+             (("s_x", 0.031), ("s_w", 0.0123), ("s_p", 0.0047), ("s_y", 0.0029), ("c", 0.35355339))]
+    inits += [helper.make_tensor("zero", TensorProto.FLOAT8E4M3FN, [], [0.0]),
+              helper.make_tensor("w", TensorProto.FLOAT8E4M3FN, [N, K], w.astype(np.float32).reshape(-1).tolist()),
+              numpy_helper.from_array((rng.standard_normal(N) * 0.3).astype(np.float32), "b"),
+              numpy_helper.from_array(np.array([2, 5, 4, N // 4], np.int64), "shape")]
+    graph = helper.make_graph(nodes, "key", [helper.make_tensor_value_info("x", TensorProto.FLOAT8E4M3FN, [2, 5, K])],
+                              [helper.make_tensor_value_info("k_q", TensorProto.FLOAT8E4M3FN, [2, 4, 5, N // 4])],
+                              inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("kiln", 1)])
+
+
+def test_the_key_s_scale_and_quantize_move_through_its_transpose_into_the_gemm():
+    from kiln.ops.fused import elementwise
+    from kiln.passes._rewrite import run_rule
+    from kiln.passes.fusion.qgemm_epilogue import fuse_quantize_through_layout_into_qgemm
+
+    model = onnx_frontend.load(_key_model())
+    gemm = next(n for n in model.graph if n.op_type == "QGemm")
+    chain = next(n for n in model.graph if n.op_type == "Elementwise")
+    x = _fp8((2, 5, K), seed=21)
+    # before: the float product chain, the head split, then the Mul and Quantize of the Elementwise
+    t = _run_fused(gemm, x).reshape(2, 5, 4, N // 4).permute(0, 2, 1, 3)
+    c, s_y = (torch.from_numpy(np.array(v.const_value.numpy())) for v in chain.inputs[1:])
+    want = elementwise(None, t, c, s_y, code=["Mul i0 i1", "Quantize t0 i2"], output_dtype=17)
+    report = PassReport()
+    assert run_rule(model, "layout", fuse_quantize_through_layout_into_qgemm, report) == 1, report.refused
+    assert [n.op_type for n in model.graph] == ["QGemm", "Reshape", "Transpose"]
+    assert all(n.outputs[0].dtype == ir.DataType.FLOAT8E4M3FN for n in model.graph)
+    fused = next(n for n in model.graph if n.op_type == "QGemm")
+    got = _run_fused(fused, x).reshape(2, 5, 4, N // 4).permute(0, 2, 1, 3)
+    # the same float32 operations on each value, moved before the layout ops: bit for bit
+    assert torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
+
+
 def test_bert_tiny_fp8_qdq_linears_are_one_qgemm_each(tmp_path):
     """Per encoder layer onnxruntime's QDQ BERT has 6 linears, each a QGemm writing E4M3 and the chain reading it
-    (test_elementwise_dequantize.py): all 12 chains are in their GEMMs now; k's float output still goes through
-    its head transpose to the scaled E4M3 the attention reads. The norms read the previous norm's E4M3 output
+    (test_elementwise_dequantize.py): all 12 chains are in their GEMMs now, k's Mul and Quantize too (moved up
+    through its head transpose, which the attention then reads as its k_perm). The norms read the previous norm's E4M3 output
     as their residual, not its DequantizeLinear."""
     from kiln import zoo
     from kiln.zoo.models import make_inputs
@@ -154,13 +201,14 @@ def test_bert_tiny_fp8_qdq_linears_are_one_qgemm_each(tmp_path):
     assert len(gemms) == 12 == report.fired.get("fuse_elementwise_into_qgemm"), (len(gemms), report.fired)
     assert all(len(n.inputs) > 9 and n.inputs[9] is not None for n in gemms)
     outputs = sorted(str(n.outputs[0].dtype) for n in gemms)
-    assert outputs.count("FLOAT8E4M3FN") == 6 and outputs.count("FLOAT") == 6, outputs  # q, v, up / k, o, down
+    assert outputs.count("FLOAT8E4M3FN") == 8 and outputs.count("FLOAT") == 4, outputs  # q, k, v, up / o, down
+    assert report.fired.get("fuse_quantize_through_layout_into_qgemm") == 2, report.fired  # k's, past its transpose
+    attention = [n for n in graph if n.op_type == "Attention"]
+    assert all(n.inputs[1].producer().op_type == "QGemm" and attr(n, "k_perm") for n in attention)
     dequantized = [n for n in graph if n.op_type == "DequantizeLinear"]  # the final LayerNorm's residual alone: the
     assert len(dequantized) == 1, [n.name for n in dequantized]  # LayerNormQuantizes read theirs as E4M3
     assert report.fired.get("fuse_dequantize_into_layer_norm_quantize") == 3, report.fired
-    chains = [n for n in graph if n.op_type == "Elementwise"]
-    assert not any(line.startswith("Dequantize") for n in chains for a in n.attributes.values() if a.name == "code"
-                   for line in a.value), "a chain still dequantizes a GEMM's output"
+    assert not [n.name for n in graph if n.op_type in ("Elementwise", "Transpose", "QuantizeLinear")]
 
 
 # ---- the tactics --------------------------------------------------------------------------------------

@@ -11,6 +11,16 @@ fuse_quantize_into_elementwise each such linear is two kernels: the GEMM writing
 (bench/results/gpu-s21-2026-12-06.md section 5: 72 of them in BERT-base). Here the chain moves into the GEMM's
 epilogue, which has the tile in registers: one kernel, E4M3 in, E4M3 (or the float a LayerNorm reads) out.
 
+The key projection's chain stops at the float bias Add (its head Reshape and Transpose stand between the Add and
+the Mul by the attention's scale share and the Quantize, which fuse_elementwise left a chain of their own):
+
+    QGemm(...; float out) ─ Reshape ─ Transpose ─ Elementwise["Mul i0 i<c>", "Quantize t0 i<s_y>"]
+        =>  QGemm(...; s_y, multiplier=c) ─ Reshape ─ Transpose   (moving E4M3 values)
+
+exact as well: a Mul by a scalar and a per-tensor Quantize act on each value alone, so they commute with the ops
+that only move values (fuse_quantize_through_layout_into_qgemm); the attention then takes the head transpose into
+its k_perm (absorb_attention_reshapes, run again after this rule).
+
 Exact: the fused QGemm keeps the product's E4M3 rounding (product_scale, kiln/ops/quantized.py), then computes
 DQ, the bias Add, the activation and the Mul in float32 as the chain did, and quantizes with the chain's
 Quantize (IEEE division, saturation, nearest-even). The chain's lines must read in that order, each the result of
@@ -25,6 +35,8 @@ import onnx_ir as ir
 from kiln.passes._rewrite import KILN_DOMAIN, PassReport, attr, const, consumers, new_initializer, replace_with
 
 RULE = "fuse_elementwise_into_qgemm"
+RULE_LAYOUT = "fuse_quantize_through_layout_into_qgemm"
+LAYOUT_OPS = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten")
 FP8 = ir.DataType.FLOAT8E4M3FN
 ACTIVATIONS = {"Relu": "Relu", "Gelu": "Gelu", "GeluTanh": "GeluTanh"}  # Elementwise line -> QGemm activation
 PRODUCT_INPUTS = 9  # a QGemm with more inputs has its product quantized already
@@ -142,4 +154,66 @@ def fuse_elementwise_into_qgemm(node: ir.Node, report: PassReport) -> bool:
     fused = ir.Node(KILN_DOMAIN, "QGemm", inputs, attributes, name=gemm.name)
     replace_with([gemm, node], fused, node.outputs[0], insert_before=node)
     fused.outputs[0].type = ir.TensorType(out_dtype)
+    return True
+
+
+def _scalar_program(node: ir.Node) -> tuple[float, ir.Value] | None:
+    """(multiplier, output scale) of an Elementwise that is `[Mul i0 i<c>,] Quantize t|i i<s>` on its input 0 with
+    constant scalars, else None."""
+    code = [line.split() for line in attr(node, "code", [])]
+    multiplier, last = 1.0, "i0"
+    if len(code) == 2 and code[0][0] == "Mul" and len(code[0]) == 3 and "i0" in code[0][1:]:
+        other = [o for o in code[0][1:] if o != "i0"]
+        value = const(node.inputs[int(other[0][1:])]) if len(other) == 1 and other[0].startswith("i") else None
+        if value is None or value.size != 1:
+            return None
+        multiplier, last, code = float(value.reshape(-1)[0]), "t0", code[1:]
+    if len(code) != 1 or code[0][0] != "Quantize" or len(code[0]) != 3 or code[0][1] != last:
+        return None
+    scale_value = node.inputs[int(code[0][2][1:])] if code[0][2].startswith("i") else None
+    scale = const(scale_value)
+    return (multiplier, scale_value) if scale is not None and scale.size == 1 else None
+
+
+def fuse_quantize_through_layout_into_qgemm(node: ir.Node, report: PassReport) -> bool:
+    # Elementwise[Mul c, Quantize s](layout(QGemm(..; float))) -> layout(QGemm(..; s, multiplier=c))
+    if node.op_type != "Elementwise" or node.domain != KILN_DOMAIN or not node.inputs:
+        return False
+    program = _scalar_program(node)
+    if program is None:
+        return False
+    movers, value = [], node.inputs[0]
+    while value is not None and value.producer() is not None and value.producer().op_type in LAYOUT_OPS \
+            and value.producer().domain == "":
+        movers.append(value.producer())
+        value = movers[-1].inputs[0]
+    gemm = value.producer() if value is not None else None
+    if not movers or gemm is None or gemm.op_type != "QGemm" or gemm.domain != KILN_DOMAIN:
+        return False
+    why = None
+    if len(gemm.inputs) <= PRODUCT_INPUTS or gemm.inputs[PRODUCT_INPUTS] is None:
+        why = "the QGemm's product is not quantized (no chain of the QDQ model in its epilogue)"
+    elif len(gemm.inputs) > 6 and gemm.inputs[6] is not None:
+        why = "the QGemm's output is quantized already"
+    elif float(attr(gemm, "multiplier", 1.0)) != 1.0:
+        why = "the QGemm multiplies by a scalar already"
+    elif any(consumers(v) != [reader] or v.is_graph_output() for v, reader in  # QGemm -> movers -> the chain
+             zip([value] + [m.outputs[0] for m in reversed(movers)], [*reversed(movers), node])):
+        why = "a tensor between the QGemm and the chain has other readers"
+    if why is not None:
+        report.refuse(RULE_LAYOUT, node, why)
+        return False
+    multiplier, output_scale = program
+    inputs = list(gemm.inputs)
+    inputs[6], inputs[7] = output_scale, gemm.inputs[PRODUCT_INPUTS + 1]  # the product's E4M3 zero point: 0
+    attributes = [a for a in gemm.attributes.values() if a.name != "multiplier"]
+    attributes.append(ir.AttrFloat32("multiplier", multiplier))
+    fused = ir.Node(KILN_DOMAIN, "QGemm", inputs, attributes, name=gemm.name)
+    replace_with([gemm], fused, value)
+    fused.outputs[0].type = ir.TensorType(FP8)
+    for mover in movers:  # now moving E4M3 values
+        mover.outputs[0].type = ir.TensorType(FP8)
+    out = node.outputs[0]
+    ir.convenience.replace_all_uses_with(out, movers[0].outputs[0], replace_graph_outputs=True)
+    node.graph.remove(node, safe=True)
     return True
