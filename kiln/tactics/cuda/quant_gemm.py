@@ -18,6 +18,11 @@
     cuda.qgemm.dequantized         the float layer: x dequantized to fp16 in one pass, cuBLAS fp16 GEMM on
                                    the dequantized weight, then one Triton pass (bias in fp32, requantization)
 
+A QGemm with its product quantized (inputs 9-11: onnxruntime's FP8 QDQ linear y = Q(act(DQ(Q(x·W)) + b)·m), the
+chain after the product in the epilogue): the Triton tactics, scaled_mm, scaled_mm_half (the chain in their
+Triton pass; a float output too) and dequantized take it, judged by quant_product_check (the unfused pair's
+tolerance); scaled_mm_direct cannot (cuBLASLt adds its bias before the one rounding it has).
+
 Measured on the H200 (issue 12): cuBLASLt INT8 is slower than FP16 at ResNet-50/BERT GEMM shapes and FP8
 1.4-1.6x faster, so no tactic here is assumed to win: the autotuner times them all against the op's
 reference (and each other) on the layer's real shape, and judges each within one quantization step.
