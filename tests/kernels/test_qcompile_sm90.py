@@ -176,7 +176,8 @@ def cases():
     for fast_accum, product in ((False, False), (True, False), (True, True)):  # fast: no per-step fp32 adds
         yield (f"qgemm fp8 -> fp8 Gelu 128x256x128{' fast accum' if fast_accum else ''}"
                f"{' product quantized' if product else ''}", qgemm._qgemm_kernel, types,
-               (WITH_PRODUCT if product else NO_PRODUCT) | {"FP8": True, "FAST_ACCUM": fast_accum, "X_UNSIGNED": False, "HAS_BIAS": True, "ACTIVATION": "Gelu",
+               (WITH_PRODUCT if product else NO_PRODUCT) | {
+                   "FP8": True, "FAST_ACCUM": fast_accum, "X_UNSIGNED": False, "HAS_BIAS": True, "ACTIVATION": "Gelu",
                 "OUT": 2, "QMIN": 0, "QMAX": 0, "HARDWARE_E4M3": False, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k,
                 "GROUP_M": c.group_m},
                {"num_warps": c.num_warps, "num_stages": c.num_stages},
@@ -209,7 +210,8 @@ def cases():
         yield (f"requantize rows fp16 -> fp8 Gelu{' (hardware e4m3)' if hardware else ''}"
                f"{' product quantized' if product else ''}",
                qelementwise._requantize_rows_kernel, types,
-               (WITH_PRODUCT if product else NO_PRODUCT) | {"HAS_BIAS": True, "ACTIVATION": "Gelu", "OUT": 2, "QMIN": 0, "QMAX": 0, "HARDWARE_E4M3": hardware,
+               (WITH_PRODUCT if product else NO_PRODUCT) | {
+                   "HAS_BIAS": True, "ACTIVATION": "Gelu", "OUT": 2, "QMIN": 0, "QMAX": 0, "HARDWARE_E4M3": hardware,
                 "INDEX64": False, "BLOCK_R": qelementwise.ROWS_TILE // 256, "BLOCK_C": 256},
                {"num_warps": 8}, ("acc_ptr", "bias_ptr", "scale_ptr", "out_ptr", "channels"),
                HARDWARE_E4M3 if hardware else None, not hardware)
@@ -221,7 +223,8 @@ def cases():
         # (the arithmetic E4M3 rounding with y, the store's cvt without: both forms compile; an E4M3 residual)
         yield (f"layer_norm_quantize fp16 -> fp8{' + y' if write_y else ' (hardware e4m3)'} 768"
                f"{' e4m3 residual' if r_quantized else ''}", qnorm._layer_norm_quantize_kernel,
-               types, {"HAS_W": True, "HAS_B": True, "HAS_R": True, "R_QUANTIZED": r_quantized, "WRITE_Y": write_y, "OUT": 2, "QMIN": 0,
+               types, {"HAS_W": True, "HAS_B": True, "HAS_R": True, "R_QUANTIZED": r_quantized, "WRITE_Y": write_y,
+                       "OUT": 2, "QMIN": 0,
                        "QMAX": 0, "HARDWARE_E4M3": not write_y, "ROWS": 1 if write_y else 4, "BLOCK": 1024},
                {"num_warps": 4 if write_y else 8},
                ("x_ptr", "w_ptr", "b_ptr", "r_ptr", "y_ptr", "q_ptr", "n", "row_stride", "r_row_stride"),

@@ -77,15 +77,16 @@ def _fp8(shape, seed: int) -> torch.Tensor:
     return (torch.randn(shape, generator=gen) * torch.exp2(torch.randint(-3, 4, shape, generator=gen).float())).to(FP8)
 
 
+def _constant(v) -> torch.Tensor:
+    array = np.array(v.const_value.numpy())
+    if array.dtype == ml_dtypes.float8_e4m3fn:
+        return torch.from_numpy(array.view(np.uint8)).view(FP8)
+    return torch.from_numpy(array)
+
+
 def _run_fused(node, x: torch.Tensor) -> torch.Tensor:
     """The fused QGemm through kiln's op (its reference) on the node's constant inputs."""
-    def tensor(v):
-        array = np.array(v.const_value.numpy())
-        if array.dtype == ml_dtypes.float8_e4m3fn:
-            return torch.from_numpy(array.view(np.uint8)).view(FP8)
-        return torch.from_numpy(array)
-
-    args = [x] + [None if v is None else tensor(v) for v in node.inputs[1:]]
+    args = [x] + [None if v is None else _constant(v) for v in node.inputs[1:]]
     attributes = {a.name: a.value for a in node.attributes.values()}
     ctx = OpContext(name=node.name, op_type="QGemm", domain="kiln", opset=1, num_inputs=len(args), num_outputs=1)
     return qgemm(ctx, *args, **attributes)
@@ -185,8 +186,8 @@ def test_the_key_s_scale_and_quantize_move_through_its_transpose_into_the_gemm()
 def test_bert_tiny_fp8_qdq_linears_are_one_qgemm_each(tmp_path):
     """Per encoder layer onnxruntime's QDQ BERT has 6 linears, each a QGemm writing E4M3 and the chain reading it
     (test_elementwise_dequantize.py): all 12 chains are in their GEMMs now, k's Mul and Quantize too (moved up
-    through its head transpose, which the attention then reads as its k_perm). The norms read the previous norm's E4M3 output
-    as their residual, not its DequantizeLinear."""
+    through its head transpose, which the attention then reads as its k_perm). The norms read the previous norm's
+    E4M3 output as their residual, not its DequantizeLinear."""
     from kiln import zoo
     from kiln.zoo.models import make_inputs
     from tests.calibration import quantize_transformer
@@ -343,9 +344,7 @@ def test_the_norm_reads_the_e4m3_residual_and_is_the_qdq_graph():
     assert report.fired.get("fuse_dequantize_into_layer_norm_quantize") == 1
     node = nodes[0]
     assert node.inputs[3].name == "r_q" and len(node.inputs) == 7
-    consts = {v.name: torch.from_numpy(np.array(v.const_value.numpy()).view(np.uint8)).view(FP8)
-              if v.const_value.numpy().dtype == ml_dtypes.float8_e4m3fn else torch.from_numpy(np.array(v.const_value.numpy()))
-              for v in node.inputs if v is not None and v.const_value is not None}
+    consts = {v.name: _constant(v) for v in node.inputs if v is not None and v.const_value is not None}
     gen = torch.Generator().manual_seed(9)
     h = torch.randn(2, 5, 32, generator=gen) * 2
     r_q = _fp8((2, 5, 32), seed=10)

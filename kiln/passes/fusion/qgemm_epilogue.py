@@ -146,7 +146,7 @@ def fuse_elementwise_into_qgemm(node: ir.Node, report: PassReport) -> bool:
     inputs += [gemm.inputs[6], gemm.inputs[7]]  # the product's quantization: what the GEMM wrote before
     if chain.bias is not None:
         inputs.append(new_initializer(graph, f"{gemm.name}_product_bias", chain.bias))
-    float_dtype = int(attr(node, "output_dtype", 1)) if chain.output_scale is None else int(attr(gemm, "output_dtype", 1))
+    float_dtype = int(attr(node if chain.output_scale is None else gemm, "output_dtype", 1))
     out_dtype = FP8 if chain.output_scale is not None else ir.DataType(float_dtype)
     attributes = [ir.AttrString("activation", chain.activation), ir.AttrFloat32("alpha", 0.0),
                   ir.AttrFloat32("beta", 0.0), ir.AttrInt64("output_dtype", float_dtype),

@@ -67,7 +67,8 @@ def _requantize_kernel(acc_ptr, bias_ptr, scale_ptr, out_ptr, numel, inner, chan
 @triton.jit
 def _requantize_rows_kernel(acc_ptr, bias_ptr, scale_ptr, out_ptr, rows, channels, y_scale, y_zero, alpha, beta,
                             product_bias_ptr, product_scale, multiplier, PRODUCT: tl.constexpr,
-                            HAS_PRODUCT_BIAS: tl.constexpr, MULTIPLY: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, OUT: tl.constexpr, QMIN: tl.constexpr,
+                            HAS_PRODUCT_BIAS: tl.constexpr, MULTIPLY: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            ACTIVATION: tl.constexpr, OUT: tl.constexpr, QMIN: tl.constexpr,
                             QMAX: tl.constexpr, HARDWARE_E4M3: tl.constexpr, INDEX64: tl.constexpr,
                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """_requantize_kernel where the channel is the innermost dim in memory (a GEMM's [M, N], a channels-last conv):

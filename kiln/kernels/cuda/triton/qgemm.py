@@ -155,7 +155,8 @@ class Epilogue:
 @triton.jit
 def _qgemm_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
                   y_scale, y_zero, alpha, beta, product_bias_ptr, product_scale, multiplier,
-                  PRODUCT: tl.constexpr, HAS_PRODUCT_BIAS: tl.constexpr, MULTIPLY: tl.constexpr, FP8: tl.constexpr, FAST_ACCUM: tl.constexpr, X_UNSIGNED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  PRODUCT: tl.constexpr, HAS_PRODUCT_BIAS: tl.constexpr, MULTIPLY: tl.constexpr, FP8: tl.constexpr,
+                  FAST_ACCUM: tl.constexpr, X_UNSIGNED: tl.constexpr, HAS_BIAS: tl.constexpr,
                   ACTIVATION: tl.constexpr, OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
                   HARDWARE_E4M3: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
@@ -203,7 +204,8 @@ def _qgemm_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, M, N, K, stride_xm
 @triton.jit
 def _finish_half(acc, y_desc, bias_ptr, scale_ptr, off_m, off_n, N, y_scale, y_zero, alpha, beta, product_bias_ptr,
                  product_scale, multiplier, PRODUCT: tl.constexpr, HAS_PRODUCT_BIAS: tl.constexpr,
-                 MULTIPLY: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, OUT: tl.constexpr, QMIN: tl.constexpr,
+                 MULTIPLY: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, OUT: tl.constexpr,
+                 QMIN: tl.constexpr,
                  QMAX: tl.constexpr, HARDWARE_E4M3: tl.constexpr, HALF_N: tl.constexpr):
     """One [BLOCK_M, HALF_N] half of a persistent tile: the epilogue, then a TMA store (rows and columns past the
     output are clipped by the TMA unit)."""
@@ -221,7 +223,8 @@ def _finish_half(acc, y_desc, bias_ptr, scale_ptr, off_m, off_n, N, y_scale, y_z
 @triton.jit
 def _qgemm_persistent_kernel(x_desc, w_desc, y_desc, bias_ptr, scale_ptr, M, N, K, y_scale, y_zero, alpha, beta,
                              product_bias_ptr, product_scale, multiplier, PRODUCT: tl.constexpr,
-                             HAS_PRODUCT_BIAS: tl.constexpr, MULTIPLY: tl.constexpr, FAST_ACCUM: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+                             HAS_PRODUCT_BIAS: tl.constexpr, MULTIPLY: tl.constexpr, FAST_ACCUM: tl.constexpr,
+                             HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
                              OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr, HARDWARE_E4M3: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr):

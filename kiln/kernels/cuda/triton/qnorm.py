@@ -33,7 +33,8 @@ QUANTIZED_OUTPUTS = (torch.float8_e4m3fn, torch.int8, torch.uint8)
 @triton.jit
 def _layer_norm_quantize_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, q_ptr, rows, n, row_stride, r_row_stride, r_rows,
                                 eps, y_scale, y_zero, r_scale, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                                HAS_R: tl.constexpr, R_QUANTIZED: tl.constexpr, WRITE_Y: tl.constexpr, OUT: tl.constexpr, QMIN: tl.constexpr,
+                                HAS_R: tl.constexpr, R_QUANTIZED: tl.constexpr, WRITE_Y: tl.constexpr,
+                                OUT: tl.constexpr, QMIN: tl.constexpr,
                                 QMAX: tl.constexpr, HARDWARE_E4M3: tl.constexpr, ROWS: tl.constexpr,
                                 BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [R]
@@ -123,7 +124,8 @@ def layer_norm_quantize(x: torch.Tensor, weight: torch.Tensor | None, bias: torc
         x2, w if w is not None else x2, b if b is not None else x2, r2, y if y is not None else q, q, rows, n,
         x2.stride(0), r2.stride(0), r2.shape[0], float(eps), float(y_scale), float(y_zero),
         float(residual_scale if residual_scale is not None else 1.0), HAS_W=w is not None, HAS_B=b is not None,
-        HAS_R=residual is not None, R_QUANTIZED=residual is not None and residual_scale is not None, WRITE_Y=write_y, OUT=out_kind, QMIN=qmin,
+        HAS_R=residual is not None, R_QUANTIZED=residual is not None and residual_scale is not None, WRITE_Y=write_y,
+        OUT=out_kind, QMIN=qmin,
         QMAX=qmax, HARDWARE_E4M3=x.is_cuda, ROWS=config.rows, BLOCK=block,  # on the GPU the fp8 store rounds (qmath)
         num_warps=config.num_warps)
     return q, y
