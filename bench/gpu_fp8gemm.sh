@@ -10,13 +10,16 @@
 set -u
 . "$(dirname "$0")/device_env.sh" kiln-fp8gemm
 START=$(date +%s)
-left() { echo $((230 - $(date +%s) + START)); }
+left() { echo $((232 - $(date +%s) + START)); }
 {
 stage "GPU"; nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
-# MODES="..." picks the engine rows (default all three); TESTS=0 skips the kernel tests (their time goes to the rows)
+# MODES="..." picks the engine rows (default all three); TESTS=0 / LAYERS=0 skip the kernel tests / the layer A/B
+# (their time goes to the rows)
 stage "kernel tests on the GPU (the QGemm with its product quantized; the norm reading an E4M3 residual)"
 [ "${TESTS:-1}" != 0 ] && TRITON_INTERPRET=0 timeout 50 python3 -m pytest -q -p no:cacheprovider --tb=line \
   tests/kernels/test_qgemm_epilogue.py -k "tactics_take and (triton or half) or persistent or norm_kernel" 2>&1 | tail -4
+stage "one linear as two kernels (before) vs one (after), BERT-base shapes (bench/fp8_gemm_epilogue.py)"
+[ "${LAYERS:-1}" != 0 ] && timeout 40 python3 bench/fp8_gemm_epilogue.py --rounds 3 2>&1 | tail -9
 ROWS="${MODES:-kiln_fp8 kiln_fp8_chains kiln_fp16}"
 for MODE in $ROWS; do
   T=$(( $(left) - 5 ))
