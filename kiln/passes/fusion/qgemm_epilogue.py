@@ -32,7 +32,16 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from kiln.passes._rewrite import KILN_DOMAIN, PassReport, attr, const, consumers, new_initializer, replace_with
+from kiln.passes._rewrite import (
+    KILN_DOMAIN,
+    PassReport,
+    attr,
+    const,
+    consumers,
+    dtype_of,
+    new_initializer,
+    replace_with,
+)
 
 RULE = "fuse_elementwise_into_qgemm"
 RULE_LAYOUT = "fuse_quantize_through_layout_into_qgemm"
@@ -146,7 +155,9 @@ def fuse_elementwise_into_qgemm(node: ir.Node, report: PassReport) -> bool:
     inputs += [gemm.inputs[6], gemm.inputs[7]]  # the product's quantization: what the GEMM wrote before
     if chain.bias is not None:
         inputs.append(new_initializer(graph, f"{gemm.name}_product_bias", chain.bias))
-    float_dtype = int(attr(node if chain.output_scale is None else gemm, "output_dtype", 1))
+    # a float output: the chain's own type (the builder's precision lowers a float32 one); else the GEMM's attribute
+    float_dtype = int(dtype_of(node.outputs[0]) or 1) if chain.output_scale is None else \
+        int(attr(gemm, "output_dtype", 1))
     out_dtype = FP8 if chain.output_scale is not None else ir.DataType(float_dtype)
     attributes = [ir.AttrString("activation", chain.activation), ir.AttrFloat32("alpha", 0.0),
                   ir.AttrFloat32("beta", 0.0), ir.AttrInt64("output_dtype", float_dtype),
