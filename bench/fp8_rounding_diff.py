@@ -36,7 +36,8 @@ def main() -> None:
     for hardware in (False, True):
         out = torch.empty_like(acc, dtype=FP8)
         qelementwise._requantize_rows_kernel[(triton.cdiv(acc.shape[0], 64), 1)](
-            acc, scale, scale, out, acc.shape[0], channels, 1.0, 0.0, 0.0, 0.0, HAS_BIAS=False, ACTIVATION="", OUT=2,
+            acc, scale, scale, out, acc.shape[0], channels, 1.0, 0.0, 0.0, 0.0, scale, 1.0, 1.0, PRODUCT=False,
+            HAS_PRODUCT_BIAS=False, MULTIPLY=False, HAS_BIAS=False, ACTIVATION="", OUT=2,
             QMIN=0, QMAX=0, HARDWARE_E4M3=hardware, INDEX64=False, BLOCK_R=64, BLOCK_C=64)
         outs.append(out.view(torch.uint8).reshape(-1))
     flat = acc.reshape(-1)

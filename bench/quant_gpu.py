@@ -23,6 +23,7 @@ Prints the tables last and writes them to DIR/quant_gpu.md (log: DIR/quant_gpu.l
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import datetime
 import json
@@ -246,7 +247,11 @@ def layers_table(rows: list[dict]) -> list[str]:
 
 ENGINES = {"resnet50_b256": ("resnet50", 256, None), "bert_b64": ("bert_base", 64, 384)}
 HALF = "fp16"  # kiln's float precision around the 8-bit layers
-MODES = ("torch_fp16", "kiln_fp16", "kiln_int8", "kiln_fp8", "kiln_fp8_ptq", "kiln_int8_unfused", "kiln_fp8_dq_unfused")
+MODES = ("torch_fp16", "kiln_fp16", "kiln_int8", "kiln_fp8", "kiln_fp8_ptq", "kiln_int8_unfused", "kiln_fp8_dq_unfused",
+         "kiln_fp8_chains")
+# kiln_fp8_chains: kiln_fp8 with each FP8 QGemm's chain left an Elementwise of its own and the LayerNorms reading a
+# DequantizeLinear of their E4M3 residual (kiln/passes/fusion/qgemm_epilogue.py's rule and
+# fuse_dequantize_into_layer_norm_quantize dropped, session 22): the engine before, in the same run
 # kiln_fp8_dq_unfused: kiln_fp8 with the E4M3 DequantizeLinear / QuantizeLinear left out of the elementwise chains
 # around them (kiln/passes/fusion/elementwise_dequantize.py's two rules dropped): the engine before, in the same run
 # kiln_fp8_ptq: kiln's own FP8 post-training quantization (kiln.build(precision="fp8", calibration=...)): per-tensor
@@ -274,7 +279,7 @@ def _ort_qdq(fp32_path: str, out_path: str, feeds: list[dict], mode: str, op_typ
         def get_next(self):
             return next(self.items, None)
 
-    fp8 = mode in ("kiln_fp8", "kiln_fp8_dq_unfused")
+    fp8 = mode in ("kiln_fp8", "kiln_fp8_dq_unfused", "kiln_fp8_chains")
     kind = QuantType.QFLOAT8E4M3FN if fp8 else QuantType.QInt8
     # FP8: onnxruntime's default drops every Relu/Clip, trusting the Q after the layer to clip at its zero
     # point, which float8 does not: the model would have no Relu (top-1 = fp32 on 0% in onnxruntime itself).
@@ -448,10 +453,14 @@ def engine_row(key: str, mode: str, opt_level: int, profile: bool = False) -> di
         # max calibration, as TensorRT's FP8 PTQ (ModelOpt) does: E4M3's range is wide, clipping buys little
         engine = kiln.build(path, precision="fp8", calibration=calibration, calibrator="minmax", **build)
     else:
-        if mode in ("kiln_int8_unfused", "kiln_fp8_dq_unfused"):  # this process builds one engine: the rule list
-            from kiln.passes import fusion  # is changed for it alone
-            dropped = ("fuse_quantized_residual",) if mode == "kiln_int8_unfused" else \
-                ("fuse_dequantize_into_elementwise", "fuse_quantize_into_elementwise")
+        if mode in ("kiln_int8_unfused", "kiln_fp8_dq_unfused", "kiln_fp8_chains"):  # this process builds one
+            from kiln.passes import fusion  # engine: the rule list is changed for it alone
+            dropped = {"kiln_int8_unfused": ("fuse_quantized_residual",),
+                       "kiln_fp8_dq_unfused": ("fuse_dequantize_into_elementwise", "fuse_quantize_into_elementwise",
+                                               "fuse_elementwise_into_qgemm",
+                                               "fuse_dequantize_into_layer_norm_quantize"),
+                       "kiln_fp8_chains": ("fuse_elementwise_into_qgemm",
+                                           "fuse_dequantize_into_layer_norm_quantize")}[mode]
             fusion.RULES = [(rule_name, rule) for rule_name, rule in fusion.RULES if rule_name not in dropped]
         calibration = [make_inputs(zoo.get(name), batch=8, seq=seq or 0, seed=s) for s in (1, 2)]
         qdq = os.path.join(tempfile.mkdtemp(), "qdq.onnx")
@@ -474,6 +483,12 @@ def engine_row(key: str, mode: str, opt_level: int, profile: bool = False) -> di
         row["layers"] += f"; DQ {count('DequantizeLinear')}, Q {count('QuantizeLinear')}, Add {count('Add')}, " \
                          f"Elementwise {count('Elementwise')} ({fp8_lines('Dequantize ')} reading E4M3, " \
                          f"{fp8_lines('Quantize ')} writing it)"
+        chained = [s for s in steps if s.op_type == "QGemm" and len(s.inputs) > 9 and s.inputs[9]]
+        e4m3_residual = sum(s.op_type == "LayerNormQuantize" and len(s.inputs) > 6 and bool(s.inputs[6]) for s in steps)
+        kinds = collections.Counter((s.tactic or "default").removeprefix("cuda.qgemm.") for s in chained)
+        on = ", ".join(f"{t} x{n}" for t, n in kinds.most_common())
+        row["layers"] += f"; QGemm with the chain in the epilogue {len(chained)} ({on}), " \
+                         f"LayerNormQuantize reading an E4M3 residual {e4m3_residual}"
     ctx = engine.create_execution_context()
     got = next(iter(ctx.run(dev).values()))
     row["accuracy"] = _accuracy(name, got, want)
@@ -483,7 +498,7 @@ def engine_row(key: str, mode: str, opt_level: int, profile: bool = False) -> di
         row["standalone_quantize_steps"] = sum(s.op_type == "QuantizeLinear" for s in steps)
         row["attention_fp8"] = f"{sum(s.tactic.startswith('cuda.attention.triton_fp8') for s in steps)}/" \
                                f"{sum(s.op_type == 'Attention' for s in steps)} on E4M3 tactics"
-    if mode in ("kiln_int8", "kiln_fp8", "kiln_int8_unfused", "kiln_fp8_dq_unfused"):
+    if mode in ("kiln_int8", "kiln_fp8", "kiln_int8_unfused", "kiln_fp8_dq_unfused", "kiln_fp8_chains"):
         try:
             row["vs_onnxruntime"] = _onnxruntime_agreement(name, qdq, feeds, got)
         except Exception as e:  # noqa: BLE001  a comparison that cannot run is a note in the row

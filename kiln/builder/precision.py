@@ -27,7 +27,8 @@ KEEP_FP32_INPUTS = {("Resize", 1), ("Resize", 2), ("Upsample", 1), ("GridSample"
 # kernel reads them as host numbers once, at prepare, so they cost nothing in float32.
 QUANTIZATION_SCALES = {("QuantizeLinear", 1), ("DequantizeLinear", 1), ("QConv", 1), ("QConv", 4), ("QConv", 6),
                        ("QConv", 10), ("QConv", 12), ("QGemm", 1), ("QGemm", 4), ("QGemm", 6), ("QAdd", 1),
-                       ("QAdd", 4), ("QAdd", 6), ("LayerNormQuantize", 4)}
+                       ("QAdd", 4), ("QAdd", 6), ("LayerNormQuantize", 4),
+                       ("LayerNormQuantize", 6), ("QGemm", 9)}
 
 
 def lower_precision(program: ProgramSpec, weights: dict[str, Any], precision: str,

@@ -7,7 +7,8 @@ QLinearConv order, so a reader of ORT's QLinearConv/QLinearMatMul/QLinearAdd kno
 
     QConv (x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale, y_zero_point, bias,
            [residual, residual_scale, residual_zero_point, conv_scale, conv_zero_point])
-    QGemm (x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale, y_zero_point, bias)
+    QGemm (x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale, y_zero_point, bias,
+           [product_scale, product_zero_point, product_bias])
     QAdd  (a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale, y_zero_point)
 
     x, a, b       quantized activations: uint8 or int8 (float8e4m3fn for FP8); QConv x is [N, C, *spatial],
@@ -51,6 +52,20 @@ fused layer equals QConv (8-bit output) followed by QAdd, and onnxruntime's QDQ 
     conv_scale, conv_zero_point    the 8-bit tensor the convolution alone wrote before the fusion
     activation        applies to the sum (ResNet's Relu after the Add); the convolution has none of its own
     y_scale, y_zero_point          the sum's quantization (required)
+
+QGemm with its product quantized (inputs 9-11; kiln/passes/fusion/qgemm_epilogue.py makes it of a QGemm and the
+Elementwise chain reading its E4M3 output on CUDA builds): onnxruntime's FP8 QDQ transformers quantize each
+MatMul's output and add the bias after its DequantizeLinear, y = Q(act(DQ(Q(x·W)) + b)·m). The layer keeps that
+rounding, so it equals the QGemm (8-bit output) and the chain it absorbed, not a GEMM with the bias inside:
+
+    p       = saturate(round(x_scale·w_scale[o]·(acc[o] + bias[o]) / product_scale))   E4M3 (zero point 0)
+    r       = act(float32(p)·product_scale + product_bias[o]) · multiplier             float32, as the chain
+    y       = saturate(round(r / y_scale) + y_zero_point)       or r itself (float output of `output_dtype`)
+
+    product_scale, product_zero_point   the E4M3 tensor the GEMM alone wrote before the fusion (per tensor)
+    product_bias      float [N] (the Add after the DequantizeLinear), or absent
+    multiplier        attribute, float (default 1): a scalar Mul after the activation (the attention's 1/√d share
+                      that a query projection's chain applies before its QuantizeLinear)
 
 QAdd: r = act(a_scale·(a − a_zero_point) + b_scale·(b − b_zero_point)) (numpy broadcasting), then y as
 above. A kernel computing r in float32 (oneDNN's scales, fbgemm's requantization) may land one
@@ -152,9 +167,11 @@ def qconv(ctx, x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale=None,
 
 
 @register("QGemm", domain="kiln")
-def qgemm(ctx, x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale=None, y_zero_point=None, bias=None, *,
-          activation="", alpha=0.0, beta=0.0, output_dtype=1):
-    """x [..., K] @ w [N, K]ᵀ of quantized operands with int32 bias, activation and requantization."""
+def qgemm(ctx, x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale=None, y_zero_point=None, bias=None,
+          product_scale=None, product_zero_point=None, product_bias=None, *,
+          activation="", alpha=0.0, beta=0.0, output_dtype=1, multiplier=1.0):
+    """x [..., K] @ w [N, K]ᵀ of quantized operands with int32 bias, activation and requantization; with a
+    product scale, the product's own E4M3 rounding, then the float chain after it (module docstring)."""
     exact = _exact_dtype(x, x_zero_point, w, w_zero_point, w.shape[-1])
     xf = _real(x, x_scale, x_zero_point, dtype=exact)
     wf = _real(w, w_scale, w_zero_point, axis=0, dtype=exact)
@@ -162,7 +179,27 @@ def qgemm(ctx, x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale=None,
     if bias is not None:
         acc = acc + bias.to(torch.float64)
     r = acc * _channel_scale(x_scale, w_scale, acc.dim(), -1)
+    if product_scale is not None:
+        return _product_chain(ctx, r, product_scale, product_zero_point, product_bias, activation, alpha, beta,
+                              multiplier, y_scale, y_zero_point, output_dtype)
     return _output(ctx, _activate(r, activation, alpha, beta), y_scale, y_zero_point, output_dtype)
+
+
+def _product_chain(ctx, r, product_scale, product_zero_point, product_bias, activation, alpha, beta, multiplier,
+                   y_scale, y_zero_point, output_dtype):
+    """A QGemm's product quantized (E4M3), then DequantizeLinear, the bias Add, the activation and the Mul in
+    float32, as the ONNX graph's float tensors between them, then the output (module docstring)."""
+    if product_zero_point is None or product_zero_point.dtype != torch.float8_e4m3fn or \
+            float(product_zero_point.float().abs().max()) != 0.0:
+        raise ValueError("QGemm: the product is quantized to float8e4m3fn with zero point 0 (product_zero_point)")
+    p = quantize_linear(ctx, r.to(torch.float32), product_scale, product_zero_point)  # the graph's Q after MatMul
+    real = p.to(torch.float32) * product_scale.to(torch.float32)  # its DequantizeLinear
+    if product_bias is not None:
+        real = real + product_bias.to(torch.float32)
+    real = _activate(real, activation, alpha, beta)
+    if multiplier != 1.0:
+        real = real * torch.tensor(multiplier, dtype=torch.float32)
+    return _output(ctx, real, y_scale, y_zero_point, output_dtype)
 
 
 @register("QAdd", domain="kiln")
@@ -175,10 +212,17 @@ def qadd(ctx, a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale=None, 
 
 
 @register("LayerNormQuantize", domain="kiln")
-def layer_norm_quantize(ctx, x, scale=None, bias=None, residual=None, y_scale=None, y_zero_point=None, *, axis=-1,
-                        epsilon=1e-5):
+def layer_norm_quantize(ctx, x, scale=None, bias=None, residual=None, y_scale=None, y_zero_point=None,
+                        residual_scale=None, *, axis=-1, epsilon=1e-5):
     """kiln::LayerNorm then a per-tensor QuantizeLinear of its output (kiln/passes/fusion/layernorm_quantize.py):
-    outputs (y_q, [y]); y in x's dtype is what is quantized, as the unfused QuantizeLinear reads it."""
+    outputs (y_q, [y]); y in x's dtype is what is quantized, as the unfused QuantizeLinear reads it. With a
+    residual_scale the residual is E4M3 (the previous LayerNorm's quantized output): its DequantizeLinear,
+    float32(r)·residual_scale rounded to x's dtype, as the unfused one wrote it, is what is added."""
+    if residual_scale is not None:
+        if residual is None or residual.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"LayerNormQuantize {ctx.name}: a residual_scale goes with a float8e4m3fn residual, got "
+                             f"{None if residual is None else residual.dtype}")
+        residual = (residual.to(torch.float32) * residual_scale.to(torch.float32)).to(x.dtype)
     y = _layer_norm(dataclasses.replace(ctx, num_outputs=1), x, scale, bias, residual, axis=axis, epsilon=epsilon)
     y_q = quantize_linear(ctx, y, y_scale, y_zero_point)
     return (y_q, y) if ctx.num_outputs == 2 else y_q

@@ -497,7 +497,8 @@ def test_the_fp8_stores_hardware_rounding_is_qmaths_rounding():
     for hardware in (False, True):
         out = torch.empty_like(acc, dtype=FP8)
         qelementwise._requantize_rows_kernel[(triton.cdiv(acc.shape[0], 64), 1)](
-            acc, epilogue.scale, epilogue.scale, out, acc.shape[0], channels, 1.0, 0.0, 0.0, 0.0, HAS_BIAS=False,
+            acc, epilogue.scale, epilogue.scale, out, acc.shape[0], channels, 1.0, 0.0, 0.0, 0.0,
+            *epilogue.product_arguments(), **epilogue.product_constants(), HAS_BIAS=False,
             ACTIVATION="", OUT=2, QMIN=0, QMAX=0, HARDWARE_E4M3=hardware, INDEX64=False, BLOCK_R=64, BLOCK_C=64)
         outs.append(out.view(torch.uint8))
     assert torch.equal(outs[0], outs[1]), int((outs[0] != outs[1]).sum())

@@ -48,7 +48,8 @@ class Layer:
 
     @property
     def constant(self) -> set[int]:
-        return set(range(1, len(self.args))) - ({3} if self.op_type == "QAdd" else {9})  # QConv's residual: 9
+        # QAdd's b (3) and QConv's residual (9) are activations; a QGemm's 9 is its product's scale
+        return set(range(1, len(self.args))) - {"QAdd": {3}, "QConv": {9}}.get(self.op_type, set())
 
     @property
     def ctx(self) -> OpContext:
@@ -140,6 +141,29 @@ def gemm_layer(x_dtype: torch.dtype, out: torch.dtype, *, lead: tuple[int, ...] 
     layer = Layer("QGemm", [x, torch.tensor(0.02), x_zero, w, w_scale, w_zero, None, None, b],
                   {"activation": activation, "alpha": alpha, "beta": beta, "output_dtype": 1})
     return _output(layer, out)
+
+
+def product_layer(out: torch.dtype, *, activation: str = "", multiplier: float = 1.0, bias: bool = True,
+                  lead: tuple[int, ...] = (2, 20), k: int = 208, n: int = 80, per_channel: bool = False,
+                  seed: int = 0) -> Layer:
+    """An FP8 QGemm with its product quantized (kiln/ops/quantized.py inputs 9-11), as onnxruntime's QDQ
+    transformers make them: no int32 bias, the product's E4M3 scale spreading it over the grid, a float bias after
+    it, the activation and multiplier, the output E4M3 (`out` FP8, at a scale of its own) or float."""
+    gen = torch.Generator().manual_seed(seed + 100)
+    plain = gemm_layer(FP8, FP8, lead=lead, k=k, n=n, per_channel=per_channel, bias=False, activation="", seed=seed)
+    product_scale, product_zero = plain.args[6], plain.args[7]
+    real = plain.reference().double() * float(product_scale)
+    product_bias = (torch.randn(n, generator=gen) * float(real.abs().mean())).float()
+    args = plain.args[:6] + [None, None, None, product_scale, product_zero, product_bias if bias else None]
+    attributes = {"activation": activation, "alpha": 0.0, "beta": 0.0, "output_dtype": 1, "multiplier": multiplier}
+    layer = Layer("QGemm", args, attributes)
+    if out not in QUANTIZED_OUT:
+        layer.attributes["output_dtype"] = ONNX_FLOAT[out]
+        return layer
+    chain = dataclasses.replace(layer, attributes={**attributes, "output_dtype": 1}).reference()
+    y_scale = float(torch.quantile(chain.abs().flatten().float(), 0.99)) / 300.0 or 1.0
+    layer.args[6:8] = [torch.tensor(y_scale * 1.37, dtype=torch.float32), torch.zeros((), dtype=FP8)]
+    return layer
 
 
 def conv_layer(x_dtype: torch.dtype, out: torch.dtype, *, n: int = 2, cin: int = 80, size: tuple[int, ...] = (6, 6),

@@ -24,6 +24,12 @@ ROUNDING = "0f4B400000"  # 12582912.0 = 1.5·2^23 in PTX
 HARDWARE_E4M3 = "cvt.rn.satfinite.e4m3x2.f32"  # fp32 -> E4M3, nearest-even, saturating: qmath.round_to_e4m3's rule
 
 
+# a QGemm's quantized product (kiln/ops/quantized.py inputs 9-11): its kernels' extra arguments, off and on
+PRODUCT_TYPES = {"product_bias_ptr": "*fp32", "product_scale": "fp32", "multiplier": "fp32"}
+NO_PRODUCT = {"PRODUCT": False, "HAS_PRODUCT_BIAS": False, "MULTIPLY": False}
+WITH_PRODUCT = {"PRODUCT": True, "HAS_PRODUCT_BIAS": True, "MULTIPLY": False}
+
+
 def cases():
     from kiln.kernels.cuda.triton import qconv, qelementwise, qgemm
 
@@ -38,9 +44,9 @@ def cases():
         fp8 = x == "fp8"
         types = {"x_ptr": f"*{dtype[x]}", "w_ptr": f"*{dtype['fp8' if fp8 else 'int8']}",
                  "bias_ptr": "*fp32" if fp8 else "*i32", "scale_ptr": "*fp32", "out_ptr": f"*{dtype[out]}",
-                 "y_scale": "fp32", "y_zero": "fp32", "alpha": "fp32", "beta": "fp32"}
+                 "y_scale": "fp32", "y_zero": "fp32", "alpha": "fp32", "beta": "fp32"} | PRODUCT_TYPES
         types |= {n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_wn")}
-        constexprs = {"FP8": fp8, "FAST_ACCUM": False, "X_UNSIGNED": x == "uint8", "HAS_BIAS": True,
+        constexprs = NO_PRODUCT | {"FP8": fp8, "FAST_ACCUM": False, "X_UNSIGNED": x == "uint8", "HAS_BIAS": True,
                       "ACTIVATION": "Relu", "OUT": out_kind[out], "QMIN": 0 if out == "uint8" else -128,
                       "QMAX": 255 if out == "uint8" else 127, "HARDWARE_E4M3": False,
                       "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k, "GROUP_M": c.group_m}
@@ -166,10 +172,12 @@ def cases():
     c = {g.name: g for g in qgemm.QGEMM_CONFIGS}["128x256x128"]
     types = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "bias_ptr": "*fp32", "scale_ptr": "*fp32",
              "out_ptr": "*fp8e4nv", "y_scale": "fp32", "y_zero": "fp32", "alpha": "fp32", "beta": "fp32"}
-    types |= {n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_wn")}
-    for fast_accum in (False, True):  # the tensor cores' own accumulation: no per-step fp32 adds
-        yield (f"qgemm fp8 -> fp8 Gelu 128x256x128{' fast accum' if fast_accum else ''}", qgemm._qgemm_kernel, types,
-               {"FP8": True, "FAST_ACCUM": fast_accum, "X_UNSIGNED": False, "HAS_BIAS": True, "ACTIVATION": "Gelu",
+    types |= {n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_wn")} | PRODUCT_TYPES
+    for fast_accum, product in ((False, False), (True, False), (True, True)):  # fast: no per-step fp32 adds
+        yield (f"qgemm fp8 -> fp8 Gelu 128x256x128{' fast accum' if fast_accum else ''}"
+               f"{' product quantized' if product else ''}", qgemm._qgemm_kernel, types,
+               (WITH_PRODUCT if product else NO_PRODUCT) | {
+                   "FP8": True, "FAST_ACCUM": fast_accum, "X_UNSIGNED": False, "HAS_BIAS": True, "ACTIVATION": "Gelu",
                 "OUT": 2, "QMIN": 0, "QMAX": 0, "HARDWARE_E4M3": False, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k,
                 "GROUP_M": c.group_m},
                {"num_warps": c.num_warps, "num_stages": c.num_stages},
@@ -178,28 +186,45 @@ def cases():
     # the persistent form (TMA descriptors made on the host), the Gelu -> fp8 epilogue on half tiles
     types = {"x_desc": "tensordesc<fp8e4nv[128, 128]>", "w_desc": "tensordesc<fp8e4nv[256, 128]>",
              "y_desc": "tensordesc<fp8e4nv[128, 128]>", "bias_ptr": "*fp32", "scale_ptr": "*fp32", "y_scale": "fp32",
-             "y_zero": "fp32", "alpha": "fp32", "beta": "fp32"} | {n: "i32" for n in ("M", "N", "K")}
+             "y_zero": "fp32", "alpha": "fp32", "beta": "fp32"} | {n: "i32" for n in ("M", "N", "K")} | PRODUCT_TYPES
     yield ("qgemm persistent fp8 -> fp8 Gelu 128x256x128 fast accum", qgemm._qgemm_persistent_kernel, types,
-           {"FAST_ACCUM": True, "HAS_BIAS": True, "ACTIVATION": "Gelu", "OUT": 2, "QMIN": 0, "QMAX": 0,
-            "HARDWARE_E4M3": True, "BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "PROGRAMS": 132},
+           NO_PRODUCT | {"FAST_ACCUM": True, "HAS_BIAS": True, "ACTIVATION": "Gelu", "OUT": 2, "QMIN": 0, "QMAX": 0,
+                         "HARDWARE_E4M3": True, "BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8,
+                         "PROGRAMS": 132},
            {"num_warps": 8, "num_stages": 3}, ("bias_ptr", "scale_ptr", "N", "K"), WGMMA_FP8.format(256), False)
+    # the chain after onnxruntime's FP8 MatMuls in the epilogue: q's Mul -> fp8, and a LayerNorm's fp16 input
+    for out, out_type, activation, multiply in (("fp8", "fp8e4nv", "", True), ("fp16", "fp16", "", False),
+                                                ("fp8", "fp8e4nv", "Gelu", False)):
+        product_types = types | {"y_desc": f"tensordesc<{out_type}[128, 128]>"}
+        yield (f"qgemm persistent fp8 -> {out} {activation or 'no act'} product quantized"
+               f"{' multiplier' if multiply else ''}", qgemm._qgemm_persistent_kernel, product_types,
+               WITH_PRODUCT | {"MULTIPLY": multiply, "FAST_ACCUM": True, "HAS_BIAS": False, "ACTIVATION": activation,
+                               "OUT": 2 if out == "fp8" else 0, "QMIN": 0, "QMAX": 0, "HARDWARE_E4M3": True,
+                               "BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "PROGRAMS": 132},
+               {"num_warps": 8, "num_stages": 3}, ("bias_ptr", "scale_ptr", "product_bias_ptr", "N", "K"),
+               WGMMA_FP8.format(256), False)
     types = {"acc_ptr": "*fp16", "bias_ptr": "*fp32", "scale_ptr": "*fp32", "out_ptr": "*fp8e4nv", "rows": "i32",
-             "channels": "i32", "y_scale": "fp32", "y_zero": "fp32", "alpha": "fp32", "beta": "fp32"}
-    for hardware in (False, True):  # on the GPU the store's conversion rounds (cvt.rn.satfinite), not the arithmetic
-        yield (f"requantize rows fp16 -> fp8 Gelu{' (hardware e4m3)' if hardware else ''}",
+             "channels": "i32", "y_scale": "fp32", "y_zero": "fp32", "alpha": "fp32", "beta": "fp32"} | PRODUCT_TYPES
+    for hardware, product in ((False, False), (True, False), (True, True)):  # on the GPU the store's conversion
+        # rounds (cvt.rn.satfinite), not the arithmetic
+        yield (f"requantize rows fp16 -> fp8 Gelu{' (hardware e4m3)' if hardware else ''}"
+               f"{' product quantized' if product else ''}",
                qelementwise._requantize_rows_kernel, types,
-               {"HAS_BIAS": True, "ACTIVATION": "Gelu", "OUT": 2, "QMIN": 0, "QMAX": 0, "HARDWARE_E4M3": hardware,
+               (WITH_PRODUCT if product else NO_PRODUCT) | {
+                   "HAS_BIAS": True, "ACTIVATION": "Gelu", "OUT": 2, "QMIN": 0, "QMAX": 0, "HARDWARE_E4M3": hardware,
                 "INDEX64": False, "BLOCK_R": qelementwise.ROWS_TILE // 256, "BLOCK_C": 256},
                {"num_warps": 8}, ("acc_ptr", "bias_ptr", "scale_ptr", "out_ptr", "channels"),
                HARDWARE_E4M3 if hardware else None, not hardware)
-    for write_y in (True, False):
-        types = {"x_ptr": "*fp16", "w_ptr": "*fp16", "b_ptr": "*fp16", "r_ptr": "*fp16", "y_ptr": "*fp16",
-                 "q_ptr": "*fp8e4nv", "rows": "i32", "n": "i32", "row_stride": "i32", "r_row_stride": "i32",
-                 "r_rows": "i32", "eps": "fp32", "y_scale": "fp32", "y_zero": "fp32"}
-        # (the arithmetic E4M3 rounding with y, the store's cvt without: both forms compile)
-        yield (f"layer_norm_quantize fp16 -> fp8{' + y' if write_y else ' (hardware e4m3)'} 768",
-               qnorm._layer_norm_quantize_kernel,
-               types, {"HAS_W": True, "HAS_B": True, "HAS_R": True, "WRITE_Y": write_y, "OUT": 2, "QMIN": 0,
+    for write_y, r_quantized in ((True, False), (False, False), (False, True)):
+        types = {"x_ptr": "*fp16", "w_ptr": "*fp16", "b_ptr": "*fp16", "r_ptr": "*fp8e4nv" if r_quantized else "*fp16",
+                 "y_ptr": "*fp16", "q_ptr": "*fp8e4nv", "rows": "i32", "n": "i32", "row_stride": "i32",
+                 "r_row_stride": "i32", "r_rows": "i32", "eps": "fp32", "y_scale": "fp32", "y_zero": "fp32",
+                 "r_scale": "fp32"}
+        # (the arithmetic E4M3 rounding with y, the store's cvt without: both forms compile; an E4M3 residual)
+        yield (f"layer_norm_quantize fp16 -> fp8{' + y' if write_y else ' (hardware e4m3)'} 768"
+               f"{' e4m3 residual' if r_quantized else ''}", qnorm._layer_norm_quantize_kernel,
+               types, {"HAS_W": True, "HAS_B": True, "HAS_R": True, "R_QUANTIZED": r_quantized, "WRITE_Y": write_y,
+                       "OUT": 2, "QMIN": 0,
                        "QMAX": 0, "HARDWARE_E4M3": not write_y, "ROWS": 1 if write_y else 4, "BLOCK": 1024},
                {"num_warps": 4 if write_y else 8},
                ("x_ptr", "w_ptr", "b_ptr", "r_ptr", "y_ptr", "q_ptr", "n", "row_stride", "r_row_stride"),

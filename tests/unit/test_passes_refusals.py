@@ -437,6 +437,51 @@ def fp8_quantize_of_a_chain_read_twice():
                  [value("y", [2, 4], TensorProto.FLOAT8E4M3FN), value("r", [2, 4])], inits)
 
 
+def _fp8_gemm_inputs(product: bool):
+    """A kiln::QGemm's inputs on E4M3 x [2, 8] and w [4, 8] (its product quantized when `product`: float out)."""
+    import ml_dtypes
+    inits = [("s_x", np.array(0.05, np.float32)), ("s_w", np.array(0.01, np.float32)),
+             ("s_p", np.array(0.02, np.float32)), ("s_y", np.array(0.03, np.float32)),
+             ("c", np.array(0.5, np.float32)), ("z", np.array(0, ml_dtypes.float8_e4m3fn)),
+             ("w", randn(4, 8).astype(ml_dtypes.float8_e4m3fn)), ("b", np.ones(4, np.float32))]
+    inputs = ["x", "s_x", "z", "w", "s_w", "z"] + (["", "", "", "s_p", "z", "b"] if product else ["s_p", "z"])
+    return inputs, inits
+
+
+def fp8_gemm_output_read_twice():
+    """QGemm (E4M3 out) -> Elementwise[Dequantize, Add bias], the GEMM's E4M3 output also a graph output."""
+    inputs, inits = _fp8_gemm_inputs(product=False)
+    nodes = [node("QGemm", inputs, ["p"], domain="kiln", output_dtype=1),
+             node("Elementwise", ["p", "s_p", "b"], ["y"], domain="kiln", code=["Dequantize i0 i1", "Add t0 i2"],
+                  output_dtype=1)]
+    return model(nodes, [value("x", [2, 8], TensorProto.FLOAT8E4M3FN)],
+                 [value("y", [2, 4]), value("p", [2, 4], TensorProto.FLOAT8E4M3FN)], inits)
+
+
+def fp8_key_transpose_read_twice():
+    """QGemm (product quantized, float out) -> Reshape -> Transpose -> Elementwise[Mul, Quantize], the transposed
+    float also a graph output."""
+    inputs, inits = _fp8_gemm_inputs(product=True)
+    inits.append(("shape", np.array([2, 2, 2], np.int64)))
+    nodes = [node("QGemm", inputs, ["r"], domain="kiln", output_dtype=1, multiplier=1.0),
+             node("Reshape", ["r", "shape"], ["heads"]), node("Transpose", ["heads"], ["t"], perm=[1, 0, 2]),
+             node("Elementwise", ["t", "c", "s_y"], ["y"], domain="kiln", code=["Mul i0 i1", "Quantize t0 i2"],
+                  output_dtype=17)]
+    return model(nodes, [value("x", [2, 8], TensorProto.FLOAT8E4M3FN)],
+                 [value("y", [2, 2, 2], TensorProto.FLOAT8E4M3FN), value("t", [2, 2, 2])], inits)
+
+
+def fp8_residual_dequantize_read_twice():
+    """LayerNormQuantize(x, γ, β, DQ(r E4M3)), the dequantized residual also a graph output."""
+    import ml_dtypes
+    inits = [("s", np.array(0.05, np.float32)), ("z", np.array(0, ml_dtypes.float8_e4m3fn)),
+             ("gamma", np.ones(4, np.float32)), ("beta", np.zeros(4, np.float32))]
+    nodes = [node("DequantizeLinear", ["r", "s", "z"], ["rf"]),
+             node("LayerNormQuantize", ["x", "gamma", "beta", "rf", "s", "z"], ["y"], domain="kiln")]
+    return model(nodes, [value("x", [2, 4]), value("r", [2, 4], TensorProto.FLOAT8E4M3FN)],
+                 [value("y", [2, 4], TensorProto.FLOAT8E4M3FN), value("rf", [2, 4])], inits)
+
+
 def qdq_concat_of_two_scales():
     n1, i1 = _quantize("a", 0.05, "a")
     n2, i2 = _quantize("b", 0.07, "b")
@@ -601,6 +646,14 @@ CASES = {
                                                    "other readers"),
     "quantize_into_elementwise/read_twice": Case("fuse_quantize_into_elementwise", fp8_quantize_of_a_chain_read_twice,
                                                  "other readers", before=["fuse_elementwise"]),
+    "elementwise_into_qgemm/read_twice": Case("fuse_elementwise_into_qgemm", fp8_gemm_output_read_twice,
+                                              "other readers"),
+    "quantize_through_layout/read_twice": Case("fuse_quantize_through_layout_into_qgemm",
+                                               fp8_key_transpose_read_twice, "other readers"),
+    "attention_layout_after_epilogue/head_split_read_twice": Case("absorb_attention_reshapes_after_epilogue",
+                                                                  attention_with_a_head_split_read_twice, None),
+    "dequantize_into_layer_norm_quantize/read_twice": Case("fuse_dequantize_into_layer_norm_quantize",
+                                                           fp8_residual_dequantize_read_twice, "other readers"),
 }
 
 

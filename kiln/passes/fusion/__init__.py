@@ -19,11 +19,12 @@ from kiln.passes.fusion.gelu import fuse_gelu
 from kiln.passes.fusion.gemm import fuse_gemm
 from kiln.passes.fusion.global_pool import pool_as_global_mean
 from kiln.passes.fusion.layernorm import fuse_layer_norm
-from kiln.passes.fusion.layernorm_quantize import fuse_layer_norm_quantize
+from kiln.passes.fusion.layernorm_quantize import fuse_dequantize_into_layer_norm_quantize, fuse_layer_norm_quantize
 from kiln.passes.fusion.packed_rotary import fuse_packed_rotary
 from kiln.passes.fusion.parallel_gemm import merge_parallel_gemms
 from kiln.passes.fusion.qdq_layers import fold_quantize_into_stem, fuse_quantized_add, fuse_quantized_layer
 from kiln.passes.fusion.qdq_propagate import hoist_quantize, remove_qdq_round_trips, sink_dequantize
+from kiln.passes.fusion.qgemm_epilogue import fuse_elementwise_into_qgemm, fuse_quantize_through_layout_into_qgemm
 from kiln.passes.fusion.qdq_residual import fuse_quantized_residual, fuse_quantized_residual_fp8
 from kiln.passes.fusion.relayout import flatten_channels_last_runs, fuse_relayout
 from kiln.passes.fusion.rmsnorm import fuse_rms_norm
@@ -70,9 +71,13 @@ RULES = [
     ("attention_mask_broadcast", use_broadcast_attention_mask),  # a materialised mask that masks: its small form
     ("fuse_skip_layer_norm", fuse_skip_layer_norm),
     ("fuse_layer_norm_quantize", fuse_layer_norm_quantize),  # after the residual joins the norm: Q in its store
+    ("fuse_dequantize_into_layer_norm_quantize", fuse_dequantize_into_layer_norm_quantize),  # ... an E4M3 residual
     ("fuse_elementwise", fuse_elementwise),
     ("fuse_dequantize_into_elementwise", fuse_dequantize_into_elementwise),  # an E4M3 tensor read by the chain
     ("fuse_quantize_into_elementwise", fuse_quantize_into_elementwise),  # ... and its result stored as E4M3
+    ("fuse_elementwise_into_qgemm", fuse_elementwise_into_qgemm),  # a chain reading an FP8 QGemm: its epilogue
+    ("fuse_quantize_through_layout_into_qgemm", fuse_quantize_through_layout_into_qgemm),  # k's, past its transpose
+    ("absorb_attention_reshapes_after_epilogue", absorb_attention_reshapes),  # ... which the attention then takes
     ("drop_zero_initial_states", drop_zero_initial_states),  # a dynamic batch's zero states: absent
     ("constant_reshape_target", constant_reshape_target),  # a dynamic batch's shape arithmetic: 0 and -1
     ("split_as_slices", split_as_slices),  # after every rule that reads a Split: the rest cut segments
@@ -89,8 +94,13 @@ CPU_RULES = {"fuse_squeeze_excite", "fuse_conv_final_activation", "conv1d_as_con
 # Rules only a build for CUDA asks for (PassOptions.cuda_rules): every CUDA tactic of their fused op takes
 # it, the CPU's do not (a QConv with a residual would run as the float64 reference there).
 CUDA_RULES = {"fuse_quantized_residual", "fuse_quantized_residual_fp8", "fuse_layer_norm_quantize",
-              "fold_quantize_into_stem", "fuse_dequantize_into_elementwise", "fuse_quantize_into_elementwise"}
+              "fold_quantize_into_stem", "fuse_dequantize_into_elementwise", "fuse_quantize_into_elementwise",
+              "fuse_elementwise_into_qgemm", "fuse_dequantize_into_layer_norm_quantize",
+              "fuse_quantize_through_layout_into_qgemm", "absorb_attention_reshapes_after_epilogue"}
 # Rules tried from opt_level 3 only: their fused layers are not yet measured on a GPU (default builds unchanged)
 # (the E4M3 Q/DQ elementwise rules left it on 2026-12-06: bench/gpu_qadd.sh on an H100, FP8 QDQ BERT-base 64 x 384
 # 17.53 -> 12.47 ms, bench/results/gpu-s22-2026-12-06.md)
-LEVEL3_RULES = {"fuse_quantized_residual_fp8"}
+LEVEL3_RULES = {"fuse_quantized_residual_fp8",
+                # the chain after an FP8 QGemm in its epilogue (session 22): interpreter-tested, bench/gpu_fp8gemm.sh
+                "fuse_elementwise_into_qgemm", "fuse_dequantize_into_layer_norm_quantize",
+                "fuse_quantize_through_layout_into_qgemm", "absorb_attention_reshapes_after_epilogue"}

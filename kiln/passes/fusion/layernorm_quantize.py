@@ -10,6 +10,16 @@ the row while it is in registers: no separate pass reads y back (24,576 x 768 fp
 BERT-base batch 64 x 384). y is rounded to its storage dtype before it is quantized, as the unfused Q
 reads it, so the fused op is the unfused pair exactly.
 
+The residual a transformer adds there is the previous LayerNorm's output, which onnxruntime's FP8 QDQ models
+quantize for the GEMMs and dequantize for the residual path: a DequantizeLinear of its own per norm (24 in
+BERT-base, bench/results/gpu-s21-2026-12-06.md section 5). fuse_dequantize_into_layer_norm_quantize lets the norm
+read that E4M3 tensor and its scale itself:
+
+    LayerNormQuantize(x, γ, β, DQ(r_q; s_r), s, z)  =>  LayerNormQuantize(x, γ, β, r_q, s, z, s_r)
+
+exact: the kernel forms float32(r_q)·s_r rounded to x's dtype, the value the DequantizeLinear wrote (E4M3, zero
+point 0, per tensor, its output of x's dtype).
+
 CUDA builds only (fusion.CUDA_RULES): the op's CUDA tactic is the Triton LayerNorm with the quantizing
 store (kiln/tactics/cuda/layer_norm_quantize.py); on the CPU the pair stays as it was measured.
 """
@@ -28,12 +38,14 @@ from kiln.passes._rewrite import (
     const,
     consumers,
     fused_from,
+    dtype_of,
     is_op,
     replace_with,
 )
-from kiln.passes.fusion.qdq_propagate import quantized_type
+from kiln.passes.fusion.qdq_propagate import dequantized, quantized_type
 
 RULE = "fuse_layer_norm_quantize"
+RULE_RESIDUAL = "fuse_dequantize_into_layer_norm_quantize"
 QUANTIZED_TYPES = (ir.DataType.FLOAT8E4M3FN, ir.DataType.INT8, ir.DataType.UINT8)
 
 
@@ -91,4 +103,36 @@ def fuse_layer_norm_quantize(node: ir.Node, report: PassReport) -> bool:
     y.name = f"{name}__fused"
     out_y.name = name
     fused.metadata_props[FUSED_FROM] = json.dumps(absorbed)
+    return True
+
+
+def fuse_dequantize_into_layer_norm_quantize(node: ir.Node, report: PassReport) -> bool:
+    # LayerNormQuantize(x, γ, β, DQ(r_q; s_r), s, z) -> LayerNormQuantize(x, γ, β, r_q, s, z, s_r)
+    """The E4M3 residual's DequantizeLinear into the LayerNormQuantize that adds it (module docstring)."""
+    if not is_op(node, "LayerNormQuantize", domain=KILN_DOMAIN) or len(node.inputs) != 6 or node.inputs[3] is None:
+        return False
+    found = dequantized(node.inputs[3])
+    if found is None:
+        return False
+    dq, params = found
+    r_q, value = dq.inputs[0], node.inputs[3]
+    why = None
+    if r_q is None or r_q.dtype != ir.DataType.FLOAT8E4M3FN:
+        why = "the residual is not dequantized from float8e4m3fn"
+    elif not params.per_tensor or float(params.zero_point.astype("float32").reshape(-1)[0]) != 0.0:
+        why = "the residual's DequantizeLinear is per channel or has a zero point"
+    elif consumers(value) != [node] or value.is_graph_output():
+        why = "the dequantized residual has other readers: it stays a tensor of its own"
+    elif dtype_of(value) != dtype_of(node.inputs[0]):
+        why = f"the DequantizeLinear writes {dtype_of(value)}, x is {dtype_of(node.inputs[0])}"
+    if why is not None:
+        report.refuse(RULE_RESIDUAL, node, why)
+        return False
+    node.replace_input_with(3, r_q)
+    node.resize_inputs(7)
+    node.replace_input_with(6, params.scale_value)
+    node.metadata_props[FUSED_FROM] = json.dumps(json.loads(node.metadata_props.get(FUSED_FROM, "[]"))
+                                                 + fused_from([dq]))
+    if not dq.outputs[0].uses():
+        node.graph.remove(dq, safe=True)
     return True

@@ -45,6 +45,8 @@ def _constants_refusal(inputs: list[InputMeta]) -> str | None:
     for i, name in enumerate(("x_scale", "x_zero_point", "w", "w_scale", "w_zero_point"), start=1):
         if i >= len(inputs) or inputs[i].shape is None or not inputs[i].constant:
             return f"{name} is not a constant of the engine"
+    if len(inputs) > 9 and inputs[9] is not None and inputs[9].shape is not None and inputs[0].dtype != torch.uint8:
+        return "a QGemm with its product quantized (the FP8 chain in its epilogue): CUDA's kernels only"
     return None
 
 

@@ -93,6 +93,27 @@ def check_layer(step: StepSpec, inputs: list[InputMeta], w_rank: int,
     return True
 
 
+def check_product(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    """What every CUDA tactic of a QGemm with its product quantized needs (True also when it is not): FP8
+    operands, the product's scale and E4M3 zero point per-tensor constants, a constant float bias per column."""
+    product_scale = _input(inputs, 9)
+    if product_scale is None:
+        return True
+    product_zero = _input(inputs, 10)
+    if inputs[0].dtype != FP8:
+        return f"a quantized product (E4M3) after {name_of(inputs[0].dtype)} operands: the FP8 chain's only"
+    if not product_scale.constant or product_zero is None or not product_zero.constant or \
+            _numel(product_scale.shape) != 1 or _numel(product_zero.shape) != 1:
+        return "the product's scale and zero point are not per-tensor constants of the engine"
+    if product_zero.dtype != FP8:
+        return f"the product is quantized to {name_of(product_zero.dtype)}: the epilogue rounds onto E4M3"
+    bias = _input(inputs, 11)
+    if bias is not None and (not bias.constant or bias.dtype not in FLOAT_OUTPUTS.values()
+                             or _numel(bias.shape) != inputs[3].shape[0]):
+        return "the product bias is not a constant float vector, one per output column"
+    return True
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
@@ -116,6 +137,9 @@ class QuantizedLayer:
     activation: str
     alpha: float
     beta: float
+    product_scale: float = 0.0  # a QGemm's quantized product (inputs 9-11), 0 when not quantized
+    product_bias: torch.Tensor | None = None  # fp32 [N] on the device
+    multiplier: float = 1.0
 
     @classmethod
     def of(cls, step: StepSpec, constants: list[Any], device: torch.device) -> QuantizedLayer:
@@ -126,6 +150,13 @@ class QuantizedLayer:
         y_zero = constants[7] if len(constants) > 7 else None
         bias = constants[8] if len(constants) > 8 else None
         channels = w.shape[0]
+        product = {}
+        if step.op_type == "QGemm" and len(constants) > 9 and constants[9] is not None:
+            product_bias = constants[11] if len(constants) > 11 else None
+            product = dict(product_scale=float(constants[9].reshape(-1)[0]),
+                           product_bias=None if product_bias is None else
+                           product_bias.to(device=device, dtype=torch.float32).reshape(-1).contiguous(),
+                           multiplier=float(_attr(step, "multiplier", 1.0)))
         if y_scale is not None:
             out = y_zero.dtype
         else:
@@ -138,7 +169,11 @@ class QuantizedLayer:
             out_dtype=out, y_scale=1.0 if y_scale is None else float(y_scale.reshape(-1)[0]),
             y_zero=0.0 if y_zero is None else float(y_zero.reshape(-1)[0].to(torch.float32)),
             activation=_attr(step, "activation", ""), alpha=float(_attr(step, "alpha", 0.0)),
-            beta=float(_attr(step, "beta", 0.0)))
+            beta=float(_attr(step, "beta", 0.0)), **product)
+
+    @property
+    def quantized_product(self) -> bool:
+        return self.product_scale > 0.0
 
     @property
     def fp8(self) -> bool:
@@ -152,7 +187,9 @@ class QuantizedLayer:
     def epilogue(self, scale: torch.Tensor, bias: torch.Tensor | None) -> Any:
         qgemm = kernels("qgemm")
         return qgemm.Epilogue(scale=scale.contiguous(), bias=bias, out_dtype=self.out_dtype, y_scale=self.y_scale,
-                              y_zero=self.y_zero, activation=self.activation, alpha=self.alpha, beta=self.beta)
+                              y_zero=self.y_zero, activation=self.activation, alpha=self.alpha, beta=self.beta,
+                              product_scale=self.product_scale, product_bias=self.product_bias,
+                              multiplier=self.multiplier)
 
     def integer_epilogue(self) -> Any:
         """For kernels that multiply the 8-bit values themselves: int8 layers get the int32 bias with

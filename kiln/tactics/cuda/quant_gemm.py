@@ -18,6 +18,11 @@
     cuda.qgemm.dequantized         the float layer: x dequantized to fp16 in one pass, cuBLAS fp16 GEMM on
                                    the dequantized weight, then one Triton pass (bias in fp32, requantization)
 
+A QGemm with its product quantized (inputs 9-11: onnxruntime's FP8 QDQ linear y = Q(act(DQ(Q(x·W)) + b)·m), the
+chain after the product in the epilogue): the Triton tactics, scaled_mm, scaled_mm_half (the chain in their
+Triton pass; a float output too) and dequantized take it, judged by quant_product_check (the unfused pair's
+tolerance); scaled_mm_direct cannot (cuBLASLt adds its bias before the one rounding it has).
+
 Measured on the H200 (issue 12): cuBLASLt INT8 is slower than FP16 at ResNet-50/BERT GEMM shapes and FP8
 1.4-1.6x faster, so no tactic here is assumed to win: the autotuner times them all against the op's
 reference (and each other) on the layer's real shape, and judges each within one quantization step.
@@ -44,11 +49,13 @@ from kiln.tactics.cuda.quant_common import (
     QUANTIZED,
     QuantizedLayer,
     check_layer,
+    check_product,
     kernels,
     name_of,
     output_dtype,
     triton_available,
 )
+from kiln.tactics.cuda.quant_product_check import product_layer_checker
 from kiln.tactics.registry import register
 from kiln.tactics.tactic import InputMeta, Tactic
 
@@ -64,7 +71,12 @@ def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
         return f"x {list(x.shape)} does not match the weight [N, K] {list(w.shape)}"
     if w.shape[1] == 0:
         return "K = 0"
-    return True
+    return check_product(step, inputs)
+
+
+def _product(inputs: list[InputMeta]) -> bool:
+    """Whether the layer's product is quantized (inputs 9-11: the chain after it in the epilogue)."""
+    return len(inputs) > 9 and inputs[9] is not None and inputs[9].shape is not None
 
 
 def _rows(inputs: list[InputMeta]) -> int:
@@ -92,7 +104,7 @@ def _triton_tactic(block_m: int, block_n: int, block_k: int, num_warps: int, num
             return f"{name_of(inputs[0].dtype)} activations: int8 sums are exact, fast accumulation is FP8's"
         if persistent:
             out = output_dtype(step, inputs)
-            if out not in QUANTIZED:  # (or the reason the output is not one)
+            if out not in QUANTIZED and not (_product(inputs) and out in (torch.float16, torch.bfloat16)):
                 return out if isinstance(out, str) else \
                     "a float output: cuda.qgemm.scaled_mm_direct writes it from cuBLASLt's epilogue"
             refusal = kernels("qgemm").persistent_refusal(inputs[0].dtype, *inputs[3].shape[::-1], out)
@@ -120,7 +132,7 @@ def _triton_tactic(block_m: int, block_n: int, block_k: int, num_warps: int, num
 
     return Tactic(
         name=name, op_type="QGemm", domain="kiln", device="cuda", dtypes=QUANTIZED, supports=supports,
-        prepare=prepare, level=level, available=triton_available,
+        prepare=prepare, level=level, available=triton_available, checker=product_layer_checker,
         description=f"Triton int8/fp8 GEMM, {block_m}x{block_n}x{block_k} tiles, {num_warps} warps, {num_stages} "
                     "stages, zero point / bias / scale / Relu / requantization on the tile before its one store"
                     + _FAST_ACCUM[fast_accum] + _PERSISTENT[persistent],
@@ -226,6 +238,7 @@ def _prepare_scaled_mm(step: StepSpec, constants: list[Any], device: torch.devic
 register(Tactic(
     name="cuda.qgemm.scaled_mm", op_type="QGemm", domain="kiln", device="cuda", dtypes=(FP8,),
     supports=_scaled_mm_supports, prepare=_prepare_scaled_mm, available=_scaled_mm_available,
+    checker=product_layer_checker,
     description="cuBLASLt FP8 GEMM (torch._scaled_mm, fp32 out, full-precision accumulation), then bias / "
                 "scale / Relu / requantization in one Triton pass",
 ))
@@ -235,6 +248,8 @@ def _direct_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     common = _scaled_mm_supports(step, inputs)
     if common is not True:
         return common
+    if _product(inputs):
+        return "the product is quantized before the bias: cuBLASLt's epilogue adds it before its one rounding"
     out = output_dtype(step, inputs)
     if out in QUANTIZED:
         return "a quantized output: cuBLASLt's epilogue has no Relu/Clip-then-round of kiln's contract"
@@ -299,7 +314,7 @@ def _half_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     common = _scaled_mm_supports(step, inputs)
     if common is not True:
         return common
-    if output_dtype(step, inputs) not in QUANTIZED:
+    if output_dtype(step, inputs) not in QUANTIZED and not _product(inputs):
         return "a float output: cuda.qgemm.scaled_mm_direct writes it in one GEMM"
     return True  # the fp16 range is checked at prepare, where y_scale's value is read
 
@@ -310,9 +325,10 @@ def _prepare_half(step: StepSpec, constants: list[Any], device: torch.device, fa
     w_t = layer.w.contiguous().t()  # [K, N] column-major
     n = w_t.shape[1]
     per_channel = constants[4].numel() > 1
-    if not per_channel and layer.y_scale * 448.0 > _HALF_LIMIT:
-        raise ValueError(f"{step.name}: y_scale {layer.y_scale:g}: outputs up to {layer.y_scale * 448:g} would "
-                         "overflow the fp16 product")
+    largest = (layer.product_scale if layer.quantized_product else layer.y_scale) * 448.0  # what is rounded
+    if not per_channel and largest > _HALF_LIMIT:
+        raise ValueError(f"{step.name}: outputs up to {largest:g} (the scale the product is quantized at x 448) "
+                         "would overflow the fp16 product")
     half = torch.bfloat16 if per_channel else torch.float16
     scale_b = layer.channel_scale.reshape(1, n) if per_channel else layer.channel_scale[:1].reshape(())
     ones = torch.ones(n, dtype=torch.float32, device=device)
@@ -335,7 +351,7 @@ for _fast, _note in _FAST_ACCUM.items():
     register(Tactic(
         name="cuda.qgemm.scaled_mm_half" + (".fast_accum" if _fast else ""), op_type="QGemm", domain="kiln",
         device="cuda", dtypes=(FP8,), supports=_half_supports, prepare=partial(_prepare_half, fast_accum=_fast),
-        available=_scaled_mm_available,
+        available=_scaled_mm_available, checker=product_layer_checker,
         description="cuBLASLt FP8 GEMM with x_scale·w_scale, fp16 (bf16 per channel) out, then bias (fp32) / "
                     "Relu / Clip / Gelu / quantization in one Triton pass: an 8-bit output after any activation"
                     + _note,
@@ -360,7 +376,7 @@ def _prepare_dequantized(step: StepSpec, constants: list[Any], device: torch.dev
 
 register(Tactic(
     name="cuda.qgemm.dequantized", op_type="QGemm", domain="kiln", device="cuda", dtypes=QUANTIZED,
-    supports=_supports, prepare=_prepare_dequantized, available=triton_available,
+    supports=_supports, prepare=_prepare_dequantized, available=triton_available, checker=product_layer_checker,
     description="the float layer: x dequantized to fp16 (one pass), cuBLAS fp16 GEMM on the dequantized weight, "
                 "then bias (fp32) / Relu / requantization in one Triton pass",
 ))

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from kiln.plan.spec import StepSpec
-from kiln.tactics.cuda.quant_common import QUANTIZED, kernels, name_of, triton_available
+from kiln.tactics.cuda.quant_common import FP8, QUANTIZED, kernels, name_of, triton_available
 from kiln.tactics.registry import register
 from kiln.tactics.tactic import InputMeta, Tactic
 from kiln.tactics.tactic import attribute as _attr
@@ -41,9 +41,15 @@ def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
         p = _input(inputs, i)
         if p is not None and (p.dtype != x.dtype or math.prod(p.shape) != x.shape[-1]):
             return f"the {name} is not {x.shape[-1]} values of x's dtype"
-    residual = _input(inputs, 3)
-    if residual is not None and (not kernels("qnorm").residual_broadcasts(residual.shape, x.shape) or residual.dtype != x.dtype):
-        return f"the residual {list(residual.shape)} is not x's {list(x.shape)} (or its trailing dims) in x's dtype"
+    residual, residual_scale = _input(inputs, 3), _input(inputs, 6)
+    residual_dtype = FP8 if residual_scale is not None else x.dtype  # an E4M3 residual with its scale
+    if residual is not None and (not kernels("qnorm").residual_broadcasts(residual.shape, x.shape)
+                                 or residual.dtype != residual_dtype):
+        return f"the residual {name_of(residual.dtype)}{list(residual.shape)} is not x's {list(x.shape)} (or its " \
+               f"trailing dims) in {name_of(residual_dtype)}"
+    if residual_scale is not None and (residual is None or not residual_scale.constant
+                                       or math.prod(residual_scale.shape) != 1):
+        return "the residual's scale is not a per-tensor constant of the engine (or there is no residual)"
     y_scale, y_zero = _input(inputs, 4), _input(inputs, 5)
     if y_scale is None or y_zero is None or not y_scale.constant or not y_zero.constant:
         return "the output scale and zero point are not constants of the engine"
@@ -63,11 +69,12 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device, rows: i
     epsilon = float(_attr(step, "epsilon", 1e-5))
     y_scale, y_zero = _number(constants[4]), _number(constants[5])
     out = constants[5].dtype
+    residual_scale = _number(constants[6]) if len(constants) > 6 and constants[6] is not None else None
     config = qnorm.RowsConfig(rows, num_warps) if rows else None
 
     def launch(ctx, x, scale=None, bias=None, residual=None, *_quantization, **_attributes):
         q, y = qnorm.layer_norm_quantize(x, scale, bias, epsilon, y_scale, y_zero, out, residual=residual,
-                                         write_y=ctx.num_outputs == 2, config=config)
+                                         residual_scale=residual_scale, write_y=ctx.num_outputs == 2, config=config)
         return (q, y) if y is not None else q
 
     return launch

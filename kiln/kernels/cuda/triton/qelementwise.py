@@ -66,7 +66,9 @@ def _requantize_kernel(acc_ptr, bias_ptr, scale_ptr, out_ptr, numel, inner, chan
 
 @triton.jit
 def _requantize_rows_kernel(acc_ptr, bias_ptr, scale_ptr, out_ptr, rows, channels, y_scale, y_zero, alpha, beta,
-                            HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, OUT: tl.constexpr, QMIN: tl.constexpr,
+                            product_bias_ptr, product_scale, multiplier, PRODUCT: tl.constexpr,
+                            HAS_PRODUCT_BIAS: tl.constexpr, MULTIPLY: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            ACTIVATION: tl.constexpr, OUT: tl.constexpr, QMIN: tl.constexpr,
                             QMAX: tl.constexpr, HARDWARE_E4M3: tl.constexpr, INDEX64: tl.constexpr,
                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """_requantize_kernel where the channel is the innermost dim in memory (a GEMM's [M, N], a channels-last conv):
@@ -80,8 +82,13 @@ def _requantize_rows_kernel(acc_ptr, bias_ptr, scale_ptr, out_ptr, rows, channel
     mask = (r < rows)[:, None] & c_ok[None, :]
     offs = r[:, None] * channels + c[None, :]  # [BR, BC]
     acc = tl.load(acc_ptr + offs, mask=mask, other=0)
-    y = qmath.finish_columns(acc, bias_ptr, scale_ptr, c, c_ok, y_scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION, OUT,
-                             QMIN, QMAX, HARDWARE_E4M3)
+    if PRODUCT:  # a QGemm's quantized product and the chain after it (qmath)
+        y = qmath.finish_product_columns(acc, bias_ptr, scale_ptr, product_bias_ptr, c, c_ok, product_scale, multiplier,
+                                         y_scale, y_zero, alpha, beta, HAS_BIAS, HAS_PRODUCT_BIAS, MULTIPLY,
+                                         ACTIVATION, OUT, QMIN, QMAX, HARDWARE_E4M3)
+    else:
+        y = qmath.finish_columns(acc, bias_ptr, scale_ptr, c, c_ok, y_scale, y_zero, alpha, beta, HAS_BIAS,
+                                 ACTIVATION, OUT, QMIN, QMAX, HARDWARE_E4M3)
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -116,10 +123,13 @@ def requantize(acc: torch.Tensor, epilogue: Epilogue, axis: int = -1) -> torch.T
         _requantize_rows_kernel[(triton.cdiv(rows, block_r), triton.cdiv(channels, block_c))](
             acc, epilogue.bias if epilogue.bias is not None else epilogue.scale, epilogue.scale, out, rows, channels,
             float(epilogue.y_scale), float(epilogue.y_zero), float(epilogue.alpha), float(epilogue.beta),
+            *epilogue.product_arguments(), **epilogue.product_constants(),
             HAS_BIAS=epilogue.bias is not None, ACTIVATION=epilogue.activation, OUT=epilogue.out_kind, QMIN=qmin,
             QMAX=qmax, HARDWARE_E4M3=acc.is_cuda, INDEX64=numel + ROWS_TILE >= 2**31, BLOCK_R=block_r,
             BLOCK_C=block_c, num_warps=8)
         return out
+    if epilogue.quantized_product:
+        raise ValueError("triton requantize: a quantized product runs along the innermost dim (a GEMM's rows) only")
     _requantize_kernel[(triton.cdiv(numel, BLOCK),)](
         acc, epilogue.bias if epilogue.bias is not None else epilogue.scale, epilogue.scale, out, numel, inner,
         channels, float(epilogue.y_scale), float(epilogue.y_zero), float(epilogue.alpha), float(epilogue.beta),

@@ -3,6 +3,8 @@
     acc[m, n] = Σ_k x[m, k]·w[n, k]                  int8 x int8 -> int32 (exact), or
                                                      float8e4m3fn x float8e4m3fn -> fp32
     y[m, n]   = requantize((acc + bias[n])·scale[n])  kiln/kernels/cuda/triton/qmath.py
+    (or, the product quantized: the E4M3 rounding, + product_bias[n], act, ·multiplier, then the output:
+     qmath.finish_product_columns, the chain after onnxruntime's FP8 QDQ MatMuls)
 
 x: [M, K] int8/uint8/float8e4m3fn (K contiguous), w: [N, K] of the same family, K contiguous: both
 operands are K-major, the layout Hopper's wgmma reads 8-bit operands in (an N-major int8/fp8 B
@@ -75,7 +77,9 @@ QGEMM_CONFIGS = (  # 8-bit operands: twice the K of the fp16 tiles in the same s
 class Epilogue:
     """What the layer does after the products, fixed at prepare: per-channel fp32 scale [N], bias [N]
     (int32 for an int8 layer, the zero-point correction folded in; fp32 for FP8), the activation and
-    the output (`out_dtype`: int8/uint8/float8e4m3fn quantized by y_scale/y_zero, else float)."""
+    the output (`out_dtype`: int8/uint8/float8e4m3fn quantized by y_scale/y_zero, else float). A `product_scale`
+    (> 0) rounds the product onto its E4M3 grid before the activation, then adds `product_bias` [N] (fp32) and
+    multiplies by `multiplier` after it (kiln/ops/quantized.py: a QGemm's inputs 9-11)."""
 
     scale: torch.Tensor
     bias: torch.Tensor | None
@@ -85,6 +89,22 @@ class Epilogue:
     activation: str = ""
     alpha: float = 0.0
     beta: float = 0.0
+    product_scale: float = 0.0  # 0: the product is not quantized
+    product_bias: torch.Tensor | None = None
+    multiplier: float = 1.0
+
+    @property
+    def quantized_product(self) -> bool:
+        return self.product_scale > 0.0
+
+    def product_arguments(self) -> tuple[torch.Tensor, float, float]:
+        """The kernels' (product_bias_ptr, product_scale, multiplier): a pointer is passed even when unread."""
+        bias = self.product_bias if self.product_bias is not None else self.scale
+        return bias, float(self.product_scale or 1.0), float(self.multiplier)
+
+    def product_constants(self) -> dict[str, bool]:
+        return dict(PRODUCT=self.quantized_product, HAS_PRODUCT_BIAS=self.product_bias is not None,
+                    MULTIPLY=self.multiplier != 1.0)
 
     @property
     def out_kind(self) -> int:
@@ -107,7 +127,7 @@ class Epilogue:
         Quantized outputs only: a float output has no y_scale."""
         if self.out_kind == qmath.OUT_FLOAT:
             raise ValueError("quantized epilogue: a float output has no y_scale to fold into the scale")
-        if self.activation not in PRESCALED_ACTIVATIONS:
+        if self.activation not in PRESCALED_ACTIVATIONS or self.quantized_product:
             raise ValueError(f"quantized epilogue: {self.activation} does not commute with the output scale: "
                              "it cannot be prescaled")
         y_scale = float(self.y_scale)
@@ -124,12 +144,19 @@ class Epilogue:
                              f"{self.scale.dtype}{list(self.scale.shape)}")
         if self.bias is not None and self.bias.numel() != channels:
             raise ValueError(f"quantized epilogue: bias has {self.bias.numel()} values, expected {channels}")
+        if self.product_bias is not None and (not self.quantized_product or self.product_bias.numel() != channels
+                                              or self.product_bias.dtype != torch.float32):
+            raise ValueError(f"quantized epilogue: a product bias needs a product scale and {channels} fp32 values, "
+                             f"got {self.product_bias.dtype}{list(self.product_bias.shape)}")
+        if self.multiplier != 1.0 and not self.quantized_product:
+            raise ValueError("quantized epilogue: a multiplier follows a quantized product only")
 
 
 @triton.jit
 def _qgemm_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
-                  y_scale, y_zero, alpha, beta,
-                  FP8: tl.constexpr, FAST_ACCUM: tl.constexpr, X_UNSIGNED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  y_scale, y_zero, alpha, beta, product_bias_ptr, product_scale, multiplier,
+                  PRODUCT: tl.constexpr, HAS_PRODUCT_BIAS: tl.constexpr, MULTIPLY: tl.constexpr, FP8: tl.constexpr,
+                  FAST_ACCUM: tl.constexpr, X_UNSIGNED: tl.constexpr, HAS_BIAS: tl.constexpr,
                   ACTIVATION: tl.constexpr, OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
                   HARDWARE_E4M3: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
@@ -163,27 +190,41 @@ def _qgemm_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, M, N, K, stride_xm
         x_tile += BLOCK_K
         w_tile += BLOCK_K
 
-    y = qmath.finish_columns(acc, bias_ptr, scale_ptr, rn, col_ok, y_scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION,
-                             OUT, QMIN, QMAX, HARDWARE_E4M3)
+    if PRODUCT:
+        y = qmath.finish_product_columns(acc, bias_ptr, scale_ptr, product_bias_ptr, rn, col_ok, product_scale,
+                                         multiplier, y_scale, y_zero, alpha, beta, HAS_BIAS, HAS_PRODUCT_BIAS, MULTIPLY,
+                                         ACTIVATION, OUT, QMIN, QMAX, HARDWARE_E4M3)
+    else:
+        y = qmath.finish_columns(acc, bias_ptr, scale_ptr, rn, col_ok, y_scale, y_zero, alpha, beta, HAS_BIAS,
+                                 ACTIVATION, OUT, QMIN, QMAX, HARDWARE_E4M3)
     offs = rm[:, None].to(tl.int64) * N + rn[None, :]
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
-def _finish_half(acc, y_desc, bias_ptr, scale_ptr, off_m, off_n, N, y_scale, y_zero, alpha, beta,
-                 HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, OUT: tl.constexpr, QMIN: tl.constexpr,
+def _finish_half(acc, y_desc, bias_ptr, scale_ptr, off_m, off_n, N, y_scale, y_zero, alpha, beta, product_bias_ptr,
+                 product_scale, multiplier, PRODUCT: tl.constexpr, HAS_PRODUCT_BIAS: tl.constexpr,
+                 MULTIPLY: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, OUT: tl.constexpr,
+                 QMIN: tl.constexpr,
                  QMAX: tl.constexpr, HARDWARE_E4M3: tl.constexpr, HALF_N: tl.constexpr):
     """One [BLOCK_M, HALF_N] half of a persistent tile: the epilogue, then a TMA store (rows and columns past the
     output are clipped by the TMA unit)."""
     rn = off_n + tl.arange(0, HALF_N)  # [HN]
-    y = qmath.finish_columns(acc, bias_ptr, scale_ptr, rn, rn < N, y_scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION,
-                             OUT, QMIN, QMAX, HARDWARE_E4M3)
+    if PRODUCT:
+        y = qmath.finish_product_columns(acc, bias_ptr, scale_ptr, product_bias_ptr, rn, rn < N, product_scale,
+                                         multiplier, y_scale, y_zero, alpha, beta, HAS_BIAS, HAS_PRODUCT_BIAS, MULTIPLY,
+                                         ACTIVATION, OUT, QMIN, QMAX, HARDWARE_E4M3)
+    else:
+        y = qmath.finish_columns(acc, bias_ptr, scale_ptr, rn, rn < N, y_scale, y_zero, alpha, beta, HAS_BIAS,
+                                 ACTIVATION, OUT, QMIN, QMAX, HARDWARE_E4M3)
     y_desc.store([off_m, off_n], y.to(y_desc.dtype))
 
 
 @triton.jit
 def _qgemm_persistent_kernel(x_desc, w_desc, y_desc, bias_ptr, scale_ptr, M, N, K, y_scale, y_zero, alpha, beta,
-                             FAST_ACCUM: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+                             product_bias_ptr, product_scale, multiplier, PRODUCT: tl.constexpr,
+                             HAS_PRODUCT_BIAS: tl.constexpr, MULTIPLY: tl.constexpr, FAST_ACCUM: tl.constexpr,
+                             HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
                              OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr, HARDWARE_E4M3: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr):
@@ -210,10 +251,11 @@ def _qgemm_persistent_kernel(x_desc, w_desc, y_desc, bias_ptr, scale_ptr, M, N, 
         halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))  # [BM, BN/2, 2]
         left, right = tl.split(halves)  # columns [0, BN/2) and [BN/2, BN) of the tile
         _finish_half(left, y_desc, bias_ptr, scale_ptr, tile_m * BLOCK_M, tile_n * BLOCK_N, N, y_scale, y_zero,
-                     alpha, beta, HAS_BIAS, ACTIVATION, OUT, QMIN, QMAX, HARDWARE_E4M3, BLOCK_N // 2)
+                     alpha, beta, product_bias_ptr, product_scale, multiplier, PRODUCT, HAS_PRODUCT_BIAS, MULTIPLY,
+                     HAS_BIAS, ACTIVATION, OUT, QMIN, QMAX, HARDWARE_E4M3, BLOCK_N // 2)
         _finish_half(right, y_desc, bias_ptr, scale_ptr, tile_m * BLOCK_M, tile_n * BLOCK_N + BLOCK_N // 2, N,
-                     y_scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION, OUT, QMIN, QMAX, HARDWARE_E4M3,
-                     BLOCK_N // 2)
+                     y_scale, y_zero, alpha, beta, product_bias_ptr, product_scale, multiplier, PRODUCT,
+                     HAS_PRODUCT_BIAS, MULTIPLY, HAS_BIAS, ACTIVATION, OUT, QMIN, QMAX, HARDWARE_E4M3, BLOCK_N // 2)
 
 
 def fold_zero_point(w: torch.Tensor, bias: torch.Tensor | None, x_zero: int, x_dtype: torch.dtype) -> torch.Tensor:
@@ -264,7 +306,11 @@ def qgemm(x: torch.Tensor, w: torch.Tensor, epilogue: Epilogue, config: QGemmCon
                   BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
                   num_warps=config.num_warps, num_stages=config.num_stages)
     bias = epilogue.bias if epilogue.bias is not None else epilogue.scale
-    numbers = (float(epilogue.y_scale), float(epilogue.y_zero), float(epilogue.alpha), float(epilogue.beta))
+    numbers = (float(epilogue.y_scale), float(epilogue.y_zero), float(epilogue.alpha), float(epilogue.beta),
+               *epilogue.product_arguments())
+    common.update(epilogue.product_constants())
+    if epilogue.quantized_product and not fp8:
+        raise ValueError("triton qgemm: a quantized product (E4M3) follows FP8 operands only")
     if config.persistent:
         refusal = persistent_refusal(x.dtype, k, n, epilogue.out_dtype)
         if refusal:

@@ -7,6 +7,11 @@
     y = e4m3(saturate(r / y_scale, ±448))                     float8e4m3fn outputs
     y = r                                                      float outputs
 
+A QGemm with its product quantized (kiln/ops/quantized.py inputs 9-11: onnxruntime's y = DQ(Q(x·W)) + b) rounds
+r onto the E4M3 grid of product_scale first, then runs the float chain it absorbed (finish_product_columns):
+
+    p = e4m3(saturate(r / product_scale, ±448));  r = act(p·product_scale + product_bias[c])·multiplier;  y as above
+
 Rounding is done in fp32 arithmetic, not by a conversion instruction, for two reasons: the
 interpreter (TRITON_INTERPRET=1, the CI path) rounds fp32 -> float8e4nv wrongly (ties away, a value
 that rounds up into the next binade gets the wrong exponent, subnormals flushed: measured on
@@ -121,6 +126,34 @@ def finish_columns(acc, bias_ptr, scale_ptr, cols, col_ok, y_scale, y_zero, alph
     else:
         bias = scale  # not read
     return finish(acc, bias, scale, y_scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION, OUT, QMIN, QMAX, HARDWARE_E4M3)
+
+
+@triton.jit
+def round_in_registers(v, HARDWARE_E4M3: tl.constexpr = False):
+    """v rounded onto the E4M3 grid (saturating, nearest-even) as an fp32 value that is not stored: on the GPU by
+    the conversion instruction there and back (cvt.rn.satfinite, as the store's), else in arithmetic."""
+    if HARDWARE_E4M3:
+        return v.to(tl.float8e4nv).to(tl.float32)
+    return round_to_e4m3(v)
+
+
+@triton.jit
+def finish_product_columns(acc, bias_ptr, scale_ptr, product_bias_ptr, cols, col_ok, product_scale, multiplier,
+                           y_scale, y_zero, alpha, beta, HAS_BIAS: tl.constexpr, HAS_PRODUCT_BIAS: tl.constexpr,
+                           MULTIPLY: tl.constexpr, ACTIVATION: tl.constexpr, OUT: tl.constexpr, QMIN: tl.constexpr,
+                           QMAX: tl.constexpr, HARDWARE_E4M3: tl.constexpr = False):
+    """finish_columns() of a QGemm whose product is quantized (module docstring): the product's own E4M3
+    rounding (r / product_scale as IEEE's division, as the QuantizeLinear it replaces), its DequantizeLinear, the
+    bias, the activation and the multiplier in fp32, then the output."""
+    p = finish_columns(acc, bias_ptr, scale_ptr, cols, col_ok, product_scale, 0.0, 0.0, 0.0, HAS_BIAS, "", 0, 0, 0)
+    p = round_in_registers(dm.div_by_constant(p, product_scale, dm.reciprocal(product_scale)), HARDWARE_E4M3)
+    r = p * product_scale
+    if HAS_PRODUCT_BIAS:
+        r = r + tl.load(product_bias_ptr + cols, mask=col_ok, other=0.0)[None, :].to(tl.float32)
+    if MULTIPLY:  # the activation, then the Mul, then the output's quantization alone
+        r = requantize(r, 1.0, 0.0, alpha, beta, ACTIVATION, 0, QMIN, QMAX) * multiplier
+        return requantize(r, y_scale, y_zero, alpha, beta, "", OUT, QMIN, QMAX, HARDWARE_E4M3)
+    return requantize(r, y_scale, y_zero, alpha, beta, ACTIVATION, OUT, QMIN, QMAX, HARDWARE_E4M3)
 
 
 @triton.jit
