@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device check for h-fp8gemm (issue 12, <= 4 min, no carry): onnxruntime's FP8 QDQ BERT-base (bert_b64, 64 x 384,
-# --opt-level 3) with each quantized linear ONE kernel: the chain after every FP8 QGemm (DQ, bias, Gelu / the
+# OPT, default 2) with each quantized linear ONE kernel: the chain after every FP8 QGemm (DQ, bias, Gelu / the
 # attention's Mul, Q) in the GEMM's epilogue (kiln/passes/fusion/qgemm_epilogue.py), the key's Mul/Q moved through
 # its head transpose into its GEMM, and the LayerNormQuantizes reading the previous norm's E4M3 output as their
 # residual (fuse_dequantize_into_layer_norm_quantize). Section 5 of bench/results/gpu-s21-2026-12-06.md (H100,
@@ -9,7 +9,8 @@
 #   2. one linear as the two kernels before vs the fused one, BERT-base shapes (bench/fp8_gemm_epilogue.py)
 #   3. the kernel tests on the GPU (tests/kernels/test_qgemm_epilogue.py), if time is left
 #   4. the engine before (kiln_fp8_chains: session 21's opt-3 engine, h-qadd's chains), if time is left
-# MODES="kiln_fp8_chains kiln_fp16" (say) picks other engine rows; TESTS=0 / LAYERS=0 skip stages 3 / 2; BUDGET=560
+# MODES="kiln_fp8_chains kiln_fp16" (say) picks other engine rows; TESTS=0 / LAYERS=0 skip stages 3 / 2; OPT=3 the
+# opt level (default 2); BUDGET=560
 # (seconds, default 232) for a cold machine with several rows.
 set -u
 . "$(dirname "$0")/device_env.sh" kiln-fp8gemm
@@ -17,7 +18,7 @@ START=$(date +%s)
 left() { echo $((${BUDGET:-232} - $(date +%s) + START)); }
 row() {  # row MODE SECONDS [--profile]
   stage "engine: bert_b64 $1 ${3:-}, $2 s"
-  timeout "$2" python3 bench/quant_gpu.py --sections engines --engines bert_b64 --modes "$1" --opt-level 3 \
+  timeout "$2" python3 bench/quant_gpu.py --sections engines --engines bert_b64 --modes "$1" --opt-level "${OPT:-2}" \
     --row-timeout "$2" ${3:-} --out "$OUT/engines_$1" 2>&1 | grep "^| bert"
 }
 {

@@ -35,7 +35,7 @@ from tests.kernels.qlayers import FP8, product_layer, refusal, run_tactic  # noq
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter evaluates masked-off lanes
 
-CUDA = PassOptions(cuda_rules=True, cpu_rules=False, opt_level=3)  # LEVEL3_RULES until timed on a GPU
+CUDA = PassOptions(cuda_rules=True, cpu_rules=False)  # a CUDA build at the default opt_level 2
 # TRITON_INTERPRET=0 on a GPU machine (bench/gpu_fp8gemm.sh): the kernel tests on the device
 DEVICE = torch.device("cuda" if os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available() else "cpu")
 K, N = 64, 48
@@ -132,9 +132,9 @@ def test_the_rule_refuses_what_the_epilogue_cannot_hold():
         report.refused
     cpu = optimize(onnx_frontend.load(_linear_model("q").SerializeToString()), PassOptions()).graph
     assert all(len(n.inputs) <= 9 for n in cpu if n.op_type == "QGemm")  # CUDA_RULES only
-    level2 = optimize(onnx_frontend.load(_linear_model("q").SerializeToString()),
-                      dataclasses.replace(CUDA, opt_level=2)).graph
-    assert all(len(n.inputs) <= 9 for n in level2 if n.op_type == "QGemm")  # LEVEL3_RULES until timed
+    level1 = optimize(onnx_frontend.load(_linear_model("q").SerializeToString()),
+                      dataclasses.replace(CUDA, opt_level=1)).graph
+    assert all(len(n.inputs) <= 9 for n in level1 if n.op_type == "QGemm")  # a fusion: from opt_level 2
 
 
 def _key_model() -> onnx.ModelProto:
@@ -291,7 +291,7 @@ def test_bert_tiny_fp8_qdq_engine_on_the_fused_gemms_is_onnxruntime(tmp_path, mo
     cuda_tactics_on_cpu(monkeypatch, lambda tactic: tactic in (gemm, chain))
     plain = build_module.pass_options
     monkeypatch.setattr(build_module, "pass_options", lambda config: dataclasses.replace(
-        plain(config), cuda_rules=True, cpu_rules=False, unsigned_activations=False, opt_level=3))
+        plain(config), cuda_rules=True, cpu_rules=False, unsigned_activations=False))
     from kiln.passes import fusion
     later = ("fuse_elementwise_into_qgemm", "fuse_quantize_through_layout_into_qgemm",
              "absorb_attention_reshapes_after_epilogue", "fuse_dequantize_into_layer_norm_quantize")
@@ -393,7 +393,15 @@ def test_the_norm_kernel_dequantizes_the_residual_as_its_dequantize_linear(x_dty
     r = (r_q.to(torch.float32) * torch.tensor(s_r, dtype=torch.float32)).to(x_dtype)
     want_q, want_y = layer_norm_quantize(x, gamma, beta, 1e-5, 4.0 / 448, 0.0, FP8, residual=r)
     q, y = layer_norm_quantize(x, gamma, beta, 1e-5, 4.0 / 448, 0.0, FP8, residual=r_q, residual_scale=s_r)
-    assert torch.equal(y, want_y) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    if DEVICE.type == "cuda" and x_dtype == torch.float32:
+        # compiled for a GPU, x + float32(r)·s contracts into one FMA (the product is not rounded first): y within
+        # 1e-5 (an ulp of h over the std), E4M3 at most one step off at a near-tie (H100, 2026-12-06; bit-exact
+        # under the interpreter); fp16 rounds r to x's dtype first, so no contraction and bit for bit below
+        torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-5)
+        step = (q.view(torch.uint8).to(torch.int32) - want_q.view(torch.uint8).to(torch.int32)).abs()
+        assert step.max() <= 1 and (step > 0).float().mean() < 0.01, (step.max(), (step > 0).float().mean())
+    else:
+        assert torch.equal(y, want_y) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
     with pytest.raises(ValueError, match="residual"):
         layer_norm_quantize(x, gamma, beta, 1e-5, 4.0 / 448, 0.0, FP8, residual=r_q)  # E4M3 without its scale
     tactic = registry.all_tactics("cuda")["cuda.layer_norm_quantize.triton"]

@@ -170,7 +170,7 @@ def absorb_attention_reshapes(node: ir.Node, report: PassReport) -> bool:
         absorbed.append(found[0])
         inputs[0] = found[0].inputs[0]
         attrs["q_num_heads"] = ir.AttrInt64("q_num_heads", found[1])
-    for i in (1, 2):  # k and v share one head count
+    for i in (1, 2)[:max(0, len(inputs) - 1)]:  # k and v share one head count (a packed qkv_split has neither)
         found = _split_heads(inputs[i], [node, *absorbed])
         if found is not None and attr(node, "kv_num_heads", found[1]) == found[1] \
                 and ("kv_num_heads" not in attrs or attrs["kv_num_heads"].value == found[1]):
