@@ -25,8 +25,10 @@ template's addresses. A size the template's arena cannot hold grows the template
 seen along each entry axis, so a stream of shapes binds a few templates, not one segment per shape.
 A view's plans of kiln's own kernels are its template's with the fields that follow the sizes written
 over (_PlanRewrite: no per-member Python objects). Views are kept (VIEWS per segment, least recently used
-out); a segment that reorders NCHW images at its head binds a segment of its own per size (RESIZED); a
-size a layer cannot bind runs through the layers' own launch functions, as without segments.
+out); a segment without the compiled loop binds a segment of its own per size (RESIZED); a size a layer cannot
+bind runs through the layers' own launch functions, as without segments. An image segment's oneDNN layers at a new
+batch run their tuned primitives in chunks of its batch (kiln/kernels/cpu/onednn_chunks.py): its views bind no
+primitive.
 
 The parts: this module's Segment plans its arena, binds its members and runs them, and picks how a size runs;
 native_members.py says what each member reads and writes and binds its call; native_views.py makes the views at
@@ -247,13 +249,22 @@ class Segment:
         self._resizers = [(m.fn.native.at, [(i, m.inputs[i]) for i in m.fn.native.reads]
                            if m.fn.native.reads is not None else None, m.inputs[0]) for m in members]
         self._arena_slots = [(s, group[s]) for s in produced if group[s] not in exit_group]
-        # Other sizes as views over this segment's memory (_Resized)
-        self._views = self._c is not None and not self._staged
+        # Other sizes as views over this segment's memory (_Resized). A segment that reorders NCHW images at its head
+        # has them too: a view reads its entries laid out NHWC (_Resized._run_bound lays them out), and its oneDNN
+        # image layers run their tuned primitives over the new batch in chunks (kiln/kernels/cpu/onednn_chunks.py)
+        self._views = self._c is not None
         # the segment whose memory other sizes' views use, once grown past this one (None: this one; never
         # `self`, which made every segment a reference cycle: a dead engine's arena, packed weights and
         # oneDNN primitives then waited for the garbage collector)
         self._grown: Segment | None = None
         self._rewrite: _PlanRewrite | None = None  # made at the first view over this segment
+        # Another batch of the planned images as runs of this segment over consecutive spans of its entries and exits
+        # (_batch_runs): the planned batch (every entry's first dim, when they agree), and whether the members
+        # compute each image alone (None: not yet asked; _computes_each_image_alone)
+        batches = {size[0] for size in self.entry_sizes if len(size) > 0}
+        self._planned_batch: int | None = batches.pop() if len(batches) == 1 and all(self.entry_sizes) and \
+            self._c is not None else None
+        self._per_image: bool | None = None
 
     def on_arena(self, arena: SharedArena | None) -> Segment:
         """These layers bound anew over `arena` (another execution context's: SharedArena.sibling): the same memory
@@ -476,12 +487,97 @@ class Segment:
         if key is not None:
             if key == self._planned_key:
                 return self._run_bound(values)
+            runs = self._batch_runs(key)
+            if runs is not None:
+                return self._run_batches(values, *runs)
             with self._resize_lock:  # contexts of one engine share its segments
                 other = self._bind_sizes(key)
             if other is not None:
                 return other._run_bound(values)
         out = self.fallback(list(values))
         return tuple(out) if len(out) != 1 else out[0]
+
+    def _batch_runs(self, key: tuple) -> tuple[int, int] | None:
+        """(runs of the planned batch, images left) that make entries of sizes `key`: another batch of the planned
+        images (every entry's first dim, the rest equal), on a segment that computes each image alone (_per_image);
+        None otherwise (a view then binds the sizes)."""
+        batch = self._planned_batch
+        if batch is None:
+            return None
+        n = key[0][0] if key and key[0] else 0
+        if n <= 0 or any(len(k) != len(p) or k[0] != n or k[1:] != p[1:] for k, p in zip(key, self._planned_key)):
+            return None
+        if self._per_image is None:
+            with self._resize_lock:
+                if self._per_image is None:
+                    self._per_image = self._computes_each_image_alone()
+        if not self._per_image:
+            return None
+        runs, left = divmod(n, batch)
+        return runs, left
+
+    def _computes_each_image_alone(self) -> bool:
+        """Whether this segment at batch 2B (B: its planned batch) is two runs of it at B on consecutive halves of
+        every entry and exit: each member's NativeStep at 2B (`at`) writes every value at twice its planned first
+        dim and its other dims as planned, and every entry and exit keeps its first dim outermost in memory. An
+        op that mixes the images of a batch (a reduction or attention across the first dim, a transpose of it)
+        changes some value's first dim otherwise; a window partition ([B, H, W, C] -> [B·windows, ...]) keeps it
+        proportional and is per image. A layer that cannot be bound at 2B refuses."""
+        batch = self._planned_batch
+        try:
+            at = self._natives_at(tuple((2 * batch, *size[1:]) for size in self._planned_key))
+        except Exception:  # noqa: BLE001  a layer without a primitive at 2B: views or layer by layer, as before
+            return False
+        planned = _forms(self.members, self._natives)
+        for slot, (size, _strides, _dtype) in planned.items():
+            doubled = at.forms.get(slot)
+            if doubled is None or len(size) == 0 or len(doubled[0]) != len(size) \
+                    or tuple(doubled[0]) != (2 * size[0], *size[1:]):
+                return False
+        # entries are laid out NHWC or row-major (entry_layouts), NCHW where staged: the first dim outermost in each
+        return all(len(size) > 0 and size[0] % batch == 0 and strides[0] == math.prod(size[1:])
+                   for size, strides, _dtype in self.exit_shapes)
+
+    def _run_batches(self, values: tuple, runs: int, left: int) -> Any:
+        """Entries of `runs` planned batches and `left` more images: `runs` runs of the planned segment, each on the
+        next planned batch of every entry and exit (their first dim is outermost in memory: a batch is one span),
+        and the images left by this segment's view at their count (_bind_sizes), copied into the exits' tail. No
+        binding and no primitive for a new batch (kiln/kernels/cpu/onednn_chunks.py binds the views of fewer
+        images than planned)."""
+        batch = self._planned_batch
+        n = runs * batch + left
+        exits = []
+        for size, strides, dtype in self.exit_shapes:
+            nhwc = len(size) == 4 and tuple(strides) != row_major_strides(tuple(size))
+            size = (size[0] // batch * n, *size[1:])
+            exits.append(torch.empty_strided(size, native_strides(size) if nhwc else row_major_strides(size),
+                                             dtype=dtype))
+        staged = bool(self._staged) and all(not self._laid_out(k, values[k]) and values[k].is_contiguous()
+                                            for k, _, _ in self._staged)
+        entries = [v if (staged and self.entry_layouts[k] == "nhwc") or self._laid_out(k, v)
+                   else (v.contiguous(memory_format=_CL) if self.entry_layouts[k] == "nhwc" else v.contiguous())
+                   for k, v in enumerate(values)]
+        entry_step = [e.element_size() * math.prod(e.shape[1:]) * batch for e in entries]
+        exit_step = [x.element_size() * math.prod(x.shape[1:]) * (x.shape[0] // n) * batch for x in exits]
+        if runs:
+            entry_at, exit_at = [e.data_ptr() for e in entries], [x.data_ptr() for x in exits]
+            with self._lock:
+                for i in range(runs):
+                    self._run([a + i * d for a, d in zip(entry_at, entry_step)],
+                              [a + i * d for a, d in zip(exit_at, exit_step)], staged)
+        if left:
+            rest = [e[runs * batch:] for e in entries]
+            key = tuple(tuple(r.shape) for r in rest)
+            with self._resize_lock:
+                other = self._bind_sizes(key)
+            if other is not None:
+                out = other._run_bound(tuple(rest))
+            else:
+                out = self.fallback(rest)
+                out = out[0] if len(out) == 1 else tuple(out)
+            for x, o in zip(exits, out if isinstance(out, tuple) else (out,)):
+                x[x.shape[0] // n * runs * batch:].copy_(o)
+        return tuple(exits) if len(exits) != 1 else exits[0]
 
     def _run_bound(self, values: tuple) -> Any:
         """One run on entries of the planned sizes and dtypes: fresh exit tensors."""
