@@ -261,9 +261,12 @@ class Segment:
         # Another batch of the planned images as runs of this segment over consecutive spans of its entries and exits
         # (_batch_runs): the planned batch (every entry's first dim, when they agree), and whether the members
         # compute each image alone (None: not yet asked; _computes_each_image_alone)
-        batches = {size[0] for size in self.entry_sizes if len(size) > 0}
-        self._planned_batch: int | None = batches.pop() if len(batches) == 1 and all(self.entry_sizes) and \
-            self._c is not None else None
+        # (the least first dim of the entries, every entry's first dim a multiple of it: a window mask [B·windows,
+        # ...] beside images [B, ...])
+        firsts = [size[0] for size in self.entry_sizes if len(size) > 0]
+        least = min(firsts, default=0)
+        self._planned_batch: int | None = least if least > 0 and len(firsts) == len(self.entry_sizes) and \
+            all(f % least == 0 for f in firsts) and self._c is not None else None
         self._per_image: bool | None = None
 
     def on_arena(self, arena: SharedArena | None) -> Segment:
@@ -502,10 +505,11 @@ class Segment:
         images (every entry's first dim, the rest equal), on a segment that computes each image alone (_per_image);
         None otherwise (a view then binds the sizes)."""
         batch = self._planned_batch
-        if batch is None:
+        if batch is None or not key or not key[0] or key[0][0] * batch % self._planned_key[0][0]:
             return None
-        n = key[0][0] if key and key[0] else 0
-        if n <= 0 or any(len(k) != len(p) or k[0] != n or k[1:] != p[1:] for k, p in zip(key, self._planned_key)):
+        n = key[0][0] * batch // self._planned_key[0][0]  # images: each entry's first dim is theirs x its multiple
+        if n <= 0 or any(len(k) != len(p) or k[0] * batch != n * p[0] or k[1:] != p[1:]
+                         for k, p in zip(key, self._planned_key)):
             return None
         if self._per_image is None:
             with self._resize_lock:
@@ -525,7 +529,7 @@ class Segment:
         proportional and is per image. A layer that cannot be bound at 2B refuses."""
         batch = self._planned_batch
         try:
-            at = self._natives_at(tuple((2 * batch, *size[1:]) for size in self._planned_key))
+            at = self._natives_at(tuple((2 * size[0], *size[1:]) for size in self._planned_key))
         except Exception:  # noqa: BLE001  a layer without a primitive at 2B: views or layer by layer, as before
             return False
         planned = _forms(self.members, self._natives)
@@ -557,8 +561,10 @@ class Segment:
         entries = [v if (staged and self.entry_layouts[k] == "nhwc") or self._laid_out(k, v)
                    else (v.contiguous(memory_format=_CL) if self.entry_layouts[k] == "nhwc" else v.contiguous())
                    for k, v in enumerate(values)]
-        entry_step = [e.element_size() * math.prod(e.shape[1:]) * batch for e in entries]
-        exit_step = [x.element_size() * math.prod(x.shape[1:]) * (x.shape[0] // n) * batch for x in exits]
+        # bytes of one run's span: the planned first dim of each entry and exit
+        entry_step = [e.element_size() * math.prod(e.shape[1:]) * p[0] for e, p in zip(entries, self._planned_key)]
+        exit_step = [x.element_size() * math.prod(x.shape[1:]) * size[0] for x, (size, _s, _d) in
+                     zip(exits, self.exit_shapes)]
         if runs:
             entry_at, exit_at = [e.data_ptr() for e in entries], [x.data_ptr() for x in exits]
             with self._lock:
@@ -566,7 +572,7 @@ class Segment:
                     self._run([a + i * d for a, d in zip(entry_at, entry_step)],
                               [a + i * d for a, d in zip(exit_at, exit_step)], staged)
         if left:
-            rest = [e[runs * batch:] for e in entries]
+            rest = [e[runs * p[0]:] for e, p in zip(entries, self._planned_key)]
             key = tuple(tuple(r.shape) for r in rest)
             with self._resize_lock:
                 other = self._bind_sizes(key)
@@ -575,8 +581,8 @@ class Segment:
             else:
                 out = self.fallback(rest)
                 out = out[0] if len(out) == 1 else tuple(out)
-            for x, o in zip(exits, out if isinstance(out, tuple) else (out,)):
-                x[x.shape[0] // n * runs * batch:].copy_(o)
+            for x, o, (size, _s, _d) in zip(exits, out if isinstance(out, tuple) else (out,), self.exit_shapes):
+                x[runs * size[0]:].copy_(o)
         return tuple(exits) if len(exits) != 1 else exits[0]
 
     def _run_bound(self, values: tuple) -> Any:
