@@ -572,18 +572,34 @@ class Segment:
                     self._run([a + i * d for a, d in zip(entry_at, entry_step)],
                               [a + i * d for a, d in zip(exit_at, exit_step)], staged)
         if left:
-            rest = [e[runs * p[0]:] for e, p in zip(entries, self._planned_key)]
-            key = tuple(tuple(r.shape) for r in rest)
-            with self._resize_lock:
-                other = self._bind_sizes(key)
-            if other is not None:
-                out = other._run_bound(tuple(rest))
-            else:
-                out = self.fallback(rest)
-                out = out[0] if len(out) == 1 else tuple(out)
-            for x, o, (size, _s, _d) in zip(exits, out if isinstance(out, tuple) else (out,), self.exit_shapes):
-                x[runs * size[0]:].copy_(o)
+            self._run_left(entries, exits, runs, left, staged)
         return tuple(exits) if len(exits) != 1 else exits[0]
+
+    def _run_left(self, entries: list[torch.Tensor], exits: list[torch.Tensor], runs: int, left: int,
+                  staged: bool) -> None:
+        """The `left` images past `runs` planned batches: `left` runs of this segment's view at one image (one view
+        whatever the batch: its oneDNN layers on their one-image primitives), each on the next image's span of
+        every entry and exit; layer by layer where no view binds at one image."""
+        batch = self._planned_batch
+        rest = [e[runs * p[0]:] for e, p in zip(entries, self._planned_key)]
+        if staged:  # the view reads entries laid out as its layers do (NHWC), not through the staging reorder
+            rest = [r.contiguous(memory_format=_CL) if layout == "nhwc" else r
+                    for r, layout in zip(rest, self.entry_layouts)]
+        key = tuple((p[0] // batch, *p[1:]) for p in self._planned_key)
+        with self._resize_lock:
+            one = self._bind_sizes(key)
+        if one is None:
+            out = self.fallback(rest)
+            for x, o, (size, _s, _d) in zip(exits, out, self.exit_shapes):
+                x[runs * size[0]:].copy_(o)
+            return
+        entry_step = [r.element_size() * math.prod(r.shape[1:]) * (p[0] // batch) for r, p in zip(rest, self._planned_key)]
+        exit_step = [x.element_size() * math.prod(x.shape[1:]) * (size[0] // batch) for x, (size, _s, _d) in
+                     zip(exits, self.exit_shapes)]
+        entry_at = [r.data_ptr() for r in rest]
+        exit_at = [x.data_ptr() + runs * batch * d for x, d in zip(exits, exit_step)]
+        for j in range(left):
+            one.run_at([a + j * d for a, d in zip(entry_at, entry_step)], [a + j * d for a, d in zip(exit_at, exit_step)])
 
     def _run_bound(self, values: tuple) -> Any:
         """One run on entries of the planned sizes and dtypes: fresh exit tensors."""
