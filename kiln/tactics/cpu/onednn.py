@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from kiln.kernels.cpu import conv_silu, onednn, onednn_chunks, onednn_primitives, se
+from kiln.kernels.cpu import conv_silu, onednn, onednn_ahead, onednn_chunks, onednn_primitives, se
 from kiln.ops._util import ints
 from kiln.ops.registry import OpContext, lookup
 from kiln.plan.spec import StepSpec
@@ -166,11 +166,14 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device, kiln_si
     # the runtime through its own loop, kiln/runtime/program.py: sole_reference_counts).
     sole = step.tactic_config.get("sole_references") or {}
 
+    made = threading.Lock()  # the dict's users: a run's thread and kiln/kernels/cpu/onednn_ahead.py's (ahead below)
+
     def primitive(shape: tuple[int, ...], accumulate: bool) -> onednn_primitives.Conv2d:
         # another input size, or the binary variant a shared residual needs: built once
-        return _built(primitives, (shape, accumulate),
-                      lambda key: build(shape, accumulate, _conv(primitives.get((shape, not accumulate)))),
-                      lambda key: key[0] == tuned)
+        with made:
+            return _built(primitives, (shape, accumulate),
+                          lambda key: build(shape, accumulate, _conv(primitives.get((shape, not accumulate)))),
+                          lambda key: key[0] == tuned)
 
     def launch(ctx, x, w_=None, b_=None, residual=None, **_attributes):
         x = x.contiguous(memory_format=_CL)  # x: [N, C, H, W]; free when already channels-last
@@ -208,7 +211,23 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device, kiln_si
                           residual_input=residual_input, accumulate=in_place)
 
     launch.native = native_at(tuned)
+    launch.ahead = _one_image_ahead(tuned, lambda: primitive(one, in_place) if not kiln_silu else None)
     return launch
+
+
+def _one_image_ahead(tuned: tuple[int, ...], make: Callable[[], Any]) -> Callable[[float], list[onednn_ahead.Job]]:
+    """The layer's `ahead` (kiln/runtime/first_calls.py primitives_ahead): its one-image primitive (`make`), made on
+    kiln/kernels/cpu/onednn_ahead.py's background thread where a profile reaches other batches than the tuned one
+    (`scale` > 1): a segment's images past its runs of the tuned batch run on it (native.py _run_left), so the first
+    odd batch finds it made instead of waiting ~0.5-1 ms a layer."""
+    def ahead(scale: float) -> list[onednn_ahead.Job]:
+        if scale <= 1 or len(tuned) != 4 or tuned[0] == 1 or not onednn_chunks.available():
+            return []
+
+        def job() -> bool:
+            return make() is not None
+        return [onednn_ahead.Job(("one-image primitive", id(make), tuned), 1, job)]
+    return ahead
 
 
 register(Tactic(
@@ -323,17 +342,23 @@ def _shape_cached(step: StepSpec, build, squeezed: bool = False):
 
     def launch(ctx, x, *_inputs, **_attributes):
         x = x.contiguous(memory_format=_CL)  # [N, C, H, W]; free when already channels-last
-        primitive = _built(primitives, tuple(x.shape), build, lambda key: key == tuned)
+        with made:
+            primitive = _built(primitives, tuple(x.shape), build, lambda key: key == tuned)
         with lock:
             y = primitive(x)  # [N, C, H', W'] channels-last
         return y.reshape(y.shape[:2]) if squeezed else y
 
     one = (1, *tuned[1:])
 
+    made = threading.Lock()  # the dict's users: a run's thread and kiln/kernels/cpu/onednn_ahead.py's
+
+    def one_image() -> Any:
+        with made:
+            return _built(primitives, one, build, lambda key: key == tuned)
+
     def chunks(size: tuple[int, ...]) -> onednn_chunks.BatchChunks:
         # a new batch: the tuned primitive in runs of its batch (onednn_chunks.py), the one-image one for the rest
-        return onednn_chunks.BatchChunks(primitives[tuned], _built(primitives, one, build, lambda key: key == tuned)
-                                         if size[0] % tuned[0] else None, size[0])
+        return onednn_chunks.BatchChunks(primitives[tuned], one_image() if size[0] % tuned[0] else None, size[0])
 
     @resizable
 
@@ -341,11 +366,13 @@ def _shape_cached(step: StepSpec, build, squeezed: bool = False):
         if _in_chunks(size, tuned):
             out = (size[0], *primitives[tuned].output_size[1:])
             return NativeStep(size, out[:2] if squeezed else out, lambda _accumulate: chunks(size))
-        primitive = _built(primitives, size, build, lambda key: key == tuned)
+        with made:
+            primitive = _built(primitives, size, build, lambda key: key == tuned)
         out = tuple(primitive.output_size)
         return NativeStep(size, out[:2] if squeezed else out, same_primitive(primitive))
 
     launch.native = native_at(tuned)
+    launch.ahead = _one_image_ahead(tuned, one_image)
     return launch
 
 
