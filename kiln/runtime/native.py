@@ -259,13 +259,16 @@ class Segment:
         self._grown: Segment | None = None
         self._rewrite: _PlanRewrite | None = None  # made at the first view over this segment
         # Another batch of the planned images as runs of this segment over consecutive spans of its entries and exits
-        # (_batch_runs): the planned batch (every entry's first dim, when they agree), and whether the members
-        # compute each image alone (None: not yet asked; _computes_each_image_alone)
-        # (the least first dim of the entries, every entry's first dim a multiple of it: a window mask [B·windows,
-        # ...] beside images [B, ...])
+        # (_batch_runs): the planned batch (the least first dim of the entries, every entry's first dim a multiple of
+        # it: a window mask [B·windows, ...] beside images [B, ...]), and whether the members compute each image
+        # alone (None: not yet asked; _computes_each_image_alone). Image segments only (an entry an NHWC or NCHW
+        # image): an image's layers hold rows enough (its pixels) that a run of the planned batch loses nothing to
+        # one of the whole batch; a transformer's [B, S, ...] at a few tokens would run its GEMMs on S rows a run
+        # instead of B·S, and its views are traced anyway (native_views.py)
         firsts = [size[0] for size in self.entry_sizes if len(size) > 0]
         least = min(firsts, default=0)
-        self._planned_batch: int | None = least if least > 0 and len(firsts) == len(self.entry_sizes) and \
+        images = any(len(size) == 4 and layout == "nhwc" for size, layout in zip(self.entry_sizes, self.entry_layouts))
+        self._planned_batch: int | None = least if images and least > 0 and len(firsts) == len(self.entry_sizes) and \
             all(f % least == 0 for f in firsts) and self._c is not None else None
         self._per_image: bool | None = None
 

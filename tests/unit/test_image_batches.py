@@ -152,9 +152,10 @@ def test_batch_chunks_refuse_a_remainder_without_the_one_image_primitive():
 
 
 @pytest.mark.slow  # a Swin build: ~15-30 s on 2 shared cores
-def test_swin_runs_every_segment_in_batch_runs_and_matches_onnxruntime(monkeypatch):
+def test_swin_runs_segments_at_other_batches_and_matches_onnxruntime(monkeypatch):
     """swin_tiny at a dynamic batch: its shifted windows (Slices off the batch axis, NHWC Concats) and window masks
-    ([B·windows, ...] entries) bind at other batches, so every segment runs in batch runs, none layer by layer."""
+    ([B·windows, ...] entries) bind at other batches, so its image segments run in batch runs and its token segments
+    ([B, H·W, C] rows) as views; none layer by layer (before: several segments ran their layers one by one)."""
     exported = zoo.export("swin_tiny", dynamic=True)
     engine = kiln.build(str(exported.path), profiles=[{"pixel_values": "1x3x32x32,2x3x32x32,8x3x32x32"}])
     session = ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
@@ -170,7 +171,10 @@ def test_swin_runs_every_segment_in_batch_runs_and_matches_onnxruntime(monkeypat
         x = rng.standard_normal((batch, 3, 32, 32), dtype=np.float32)
         got = next(iter(context.run({"pixel_values": x}).values()))
         np.testing.assert_allclose(got, session.run(None, {"pixel_values": x})[0], rtol=RTOL, atol=ATOL)
-        keys = [tuple((p[0] * batch // s._planned_batch, *p[1:]) for p in s._planned_key) if s._planned_batch
-                else None for s in segments]
-        assert all(key is not None and s._batch_runs(key) is not None for s, key in zip(segments, keys))
-    assert all(s._per_image for s in segments)
+        for s in segments:
+            if s._planned_batch is not None:
+                key = tuple((p[0] * batch // s._planned_batch, *p[1:]) for p in s._planned_key)
+                assert s._batch_runs(key) is not None
+            else:
+                assert any(k[0][0] == batch and view is not None for k, view in s.resized.items())
+    assert sum(s._planned_batch is not None for s in segments) >= len(segments) // 2
