@@ -63,6 +63,7 @@ from kiln.tactics.tactic import NativeStep, native_strides, row_major_strides
 _CL = torch.channels_last
 RESIZED = 8  # segments bound for other input sizes than the tuned one, per segment (profile shapes)
 VIEWS = 256  # sizes kept as views over a template's memory (_Resized: plans only), per segment
+BATCH_RUN_ROWS = 256  # rows a run of a segment that is no image segment holds at least, to run other batches in runs
 
 
 _NUMPY = {torch.float32: np.dtype(np.float32), torch.int64: np.dtype(np.int64), torch.int32: np.dtype(np.int32),
@@ -261,15 +262,17 @@ class Segment:
         # Another batch of the planned images as runs of this segment over consecutive spans of its entries and exits
         # (_batch_runs): the planned batch (the least first dim of the entries, every entry's first dim a multiple of
         # it: a window mask [B·windows, ...] beside images [B, ...]), and whether the members compute each image
-        # alone (None: not yet asked; _computes_each_image_alone). Image segments only (an entry an NHWC or NCHW
-        # image): an image's layers hold rows enough (its pixels) that a run of the planned batch loses nothing to
-        # one of the whole batch; a transformer's [B, S, ...] at a few tokens would run its GEMMs on S rows a run
-        # instead of B·S, and its views are traced anyway (native_views.py)
+        # alone (None: not yet asked; _computes_each_image_alone). Only where a run holds rows enough that runs of the
+        # planned batch lose nothing to one run of the whole batch: an image segment (an NHWC or NCHW entry: its
+        # pixels are its layers' rows), or one whose largest entry has BATCH_RUN_ROWS rows (Swin's [B, H·W, C] tokens);
+        # a transformer tuned at a few tokens would run its GEMMs on those few rows a run, and its views are traced
         firsts = [size[0] for size in self.entry_sizes if len(size) > 0]
         least = min(firsts, default=0)
         images = any(len(size) == 4 and layout == "nhwc" for size, layout in zip(self.entry_sizes, self.entry_layouts))
-        self._planned_batch: int | None = least if images and least > 0 and len(firsts) == len(self.entry_sizes) and \
-            all(f % least == 0 for f in firsts) and self._c is not None else None
+        rows = max((math.prod(size[:-1]) for size in self.entry_sizes if len(size) > 1), default=0)
+        self._planned_batch: int | None = least if (images or rows >= BATCH_RUN_ROWS) and least > 0 and \
+            len(firsts) == len(self.entry_sizes) and all(f % least == 0 for f in firsts) and self._c is not None \
+            else None
         self._per_image: bool | None = None
 
     def on_arena(self, arena: SharedArena | None) -> Segment:
