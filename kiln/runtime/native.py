@@ -54,6 +54,7 @@ from kiln.kernels.cpu import hugepages, native_loop, onednn
 from kiln.kernels.cpu.form_choice import PARALLEL, SERIAL, FormChooser
 from kiln.plan.memory import Interval, place
 from kiln.runtime.native_arena import SharedArena
+from kiln.runtime.native_batches import PLANS, BatchPlan, batch_plan, computes_each_image_alone, planned_batch, run_batches
 from kiln.runtime.native_members import (_bind_member, _entry_forms, _form, _forms, _run_loop, reads_of, serial_calls,
                                          writes_of)
 from kiln.runtime.native_views import _PlanRewrite, _Resized
@@ -63,7 +64,6 @@ from kiln.tactics.tactic import NativeStep, native_strides, row_major_strides
 _CL = torch.channels_last
 RESIZED = 8  # segments bound for other input sizes than the tuned one, per segment (profile shapes)
 VIEWS = 256  # sizes kept as views over a template's memory (_Resized: plans only), per segment
-BATCH_RUN_ROWS = 256  # rows a run of a segment that is no image segment holds at least, to run other batches in runs
 
 
 _NUMPY = {torch.float32: np.dtype(np.float32), torch.int64: np.dtype(np.int64), torch.int32: np.dtype(np.int32),
@@ -259,20 +259,12 @@ class Segment:
         # oneDNN primitives then waited for the garbage collector)
         self._grown: Segment | None = None
         self._rewrite: _PlanRewrite | None = None  # made at the first view over this segment
-        # Another batch of the planned images as runs of this segment over consecutive spans of its entries and exits
-        # (_batch_runs): the planned batch (the least first dim of the entries, every entry's first dim a multiple of
-        # it: a window mask [B·windows, ...] beside images [B, ...]), and whether the members compute each image
-        # alone (None: not yet asked; _computes_each_image_alone). Only where a run holds rows enough that runs of the
-        # planned batch lose nothing to one run of the whole batch: an image segment (an NHWC or NCHW entry: its
-        # pixels are its layers' rows), or one whose largest entry has BATCH_RUN_ROWS rows (Swin's [B, H·W, C] tokens);
-        # a transformer tuned at a few tokens would run its GEMMs on those few rows a run, and its views are traced
-        firsts = [size[0] for size in self.entry_sizes if len(size) > 0]
-        least = min(firsts, default=0)
-        images = any(len(size) == 4 and layout == "nhwc" for size, layout in zip(self.entry_sizes, self.entry_layouts))
-        rows = max((math.prod(size[:-1]) for size in self.entry_sizes if len(size) > 1), default=0)
-        self._planned_batch: int | None = least if (images or rows >= BATCH_RUN_ROWS) and least > 0 and \
-            len(firsts) == len(self.entry_sizes) and all(f % least == 0 for f in firsts) and self._c is not None \
-            else None
+        # Another batch of the planned images as runs of this segment (native_batches.py): the planned batch, the
+        # batches' plans, whether the members compute each image alone (None: not yet asked) and the one-image
+        # reorders of the images left past the runs
+        self._planned_batch = planned_batch(self.entry_sizes, self.entry_layouts) if self._c is not None else None
+        self._batch_plans: OrderedDict[tuple, BatchPlan] = OrderedDict()
+        self._left_reorders: dict[int, tuple] = {}
         self._per_image: bool | None = None
 
     def on_arena(self, arena: SharedArena | None) -> Segment:
@@ -496,9 +488,9 @@ class Segment:
         if key is not None:
             if key == self._planned_key:
                 return self._run_bound(values)
-            runs = self._batch_runs(key)
-            if runs is not None:
-                return self._run_batches(values, *runs)
+            plan = self._batch_runs(key)
+            if plan is not None:  # another batch of its images: runs of this segment (native_batches.py)
+                return run_batches(self, values, plan)
             with self._resize_lock:  # contexts of one engine share its segments
                 other = self._bind_sizes(key)
             if other is not None:
@@ -506,106 +498,23 @@ class Segment:
         out = self.fallback(list(values))
         return tuple(out) if len(out) != 1 else out[0]
 
-    def _batch_runs(self, key: tuple) -> tuple[int, int] | None:
-        """(runs of the planned batch, images left) that make entries of sizes `key`: another batch of the planned
-        images (every entry's first dim, the rest equal), on a segment that computes each image alone (_per_image);
-        None otherwise (a view then binds the sizes)."""
-        batch = self._planned_batch
-        if batch is None or not key or not key[0] or key[0][0] * batch % self._planned_key[0][0]:
+    def _batch_runs(self, key: tuple) -> BatchPlan | None:
+        """The plan of entries of sizes `key` as runs of this segment (native_batches.py), or None: not another
+        batch of its images, or its members mix a batch's images."""
+        if self._planned_batch is None:
             return None
-        n = key[0][0] * batch // self._planned_key[0][0]  # images: each entry's first dim is theirs x its multiple
-        if n <= 0 or any(len(k) != len(p) or k[0] * batch != n * p[0] or k[1:] != p[1:]
-                         for k, p in zip(key, self._planned_key)):
-            return None
-        if self._per_image is None:
+        plan = self._batch_plans.get(key)
+        if plan is None:
             with self._resize_lock:
-                if self._per_image is None:
-                    self._per_image = self._computes_each_image_alone()
-        if not self._per_image:
-            return None
-        runs, left = divmod(n, batch)
-        return runs, left
+                plan = batch_plan(self, key)
+                if plan is not None:
+                    self._batch_plans[key] = plan
+                    while len(self._batch_plans) > PLANS:
+                        self._batch_plans.popitem(last=False)
+        return plan
 
     def _computes_each_image_alone(self) -> bool:
-        """Whether this segment at batch 2B (B: its planned batch) is two runs of it at B on consecutive halves of
-        every entry and exit: each member's NativeStep at 2B (`at`) writes every value at twice its planned first
-        dim and its other dims as planned, and every entry and exit keeps its first dim outermost in memory. An
-        op that mixes the images of a batch (a reduction or attention across the first dim, a transpose of it)
-        changes some value's first dim otherwise; a window partition ([B, H, W, C] -> [B·windows, ...]) keeps it
-        proportional and is per image. A layer that cannot be bound at 2B refuses."""
-        batch = self._planned_batch
-        try:
-            at = self._natives_at(tuple((2 * size[0], *size[1:]) for size in self._planned_key))
-        except Exception:  # noqa: BLE001  a layer without a primitive at 2B: views or layer by layer, as before
-            return False
-        planned = _forms(self.members, self._natives)
-        for slot, (size, _strides, _dtype) in planned.items():
-            doubled = at.forms.get(slot)
-            if doubled is None or len(size) == 0 or len(doubled[0]) != len(size) \
-                    or tuple(doubled[0]) != (2 * size[0], *size[1:]):
-                return False
-        # entries are laid out NHWC or row-major (entry_layouts), NCHW where staged: the first dim outermost in each
-        return all(len(size) > 0 and size[0] % batch == 0 and strides[0] == math.prod(size[1:])
-                   for size, strides, _dtype in self.exit_shapes)
-
-    def _run_batches(self, values: tuple, runs: int, left: int) -> Any:
-        """Entries of `runs` planned batches and `left` more images: `runs` runs of the planned segment, each on the
-        next planned batch of every entry and exit (their first dim is outermost in memory: a batch is one span),
-        and the images left by this segment's view at their count (_bind_sizes), copied into the exits' tail. No
-        binding and no primitive for a new batch (kiln/kernels/cpu/onednn_chunks.py binds the views of fewer
-        images than planned)."""
-        batch = self._planned_batch
-        n = runs * batch + left
-        exits = []
-        for size, strides, dtype in self.exit_shapes:
-            nhwc = len(size) == 4 and tuple(strides) != row_major_strides(tuple(size))
-            size = (size[0] // batch * n, *size[1:])
-            exits.append(torch.empty_strided(size, native_strides(size) if nhwc else row_major_strides(size),
-                                             dtype=dtype))
-        staged = bool(self._staged) and all(not self._laid_out(k, values[k]) and values[k].is_contiguous()
-                                            for k, _, _ in self._staged)
-        entries = [v if (staged and self.entry_layouts[k] == "nhwc") or self._laid_out(k, v)
-                   else (v.contiguous(memory_format=_CL) if self.entry_layouts[k] == "nhwc" else v.contiguous())
-                   for k, v in enumerate(values)]
-        # bytes of one run's span: the planned first dim of each entry and exit
-        entry_step = [e.element_size() * math.prod(e.shape[1:]) * p[0] for e, p in zip(entries, self._planned_key)]
-        exit_step = [x.element_size() * math.prod(x.shape[1:]) * size[0] for x, (size, _s, _d) in
-                     zip(exits, self.exit_shapes)]
-        if runs:
-            entry_at, exit_at = [e.data_ptr() for e in entries], [x.data_ptr() for x in exits]
-            with self._lock:
-                for i in range(runs):
-                    self._run([a + i * d for a, d in zip(entry_at, entry_step)],
-                              [a + i * d for a, d in zip(exit_at, exit_step)], staged)
-        if left:
-            self._run_left(entries, exits, runs, left, staged)
-        return tuple(exits) if len(exits) != 1 else exits[0]
-
-    def _run_left(self, entries: list[torch.Tensor], exits: list[torch.Tensor], runs: int, left: int,
-                  staged: bool) -> None:
-        """The `left` images past `runs` planned batches: `left` runs of this segment's view at one image (one view
-        whatever the batch: its oneDNN layers on their one-image primitives), each on the next image's span of
-        every entry and exit; layer by layer where no view binds at one image."""
-        batch = self._planned_batch
-        rest = [e[runs * p[0]:] for e, p in zip(entries, self._planned_key)]
-        if staged:  # the view reads entries laid out as its layers do (NHWC), not through the staging reorder
-            rest = [r.contiguous(memory_format=_CL) if layout == "nhwc" else r
-                    for r, layout in zip(rest, self.entry_layouts)]
-        key = tuple((p[0] // batch, *p[1:]) for p in self._planned_key)
-        with self._resize_lock:
-            one = self._bind_sizes(key)
-        if one is None:
-            out = self.fallback(rest)
-            for x, o, (size, _s, _d) in zip(exits, out, self.exit_shapes):
-                x[runs * size[0]:].copy_(o)
-            return
-        entry_step = [r.element_size() * math.prod(r.shape[1:]) * (p[0] // batch) for r, p in zip(rest, self._planned_key)]
-        exit_step = [x.element_size() * math.prod(x.shape[1:]) * (size[0] // batch) for x, (size, _s, _d) in
-                     zip(exits, self.exit_shapes)]
-        entry_at = [r.data_ptr() for r in rest]
-        exit_at = [x.data_ptr() + runs * batch * d for x, d in zip(exits, exit_step)]
-        for j in range(left):
-            one.run_at([a + j * d for a, d in zip(entry_at, entry_step)], [a + j * d for a, d in zip(exit_at, exit_step)])
+        return computes_each_image_alone(self)
 
     def _run_bound(self, values: tuple) -> Any:
         """One run on entries of the planned sizes and dtypes: fresh exit tensors."""

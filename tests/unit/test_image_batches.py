@@ -1,9 +1,11 @@
 """Image segments at batches other than the tuned one (issue 10): runs of the planned segment over consecutive batches
-(Segment._run_batches), the images left over on its one-image view, oneDNN image layers at another batch as chunks of
+(kiln/runtime/native_batches.py), the images left over on its one-image view, oneDNN image layers at another batch as chunks of
 their tuned primitive (kiln/kernels/cpu/onednn_chunks.py). Outputs against onnxruntime and torch; that no segment and
 no primitive is bound for a new batch is asserted from the segments' state and the primitives made, not from time."""
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import numpy as np
 import onnxruntime as ort
@@ -46,18 +48,18 @@ def test_new_batches_run_the_planned_segment_and_bind_nothing(resnet, monkeypatc
     rng = np.random.default_rng()
     context.run({"pixel_values": rng.standard_normal((1, 3, 64, 64), dtype=np.float32)})  # the one-image view
     made, batch_runs = [], []
-    real_init, real_runs = onednn_primitives.Conv2d.__init__, Segment._run_batches
+    real_init, real_runs = onednn_primitives.Conv2d.__init__, native.run_batches
 
     def counting_init(self, w, b, input_size, *args, **kwargs):
         made.append(tuple(input_size))
         real_init(self, w, b, input_size, *args, **kwargs)
 
-    def counting_runs(self, values, runs, left):
-        batch_runs.append((values[0].shape[0], runs, left))
-        return real_runs(self, values, runs, left)
+    def counting_runs(seg, values, plan):
+        batch_runs.append((values[0].shape[0], plan.runs, plan.left))
+        return real_runs(seg, values, plan)
 
     monkeypatch.setattr(onednn_primitives.Conv2d, "__init__", counting_init)
-    monkeypatch.setattr(Segment, "_run_batches", counting_runs)
+    monkeypatch.setattr(native, "run_batches", counting_runs)
     views = dict(segment.resized)
     batches = [3, 12, *rng.choice(np.arange(4, 12), 3, replace=False).tolist()]
     for batch in batches:
@@ -95,6 +97,7 @@ def test_a_segment_whose_layer_mixes_the_batch_is_not_run_in_batch_runs(resnet, 
 
     monkeypatch.setattr(segment, "_resizers", [*segment._resizers[:-1], (across_the_batch, reads, x)])
     monkeypatch.setattr(segment, "_per_image", None)
+    monkeypatch.setattr(segment, "_batch_plans", OrderedDict())  # none of an earlier test's batches
     assert segment._computes_each_image_alone() is False
     assert segment._batch_runs(((6, 3, 64, 64),)) is None
 
