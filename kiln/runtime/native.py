@@ -262,7 +262,8 @@ class Segment:
         # Another batch of the planned images as runs of this segment (native_batches.py): the planned batch, the
         # batches' plans, whether the members compute each image alone (None: not yet asked) and the one-image
         # reorders of the images left past the runs
-        self._planned_batch = planned_batch(self.entry_sizes, self.entry_layouts) if self._c is not None else None
+        self._planned_batch = planned_batch(self.entry_sizes, self.entry_layouts, natives) if self._c is not None \
+            else None
         self._batch_plans: OrderedDict[tuple, BatchPlan] = OrderedDict()
         self._left_reorders: dict[int, tuple] = {}
         self._per_image: bool | None = None

@@ -13,9 +13,10 @@ When: the batch is every entry's first dim (or a multiple of it: a window mask [
 outermost in memory (NHWC, NCHW or row-major), and the members compute each image alone: at 2B every value a member
 writes has twice its planned first dim and its other dims as planned (computes_each_image_alone). A layer that mixes
 the images of a batch (a reduction or attention across the first dim, a transpose of it) changes some value's first dim
-otherwise. And a run holds rows enough that runs of B lose nothing to one run of N: an image segment (its pixels are
-its layers' rows), or BATCH_RUN_ROWS rows a run (a transformer tuned at a few tokens would run its GEMMs on those few
-rows a run; its views are traced, native_views.py).
+otherwise. And runs cost less than a view: an image segment (its pixels are its layers' rows: runs of B lose nothing
+to one run of N), a run of BATCH_RUN_ROWS rows, or a member whose views bind it anew (Swin's window relayouts); a
+transformer tuned at a few tokens would run its GEMMs on those few rows a run, and its views are traced
+(native_views.py, tens of µs).
 
 Exact: each image goes through the planned segment's primitives (or their one-image forms), which compute it alone;
 tests/unit/test_image_batches.py compares with onnxruntime at fresh batches.
@@ -32,24 +33,28 @@ import torch
 
 from kiln.kernels.cpu import native_loop, onednn, onednn_chunks
 from kiln.runtime.native_members import _forms
-from kiln.tactics.tactic import native_strides, row_major_strides
+from kiln.tactics.tactic import NativeStep, native_strides, row_major_strides
 
 BATCH_RUN_ROWS = 256  # rows a run of a segment that is no image segment holds at least, to run other batches in runs
 PLANS = 256  # batches whose BatchPlan a segment keeps (least recently used out)
 _CL = torch.channels_last
 
 
-def planned_batch(entry_sizes: list[tuple[int, ...]], entry_layouts: list[str]) -> int | None:
+def planned_batch(entry_sizes: list[tuple[int, ...]], entry_layouts: list[str], natives: list[NativeStep]
+                  ) -> int | None:
     """The batch a segment of these entries runs other batches in runs of: the least first dim of its entries, each
     entry's first dim a multiple of it; None where it does not (an entry without dims, first dims that are not
-    multiples) or a run would hold too few rows (no image entry, fewer than BATCH_RUN_ROWS rows in its largest)."""
+    multiples) or runs would cost more than a view: no image entry, fewer than BATCH_RUN_ROWS rows in its largest,
+    and every member's plan or arguments written by a rule (`natives`: its views are traced, native_views.py, tens of
+    µs at a new size; a relayout's walk, Swin's window partition, is made anew per size, ~1-8 ms)."""
     firsts = [size[0] for size in entry_sizes if len(size) > 0]
     least = min(firsts, default=0)
     if least <= 0 or len(firsts) != len(entry_sizes) or any(f % least for f in firsts):
         return None
     images = any(len(size) == 4 and layout == "nhwc" for size, layout in zip(entry_sizes, entry_layouts))
     rows = max((math.prod(size[:-1]) for size in entry_sizes if len(size) > 1), default=0)
-    return least if images or rows >= BATCH_RUN_ROWS else None
+    untraced = any(native.plan_at is None and native.primitive_at is None and not native.alias for native in natives)
+    return least if images or rows >= BATCH_RUN_ROWS or untraced else None
 
 
 def computes_each_image_alone(segment: Any) -> bool:
