@@ -88,7 +88,7 @@ class BatchPlan:
     exit_spans: list[int]
     entry_images: list[int]  # ... and of one image's
     exit_images: list[int]
-    one: Any | None  # the segment's view at one image (kept here: its LRU may let it go)
+    one: tuple | None  # the key of the segment's view at one image (in its `resized`; None: no images left)
 
 
 def batch_plan(segment: Any, key: tuple) -> BatchPlan | None:
@@ -113,7 +113,9 @@ def batch_plan(segment: Any, key: tuple) -> BatchPlan | None:
         exit_shapes.append((size, native_strides(size) if nhwc else row_major_strides(size), dtype))
     entry_spans = [dtype.itemsize * math.prod(p) for p, dtype in zip(planned, segment.entry_dtypes)]
     exit_spans = [dtype.itemsize * math.prod(size) for size, _strides, dtype in segment.exit_shapes]
-    one = segment._bind_sizes(tuple((p[0] // batch, *p[1:]) for p in planned)) if left else None
+    one = tuple((p[0] // batch, *p[1:]) for p in planned) if left else None
+    if one is not None:
+        segment._bind_sizes(one)  # bound now, at the batch's first call (held by key: no cycle through the view)
     return BatchPlan(runs, left, exit_shapes, entry_spans, exit_spans, [s // batch for s in entry_spans],
                      [s // batch for s in exit_spans], one)
 
@@ -137,13 +139,17 @@ def run_batches(segment: Any, values: tuple, plan: BatchPlan) -> Any:
     if plan.left:
         entry_at = [a + plan.runs * d for a, d in zip(entry_at, plan.entry_spans)]
         exit_at = [a + plan.runs * d for a, d in zip(exit_at, plan.exit_spans)]
-        if plan.one is None:
+        one = segment.resized.get(plan.one)
+        if one is None and plan.one not in segment.resized:  # let go by the segment's LRU since: bound again
+            with segment._resize_lock:
+                one = segment._bind_sizes(plan.one)
+        if one is None:
             _left_layer_by_layer(segment, entries, exits, plan)
         else:
             keep = _laid_out_left(segment, entries, entry_at, plan) if staged else None
             for j in range(plan.left):
-                plan.one.run_at([a + j * d for a, d in zip(entry_at, plan.entry_images)],
-                                [a + j * d for a, d in zip(exit_at, plan.exit_images)])
+                one.run_at([a + j * d for a, d in zip(entry_at, plan.entry_images)],
+                           [a + j * d for a, d in zip(exit_at, plan.exit_images)])
             del keep
     return tuple(exits) if len(exits) != 1 else exits[0]
 
