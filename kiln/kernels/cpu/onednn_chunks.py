@@ -10,13 +10,13 @@ per run), points the object one chunk further before each run and back after; a 
 the layer's one-image primitive (made once per layer, on first need). A view of a segment at a new batch then binds
 memory objects and a plan, never a primitive.
 
-Exact: every image goes through the same primitive code as in a build at that batch would only where oneDNN picks
-the same kernel and blocking for b images as for N; oneDNN's convolutions reduce over the channels and window of one
-output pixel in an order that does not depend on the batch, so results match a build at N to float32 rounding
-(tests/unit/test_batch_chunks.py compares them with onnxruntime and with the primitive made for N).
+Exact: each image is computed alone either way, by the kernel oneDNN picks for b images instead of N; a
+convolution sums over one output pixel's channels and window whatever the batch, so results agree with the primitive
+made for N to float32 rounding (tests/unit/test_image_batches.py: with torch and with that primitive, on fresh data).
 
-Speed: per layer, interleaved, 1 thread, Zen 4 (bench/results/image-views-2026-12-06.md): chunks of the tuned
-primitive within a few percent of the primitive made for the whole batch.
+Speed: per layer, interleaved, 1 thread, Zen 4 (bench/results/image-batches-2026-12-06.md): runs of the tuned
+primitive within ~0-10% of the primitive made for the whole batch (ResNet-50's layer shapes at 28-112 px); each run
+adds oneDNN's fixed cost of an execution (a few µs), which shows only on tiny layers.
 """
 
 from __future__ import annotations
