@@ -1,6 +1,6 @@
 """Per convolution layer (ResNet-50's shapes, smaller images): the primitive made for N images against N / b runs of the
-one made for b (kiln/kernels/cpu/onednn_chunks.py's runs, each bound at its span), interleaved, thread-independent wall
-medians (run on a quiet machine, or read the ratios).
+one made for b (kiln/kernels/cpu/onednn_chunks.py's runs, each bound at its span), interleaved, medians of
+the calling thread's CPU time (one thread: a loaded machine's preemption left out).
 
     python bench/batch_chunks_layers.py [spatial=28] [threads=1]
 """
@@ -42,8 +42,8 @@ def main() -> None:
             whole = conv(n)
             y = torch.empty(whole.output_size).contiguous(memory_format=torch.channels_last)
             per_in, per_out = x[0].numel() * 4, y[0].numel() * 4
-            calls = {"whole": whole.bind(x.data_ptr(), y.data_ptr()).calls()}
-            kept = []
+            kept = [whole.bind(x.data_ptr(), y.data_ptr())]  # a Bound owns the arrays its calls point at: kept
+            calls = {"whole": kept[0].calls()}
             for part in (1, 2):
                 p = conv(part)
                 bound = [p.bind(x.data_ptr() + i * per_in, y.data_ptr() + i * per_out) for i in range(0, n, part)]
@@ -52,9 +52,9 @@ def main() -> None:
             times: dict = {key: [] for key in calls}
             for _ in range(21):
                 for key, made in calls.items():
-                    start = time.perf_counter()
+                    start = time.thread_time()  # 1 thread: the work, without preemption (2+: use perf_counter)
                     native_loop.run_calls(made)
-                    times[key].append(time.perf_counter() - start)
+                    times[key].append(time.thread_time() - start)
             med = {key: statistics.median(v) for key, v in times.items()}
             print(f"| {n} | {c}->{o} k{k} s{s} {size}px | {med['whole'] * 1e3:.2f} | {med[1] / med['whole']:.2f} | "
                   f"{med[2] / med['whole']:.2f} |")
