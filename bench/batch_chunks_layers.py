@@ -29,7 +29,8 @@ def main() -> None:
               (256, 256, 3, 1, hw // 4), (512, 512, 3, 1, hw // 8), (2048, 512, 1, 1, hw // 8),
               (512, 2048, 1, 1, hw // 8), (3, 64, 7, 2, hw * 4)]
     relu = onednn.eltwise_for("Relu", 0.0, 0.0)
-    print(f"# load {open('/proc/loadavg').read().split()[0]}, {torch.get_num_threads()} thread(s); ratio = runs / whole")
+    load = open("/proc/loadavg").read().split()[0]
+    print(f"# load {load}, {torch.get_num_threads()} thread(s); ratio = runs / whole")
     print("| N | layer | whole (ms) | runs of 1 | runs of 2 |\n|---|---|---|---|---|")
     for n in (8, 32):
         for c, o, k, s, size in layers:

@@ -54,7 +54,8 @@ from kiln.kernels.cpu import hugepages, native_loop, onednn
 from kiln.kernels.cpu.form_choice import PARALLEL, SERIAL, FormChooser
 from kiln.plan.memory import Interval, place
 from kiln.runtime.native_arena import SharedArena
-from kiln.runtime.native_batches import PLANS, BatchPlan, batch_plan, computes_each_image_alone, planned_batch, run_batches
+from kiln.runtime.native_batches import (PLANS, BatchPlan, batch_plan, computes_each_image_alone, planned_batch,
+                                         run_batches)
 from kiln.runtime.native_members import (_bind_member, _entry_forms, _form, _forms, _run_loop, reads_of, serial_calls,
                                          writes_of)
 from kiln.runtime.native_views import _PlanRewrite, _Resized

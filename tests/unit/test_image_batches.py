@@ -1,7 +1,8 @@
 """Image segments at batches other than the tuned one (issue 10): runs of the planned segment over consecutive batches
-(kiln/runtime/native_batches.py), the images left over on its one-image view, oneDNN image layers at another batch as chunks of
-their tuned primitive (kiln/kernels/cpu/onednn_chunks.py). Outputs against onnxruntime and torch; that no segment and
-no primitive is bound for a new batch is asserted from the segments' state and the primitives made, not from time."""
+(kiln/runtime/native_batches.py), the images left over on its one-image view, oneDNN image layers at another batch as
+chunks of their tuned primitive (kiln/kernels/cpu/onednn_chunks.py). Outputs against onnxruntime and torch; that no
+segment and no primitive is bound for a new batch is asserted from the segments' state and the primitives made, not
+from time."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A oneDNN layer that computes each image on its own, at another batch, as runs of the primitive made for its tuned one.
+"""A oneDNN layer that computes each image alone, at another batch, as runs of the primitive made for its tuned one.
 
 A oneDNN convolution (pooling, reorder) primitive is made for one input size: a new batch used to mean a new
 primitive, created and JIT-compiled (~0.5-1 ms a convolution), so an image segment bound at a new batch cost
@@ -54,7 +54,8 @@ class BatchChunks:
         if self.count1 and one is None:
             raise ValueError(f"{batch} images in runs of {b} leave {self.count1}: the one-image primitive is needed")
         if one is not None and (one.input_size[0] != 1 or one.input_size[1:] != whole.input_size[1:]):
-            raise ValueError(f"the one-image primitive is for {list(one.input_size)}, not 1 of {list(whole.input_size)}")
+            raise ValueError(f"the one-image primitive is for {list(one.input_size)}, "
+                             f"not 1 of {list(whole.input_size)}")
         self.whole, self.one = whole, one if self.count1 else None
         self.input_size = (batch, *whole.input_size[1:])
         self.output_size = (batch, *whole.output_size[1:])

@@ -39,8 +39,8 @@ names them then runs the ops' registered implementations.
 A primitive is built for the input size the layer was tuned at (tactic_config["input_size"]);
 another input size builds and caches one more primitive on first sight, except inside a native segment at another
 batch of the same images: there the tuned primitive runs over the batch in chunks (kiln/kernels/cpu/onednn_chunks.py),
-so a segment's view at a new batch makes no primitive (only a one-image one per layer, once, for a remainder). The linear layers'
-tactic (cpu.gemm.onednn_direct) is onednn_gemm.py's.
+so a segment's view at a new batch makes no primitive (only a one-image one per layer, once, for a remainder).
+The linear layers' tactic (cpu.gemm.onednn_direct) is onednn_gemm.py's.
 """
 
 from __future__ import annotations
