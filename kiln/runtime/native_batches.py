@@ -57,23 +57,51 @@ def planned_batch(entry_sizes: list[tuple[int, ...]], entry_layouts: list[str], 
     return least if images or rows >= BATCH_RUN_ROWS or untraced else None
 
 
+# ops that carry state or gather along their first dim while keeping its size: a recurrent layer's Y [S, D, N, H] is
+# sequence-first (runs over the sequence would drop the state between them), a padding-free program packs the
+# tokens of a whole batch into rows; their sizes scale with the first dim like an image's
+ALONG_THE_FIRST_DIM = frozenset({"LSTM", "GRU", "RNN", "Scan", "CumSum", "PackTokens", "UnpackTokens", "TokenIndex",
+                                 "PackedAttention"})
+
+
 def computes_each_image_alone(segment: Any) -> bool:
     """Whether `segment` at batch 2B (B: its planned batch) is two runs of it at B on consecutive halves of every
-    entry and exit: each member's NativeStep at 2B (`at`) writes every value at twice its planned first dim and its
-    other dims as planned, and every exit keeps its first dim outermost in memory. A layer that cannot bind 2B
-    refuses (the segment then binds views, or runs layer by layer, as before)."""
+    entry and exit: no member is an op along the first dim (ALONG_THE_FIRST_DIM, or an `axis`/`axes` attribute that
+    names it: a Concat of two batches stacks them, a Softmax over it mixes them), each member's NativeStep at 2B
+    (`at`) writes every value at twice its planned first dim and its other dims as planned, and every exit keeps its
+    first dim outermost in memory. A layer that cannot bind 2B refuses (the segment then binds views, or runs layer
+    by layer, as before)."""
     batch = segment._planned_batch
+    planned = _forms(segment.members, segment._natives)
+    ranks = {slot: len(size) for slot, (size, _strides, _dtype) in planned.items()}
+    ranks.update((slot, len(size)) for slot, size in zip(segment.entries, segment.entry_sizes))
+    for m in segment.members:
+        if m.ctx.op_type in ALONG_THE_FIRST_DIM or _names_the_first_dim(m, ranks.get(m.inputs[0], 0)):
+            return False
     try:
         at = segment._natives_at(tuple((2 * size[0], *size[1:]) for size in segment._planned_key))
     except Exception:  # noqa: BLE001  a layer without a primitive at 2B: views or layer by layer, as before
         return False
-    for slot, (size, _strides, _dtype) in _forms(segment.members, segment._natives).items():
+    for slot, (size, _strides, _dtype) in planned.items():
         doubled = at.forms.get(slot)
         if doubled is None or len(size) == 0 or tuple(doubled[0]) != (2 * size[0], *size[1:]):
             return False
     # entries are laid out NHWC or row-major (entry_layouts), NCHW where staged: the first dim outermost in each
     return all(len(size) > 0 and size[0] % batch == 0 and strides[0] == math.prod(size[1:])
                for size, strides, _dtype in segment.exit_shapes)
+
+
+def _names_the_first_dim(member: Any, rank: int) -> bool:
+    """Whether a member's `axis` or `axes` attribute (ONNX's: negative from the end of its input's `rank` dims)
+    names dim 0."""
+    axes = member.attributes.get("axes", member.attributes.get("axis"))
+    values = axes.tolist() if hasattr(axes, "tolist") else axes  # a tensor or array of them
+    values = values if isinstance(values, (list, tuple)) else [values]
+    try:
+        found = [int(a) for a in values if a is not None]
+    except (TypeError, ValueError):  # an attribute of another meaning (a string)
+        return False
+    return any((a % rank if rank else a) == 0 for a in found)
 
 
 @dataclass

@@ -6,6 +6,7 @@ from time."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 
 import numpy as np
@@ -101,6 +102,22 @@ def test_a_segment_whose_layer_mixes_the_batch_is_not_run_in_batch_runs(resnet, 
     monkeypatch.setattr(segment, "_batch_plans", OrderedDict())  # none of an earlier test's batches
     assert segment._computes_each_image_alone() is False
     assert segment._batch_runs(((6, 3, 64, 64),)) is None
+
+
+@pytest.mark.parametrize("op_type, attributes", [("Concat", {"axis": 0}), ("Softmax", {"axis": -4}),
+                                                  ("LSTM", {}), ("PackTokens", {})])
+def test_a_member_along_the_first_dim_refuses_batch_runs(resnet, monkeypatch, op_type, attributes):
+    """A Concat of two batches along dim 0 (or a recurrent layer, sequence-first) keeps its values' first dim
+    proportional to the batch, so the size check alone would pass it: its op refuses (the runs would stack or cut
+    what it computes across the first dim)."""
+    engine, _ = resnet
+    segment = _image_segment(engine)
+    member = segment.members[0]
+    monkeypatch.setattr(member, "attributes", {**member.attributes, **attributes})
+    monkeypatch.setattr(member, "ctx", dataclasses.replace(member.ctx, op_type=op_type))
+    assert segment._computes_each_image_alone() is False
+    monkeypatch.undo()
+    assert segment._computes_each_image_alone() is True
 
 
 def _conv(n: int, w: torch.Tensor, b: torch.Tensor, residual: bool, in_place: bool = False,
