@@ -62,12 +62,15 @@ def planned_batch(entry_sizes: list[tuple[int, ...]], entry_layouts: list[str], 
 # tokens of a whole batch into rows; their sizes scale with the first dim like an image's
 ALONG_THE_FIRST_DIM = frozenset({"LSTM", "GRU", "RNN", "Scan", "CumSum", "PackTokens", "UnpackTokens", "TokenIndex",
                                  "PackedAttention"})
+# ops over a sequence dim (attending across it, rotating by position in it): dim -2, dim 0 when they read rank 2
+OVER_A_SEQUENCE = frozenset({"Attention", "MultiHeadAttention", "GroupQueryAttention", "Rotary", "RotaryEmbedding"})
 
 
 def computes_each_image_alone(segment: Any) -> bool:
     """Whether `segment` at batch 2B (B: its planned batch) is two runs of it at B on consecutive halves of every
-    entry and exit: no member is an op along the first dim (ALONG_THE_FIRST_DIM, or an `axis`/`axes` attribute that
-    names it: a Concat of two batches stacks them, a Softmax over it mixes them), each member's NativeStep at 2B
+    entry and exit: no member is an op along the first dim (ALONG_THE_FIRST_DIM, an `axis`/`axes` attribute that
+    names it: a Concat of two batches stacks them, a Softmax over it mixes them; an attention or rotary layer reading
+    rank 2, whose sequence is dim 0), each member's NativeStep at 2B
     (`at`) writes every value at twice its planned first dim and its other dims as planned, and every exit keeps its
     first dim outermost in memory. A layer that cannot bind 2B refuses (the segment then binds views, or runs layer
     by layer, as before)."""
@@ -76,7 +79,9 @@ def computes_each_image_alone(segment: Any) -> bool:
     ranks = {slot: len(size) for slot, (size, _strides, _dtype) in planned.items()}
     ranks.update((slot, len(size)) for slot, size in zip(segment.entries, segment.entry_sizes))
     for m in segment.members:
-        if m.ctx.op_type in ALONG_THE_FIRST_DIM or _names_the_first_dim(m, ranks.get(m.inputs[0], 0)):
+        rank = ranks.get(m.inputs[0], 0)
+        if m.ctx.op_type in ALONG_THE_FIRST_DIM or _names_the_first_dim(m, rank) \
+                or (m.ctx.op_type in OVER_A_SEQUENCE and rank < 3):
             return False
     try:
         at = segment._natives_at(tuple((2 * size[0], *size[1:]) for size in segment._planned_key))
