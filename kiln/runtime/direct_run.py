@@ -239,6 +239,8 @@ class DirectRuns:
         key = tuple(key)
         if key == segment._planned_key:
             view = segment
+        elif segment._batch_runs(key) is not None:
+            return None  # another batch of its images: runs of the segment itself (Segment._run_batches), no view
         else:
             with segment._resize_lock:
                 view = segment.resized.get(key, _UNBOUND)

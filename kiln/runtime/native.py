@@ -25,8 +25,10 @@ template's addresses. A size the template's arena cannot hold grows the template
 seen along each entry axis, so a stream of shapes binds a few templates, not one segment per shape.
 A view's plans of kiln's own kernels are its template's with the fields that follow the sizes written
 over (_PlanRewrite: no per-member Python objects). Views are kept (VIEWS per segment, least recently used
-out); a segment that reorders NCHW images at its head binds a segment of its own per size (RESIZED); a
-size a layer cannot bind runs through the layers' own launch functions, as without segments.
+out); a segment without the compiled loop binds a segment of its own per size (RESIZED); a size a layer cannot
+bind runs through the layers' own launch functions, as without segments. An image segment's oneDNN layers at a new
+batch run their tuned primitives in chunks of its batch (kiln/kernels/cpu/onednn_chunks.py): its views bind no
+primitive.
 
 The parts: this module's Segment plans its arena, binds its members and runs them, and picks how a size runs;
 native_members.py says what each member reads and writes and binds its call; native_views.py makes the views at
@@ -52,6 +54,8 @@ from kiln.kernels.cpu import hugepages, native_loop, onednn
 from kiln.kernels.cpu.form_choice import PARALLEL, SERIAL, FormChooser
 from kiln.plan.memory import Interval, place
 from kiln.runtime.native_arena import SharedArena
+from kiln.runtime.native_batches import (PLANS, BatchPlan, batch_plan, computes_each_image_alone, planned_batch,
+                                         run_batches)
 from kiln.runtime.native_members import (_bind_member, _entry_forms, _form, _forms, _run_loop, reads_of, serial_calls,
                                          writes_of)
 from kiln.runtime.native_views import _PlanRewrite, _Resized
@@ -247,13 +251,23 @@ class Segment:
         self._resizers = [(m.fn.native.at, [(i, m.inputs[i]) for i in m.fn.native.reads]
                            if m.fn.native.reads is not None else None, m.inputs[0]) for m in members]
         self._arena_slots = [(s, group[s]) for s in produced if group[s] not in exit_group]
-        # Other sizes as views over this segment's memory (_Resized)
-        self._views = self._c is not None and not self._staged
+        # Other sizes as views over this segment's memory (_Resized). A segment that reorders NCHW images at its head
+        # has them too: a view reads its entries laid out NHWC (_Resized._run_bound lays them out), and its oneDNN
+        # image layers run their tuned primitives over the new batch in chunks (kiln/kernels/cpu/onednn_chunks.py)
+        self._views = self._c is not None
         # the segment whose memory other sizes' views use, once grown past this one (None: this one; never
         # `self`, which made every segment a reference cycle: a dead engine's arena, packed weights and
         # oneDNN primitives then waited for the garbage collector)
         self._grown: Segment | None = None
         self._rewrite: _PlanRewrite | None = None  # made at the first view over this segment
+        # Another batch of the planned images as runs of this segment (native_batches.py): the planned batch, the
+        # batches' plans, whether the members compute each image alone (None: not yet asked) and the one-image
+        # reorders of the images left past the runs
+        self._planned_batch = planned_batch(self.entry_sizes, self.entry_layouts, natives) if self._c is not None \
+            else None
+        self._batch_plans: OrderedDict[tuple, BatchPlan] = OrderedDict()
+        self._left_reorders: dict[int, tuple] = {}
+        self._per_image: bool | None = None
 
     def on_arena(self, arena: SharedArena | None) -> Segment:
         """These layers bound anew over `arena` (another execution context's: SharedArena.sibling): the same memory
@@ -476,12 +490,33 @@ class Segment:
         if key is not None:
             if key == self._planned_key:
                 return self._run_bound(values)
+            plan = self._batch_runs(key)
+            if plan is not None:  # another batch of its images: runs of this segment (native_batches.py)
+                return run_batches(self, values, plan)
             with self._resize_lock:  # contexts of one engine share its segments
                 other = self._bind_sizes(key)
             if other is not None:
                 return other._run_bound(values)
         out = self.fallback(list(values))
         return tuple(out) if len(out) != 1 else out[0]
+
+    def _batch_runs(self, key: tuple) -> BatchPlan | None:
+        """The plan of entries of sizes `key` as runs of this segment (native_batches.py), or None: not another
+        batch of its images, or its members mix a batch's images."""
+        if self._planned_batch is None:
+            return None
+        plan = self._batch_plans.get(key)
+        if plan is None:
+            with self._resize_lock:
+                plan = batch_plan(self, key)
+                if plan is not None:
+                    self._batch_plans[key] = plan
+                    while len(self._batch_plans) > PLANS:
+                        self._batch_plans.popitem(last=False)
+        return plan
+
+    def _computes_each_image_alone(self) -> bool:
+        return computes_each_image_alone(self)
 
     def _run_bound(self, values: tuple) -> Any:
         """One run on entries of the planned sizes and dtypes: fresh exit tensors."""

@@ -1,5 +1,6 @@
 """Native segments at every shape of a profile: a CNN with a dynamic batch runs its bound oneDNN
-primitives at other batch sizes too (a segment bound per input size), and matches onnxruntime."""
+primitives at other batch sizes too (runs of its planned segment, the images left over on its one-image view:
+tests/unit/test_image_batches.py), and matches onnxruntime."""
 
 from __future__ import annotations
 

@@ -584,6 +584,7 @@ class Reorder:
         """`serial`: a second primitive created on one thread, the serial form a segment may run (Bound)."""
         lib = load()
         self.size = tuple(size)
+        self.input_size = self.output_size = self.size  # as a layer's (onednn_chunks.BatchChunks runs it over images)
         src_md, dst_md = memory_desc(list(size), src_tag), memory_desc(list(size), dst_tag)
 
         def created() -> tuple:

@@ -5,6 +5,8 @@
  * kiln_run_segment_timed: the same, each call timed (a segment's per-layer profile).
  * kiln_wino_input / kiln_wino_output: the transforms of a Winograd F(2x2, 3x3) convolution
  * (kiln/kernels/cpu/winograd.py), around a batched GEMM that oneDNN runs.
+ * kiln_batch_chunks: a oneDNN primitive made for b images run over N images, b at a time
+ * (kiln/kernels/cpu/onednn_chunks.py).
  */
 #include <stddef.h>
 #include <time.h>
@@ -199,4 +201,56 @@ int kiln_wino_output(void *object, void *stream, int nargs, const void *args) {
     #pragma omp parallel for schedule(static)
     for (long t = 0; t < T; ++t) output_tile(p, y, res, p->M, T, t, t);
     return 0;
+}
+
+/* ---- a primitive over a batch, in chunks ----------------------------------------------------------
+   A layer that computes each image on its own (a convolution, a pooling, a reorder) made for b images runs over
+   N = count * b + count1 * b1 images: `count` runs of `primitive` with each role's memory pointed `strides[r]`
+   bytes further each run, then `count1` runs of `primitive1` (made for b1 images, on memory objects of its own)
+   past them. The roles' base addresses are read from `memories` at each call (a segment points its entries and
+   exits there per run) and put back after. */
+
+#define CHUNK_ROLES 4
+
+typedef struct {
+    call_fn execute;
+    set_handle_fn set_handle;
+    get_handle_fn get_handle;
+    void *primitive;
+    int nargs;
+    const void *args;
+    long count;
+    void *primitive1;
+    int nargs1;
+    const void *args1;
+    long count1;
+    int nroles;
+    void *memories[CHUNK_ROLES];   /* `primitive`'s memory objects of each role */
+    void *memories1[CHUNK_ROLES];  /* `primitive1`'s */
+    long strides[CHUNK_ROLES];     /* bytes of one chunk of b images, per role */
+    long strides1[CHUNK_ROLES];    /* of b1 images */
+} chunk_plan;
+
+int kiln_batch_chunks(void *object, void *stream, int nargs, const void *args) {
+    (void)nargs; (void)args;
+    const chunk_plan *p = (const chunk_plan *)object;
+    char *base[CHUNK_ROLES];
+    for (int r = 0; r < p->nroles; ++r)
+        if (p->get_handle(p->memories[r], (void **)&base[r]) != 0) return 2;
+    int status = 0;
+    for (long i = 0; i < p->count && status == 0; ++i) {
+        for (int r = 0; r < p->nroles && status == 0; ++r)
+            status = p->set_handle(p->memories[r], base[r] + i * p->strides[r]);
+        if (status == 0) status = p->execute(p->primitive, stream, p->nargs, p->args);
+    }
+    for (long j = 0; j < p->count1 && status == 0; ++j) {
+        for (int r = 0; r < p->nroles && status == 0; ++r)
+            status = p->set_handle(p->memories1[r], base[r] + p->count * p->strides[r] + j * p->strides1[r]);
+        if (status == 0) status = p->execute(p->primitive1, stream, p->nargs1, p->args1);
+    }
+    for (int r = 0; r < p->nroles; ++r) {
+        int restored = p->set_handle(p->memories[r], base[r]);
+        if (status == 0) status = restored;
+    }
+    return status;
 }

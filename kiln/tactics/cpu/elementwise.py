@@ -151,8 +151,23 @@ def _nhwc_concat_prepare(step: StepSpec, constants: list[Any], device: torch.dev
         y = kernel({k: x.contiguous(memory_format=_CL).permute(0, 2, 3, 1) for k, x in enumerate(xs)})
         return y.permute(0, 3, 1, 2)  # [N, C, H, W] channels-last
 
-    launch.native = NativeStep(sizes[0], output_size, same_primitive(kernel),
-                               reads={k: (size, _F32) for k, size in enumerate(sizes)}, channels_last=True)
+    def native_of(at_sizes: list[tuple[int, ...]], kernel: Any) -> NativeStep:
+        out = tuple(sum(s[axis] for s in at_sizes) if d == axis else at_sizes[0][d] for d in range(4))
+        return NativeStep(at_sizes[0], out, same_primitive(kernel),
+                          reads={k: (size, _F32) for k, size in enumerate(at_sizes)}, channels_last=True)
+
+    @resizable
+
+    def native_at(read_sizes: dict[int, tuple[int, ...]]) -> NativeStep:
+        # another batch of a concat off the first axis (Swin's shifted windows): the same concat of each image
+        at_sizes = [tuple(read_sizes[k]) for k in range(len(sizes))]
+        if at_sizes == sizes:
+            return native_of(sizes, kernel)
+        if axis == 0 or any(len(s) != 4 or s[0] != at_sizes[0][0] or s[1:] != t[1:] for s, t in zip(at_sizes, sizes)):
+            raise ValueError(f"Concat {step.name!r}: sizes {at_sizes} are not another batch of {sizes}")
+        return native_of(at_sizes, kernels.Concat([(s[0], s[2], s[3], s[1]) for s in at_sizes], _IN_MEMORY[axis]))
+
+    launch.native = native_at({k: size for k, size in enumerate(sizes)})
     return launch
 
 

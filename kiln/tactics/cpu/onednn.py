@@ -37,8 +37,10 @@ The tactics are optional: `available()` is false when libdnnl.so.3 (the `onednn-
 cannot be loaded, or when it would bring its own OpenMP runtime next to torch's; an engine that
 names them then runs the ops' registered implementations.
 A primitive is built for the input size the layer was tuned at (tactic_config["input_size"]);
-another input size (dynamic batch) builds and caches one more primitive on first sight. The linear layers'
-tactic (cpu.gemm.onednn_direct) is onednn_gemm.py's.
+another input size builds and caches one more primitive on first sight, except inside a native segment at another
+batch of the same images: there the tuned primitive runs over the batch in chunks (kiln/kernels/cpu/onednn_chunks.py),
+so a segment's view at a new batch makes no primitive (only a one-image one per layer, once, for a remainder).
+The linear layers' tactic (cpu.gemm.onednn_direct) is onednn_gemm.py's.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from typing import Any
 
 import torch
 
-from kiln.kernels.cpu import conv_silu, onednn, onednn_primitives, se
+from kiln.kernels.cpu import conv_silu, onednn, onednn_ahead, onednn_chunks, onednn_primitives, se
 from kiln.ops._util import ints
 from kiln.ops.registry import OpContext, lookup
 from kiln.plan.spec import StepSpec
@@ -73,6 +75,15 @@ def _built(primitives: dict, key, build, tuned: Callable[[Any], bool]):
             primitives.pop(next(k for k in primitives if not tuned(k)))
         found = primitives[key] = build(key)
     return found
+
+
+def _in_chunks(size: tuple[int, ...], tuned: tuple[int, ...]) -> bool:
+    """Whether a segment runs this layer at `size` as chunks of its tuned primitive (onednn_chunks.py): another
+    batch of images of the tuned size."""
+    return (len(size) == 4 and size[0] != tuned[0] and size[0] > 0 and tuple(size[1:]) == tuple(tuned[1:])
+            and onednn_chunks.available())
+
+
 _DEPTHWISE_KERNEL = "jit_dw:"  # any ISA's
 
 
@@ -155,11 +166,19 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device, kiln_si
     # the runtime through its own loop, kiln/runtime/program.py: sole_reference_counts).
     sole = step.tactic_config.get("sole_references") or {}
 
+    made = threading.Lock()  # the dict's users: a run's thread and kiln/kernels/cpu/onednn_ahead.py's (ahead below)
+
     def primitive(shape: tuple[int, ...], accumulate: bool) -> onednn_primitives.Conv2d:
         # another input size, or the binary variant a shared residual needs: built once
-        return _built(primitives, (shape, accumulate),
-                      lambda key: build(shape, accumulate, _conv(primitives.get((shape, not accumulate)))),
-                      lambda key: key[0] == tuned)
+        # its weight: the other variant's at this size, else the tuned primitive's, where the kernel lays it out
+        # alike (Conv2d compares the layouts): a segment's runs of the tuned batch and its one-image view then read
+        # one copy (resnet_tiny at batch 3, interleaved with other engines: 0.93 -> 0.55 ms with one copy)
+        with made:
+            return _built(primitives, (shape, accumulate),
+                          lambda key: build(shape, accumulate, _conv(primitives.get((shape, not accumulate))
+                                                                     or primitives.get((tuned, accumulate))
+                                                                     or primitives.get((tuned, not accumulate)))),
+                          lambda key: key[0] == tuned)
 
     def launch(ctx, x, w_=None, b_=None, residual=None, **_attributes):
         x = x.contiguous(memory_format=_CL)  # x: [N, C, H, W]; free when already channels-last
@@ -178,14 +197,42 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device, kiln_si
                 return primitive(tuple(x.shape), True).accumulate(x, residual)
             return primitive(tuple(x.shape), False)(x, residual.contiguous(memory_format=_CL))
 
+    one = (1, *tuned[1:])
+
+    def chunks(size: tuple[int, ...], accumulate: bool) -> onednn_chunks.BatchChunks:
+        # a new batch: the tuned primitive in runs of its batch, the one-image one for what is left
+        return onednn_chunks.BatchChunks(primitive(tuned, accumulate),
+                                         primitive(one, accumulate) if size[0] % tuned[0] else None, size[0])
+
     @resizable
 
     def native_at(size: tuple[int, ...]) -> NativeStep:
+        residual_input = 3 if with_residual else None
+        if not kiln_silu and _in_chunks(size, tuned):
+            out = (size[0], *primitive(tuned, in_place).output_size[1:])
+            return NativeStep(size, out, lambda accumulate: chunks(size, accumulate), residual_input=residual_input,
+                              accumulate=in_place)
         return NativeStep(size, primitive(size, in_place).output_size, lambda accumulate: primitive(size, accumulate),
-                          residual_input=3 if with_residual else None, accumulate=in_place)
+                          residual_input=residual_input, accumulate=in_place)
 
     launch.native = native_at(tuned)
+    launch.ahead = _one_image_ahead(tuned, lambda: primitive(one, in_place) if not kiln_silu else None)
     return launch
+
+
+def _one_image_ahead(tuned: tuple[int, ...], make: Callable[[], Any]) -> Callable[[float], list[onednn_ahead.Job]]:
+    """The layer's `ahead` (kiln/runtime/first_calls.py primitives_ahead): its one-image primitive (`make`), made on
+    kiln/kernels/cpu/onednn_ahead.py's background thread where a profile reaches other batches than the tuned one
+    (`scale` > 1): a segment's images past its runs of the tuned batch run on it (native.py _run_left), so the first
+    odd batch finds it made instead of waiting ~0.5-1 ms a layer."""
+    def ahead(scale: float) -> list[onednn_ahead.Job]:
+        if scale <= 1 or len(tuned) != 4 or tuned[0] == 1 or not onednn_chunks.available():
+            return []
+
+        def job() -> bool:
+            return make() is not None
+        return [onednn_ahead.Job(("one-image primitive", id(make), tuned), 1, job)]
+    return ahead
 
 
 register(Tactic(
@@ -300,19 +347,37 @@ def _shape_cached(step: StepSpec, build, squeezed: bool = False):
 
     def launch(ctx, x, *_inputs, **_attributes):
         x = x.contiguous(memory_format=_CL)  # [N, C, H, W]; free when already channels-last
-        primitive = _built(primitives, tuple(x.shape), build, lambda key: key == tuned)
+        with made:
+            primitive = _built(primitives, tuple(x.shape), build, lambda key: key == tuned)
         with lock:
             y = primitive(x)  # [N, C, H', W'] channels-last
         return y.reshape(y.shape[:2]) if squeezed else y
 
+    one = (1, *tuned[1:])
+
+    made = threading.Lock()  # the dict's users: a run's thread and kiln/kernels/cpu/onednn_ahead.py's
+
+    def one_image() -> Any:
+        with made:
+            return _built(primitives, one, build, lambda key: key == tuned)
+
+    def chunks(size: tuple[int, ...]) -> onednn_chunks.BatchChunks:
+        # a new batch: the tuned primitive in runs of its batch (onednn_chunks.py), the one-image one for the rest
+        return onednn_chunks.BatchChunks(primitives[tuned], one_image() if size[0] % tuned[0] else None, size[0])
+
     @resizable
 
     def native_at(size: tuple[int, ...]) -> NativeStep:
-        primitive = _built(primitives, size, build, lambda key: key == tuned)
+        if _in_chunks(size, tuned):
+            out = (size[0], *primitives[tuned].output_size[1:])
+            return NativeStep(size, out[:2] if squeezed else out, lambda _accumulate: chunks(size))
+        with made:
+            primitive = _built(primitives, size, build, lambda key: key == tuned)
         out = tuple(primitive.output_size)
         return NativeStep(size, out[:2] if squeezed else out, same_primitive(primitive))
 
     launch.native = native_at(tuned)
+    launch.ahead = _one_image_ahead(tuned, one_image)
     return launch
 
 

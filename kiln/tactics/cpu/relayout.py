@@ -226,8 +226,20 @@ def _prepare_slice(step: StepSpec, constants: list[Any], device: torch.device):
     move = _slice_move(step, constants)
     kernel = relayout.Relayout(tuned, move, "slice")  # at load; a slice no walk gives raises: the tactic fails its check
     # the walk is found from the op's own code at each size: a Gather of constant indices (a forecaster's last step
-    # over a dynamic batch) binds at new sizes; a Slice's walk is kept to the tuned size, as before
-    return _launch(tuned, kernel, move, move, resizes=step.op_type == "Gather")
+    # over a dynamic batch) binds at new sizes, and so does a Slice that leaves the first axis whole (Swin's shifted
+    # windows at another batch); another Slice's walk is kept to the tuned size, as before
+    return _launch(tuned, kernel, move, move, resizes=step.op_type == "Gather" or _keeps_first_axis(step, constants,
+                                                                                                   len(tuned)))
+
+
+def _keeps_first_axis(step: StepSpec, constants: list[Any], rank: int) -> bool:
+    """Whether a Slice's constant axes leave out axis 0: the same slice of every element of a batch, whatever
+    its size."""
+    if step.op_type != "Slice" or len(constants) < 2 or constants[1] is None:
+        return False
+    axes = constants[3] if len(constants) > 3 else None
+    axes = range(len(constants[1])) if axes is None else [int(a) % rank for a in axes.tolist()]
+    return 0 not in axes
 
 
 # a Slice of constant bounds and a Gather by constant indices: one walk of the data either way

@@ -1,0 +1,230 @@
+"""A native segment at another batch of the images it was planned for, as runs of itself (kiln/runtime/native.py
+picks when): N images are N // B runs of the planned segment (B: its planned batch), each on the next B images' span
+of every entry and exit, and the N mod B left over run one by one on the segment's view at one image.
+
+Why: a segment bound at a new batch cost ~8-10 ms of oneDNN primitives (ConvNeXt-tiny,
+bench/results/first-call-2026-12-06.md), and one that reads NCHW images had no views at all, so every new batch of an
+image model bound a whole segment, and a segment with a layer that cannot bind other sizes (Swin's shifted-window
+Slices) ran layer by layer. Runs of the planned segment bind nothing: its primitives, arena and memory plan are the
+planned ones, only the entry and exit addresses move. The one-image view is bound once per segment (its oneDNN image
+layers run their one-image primitive through kiln/kernels/cpu/onednn_chunks.py, made ahead on a background thread).
+
+When: the batch is every entry's first dim (or a multiple of it: a window mask [B·windows, ...] beside the images),
+outermost in memory (NHWC, NCHW or row-major), and the members compute each image alone: at 2B every value a member
+writes has twice its planned first dim and its other dims as planned (computes_each_image_alone). A layer that mixes
+the images of a batch (a reduction or attention across the first dim, a transpose of it) changes some value's first dim
+otherwise. And runs cost less than a view: an image segment (its pixels are its layers' rows: runs of B lose nothing
+to one run of N), a run of BATCH_RUN_ROWS rows, or a member whose views bind it anew (Swin's window relayouts); a
+transformer tuned at a few tokens would run its GEMMs on those few rows a run, and its views are traced
+(native_views.py, tens of µs).
+
+Exact: each image goes through the planned segment's primitives (or their one-image forms), which compute it alone;
+tests/unit/test_image_batches.py compares with onnxruntime at fresh batches.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kiln.kernels.cpu import native_loop, onednn, onednn_chunks
+from kiln.runtime.native_members import _forms
+from kiln.tactics.tactic import NativeStep, native_strides, row_major_strides
+
+BATCH_RUN_ROWS = 256  # rows a run of a segment that is no image segment holds at least, to run other batches in runs
+PLANS = 256  # batches whose BatchPlan a segment keeps (least recently used out)
+_CL = torch.channels_last
+
+
+def planned_batch(entry_sizes: list[tuple[int, ...]], entry_layouts: list[str], natives: list[NativeStep]
+                  ) -> int | None:
+    """The batch a segment of these entries runs other batches in runs of: the least first dim of its entries, each
+    entry's first dim a multiple of it; None where it does not (an entry without dims, first dims that are not
+    multiples) or runs would cost more than a view: no image entry, fewer than BATCH_RUN_ROWS rows in its largest,
+    and every member's plan or arguments written by a rule (`natives`: its views are traced, native_views.py, tens of
+    µs at a new size; a relayout's walk, Swin's window partition, is made anew per size, ~1-8 ms)."""
+    firsts = [size[0] for size in entry_sizes if len(size) > 0]
+    least = min(firsts, default=0)
+    if least <= 0 or len(firsts) != len(entry_sizes) or any(f % least for f in firsts):
+        return None
+    images = any(len(size) == 4 and layout == "nhwc" for size, layout in zip(entry_sizes, entry_layouts))
+    rows = max((math.prod(size[:-1]) for size in entry_sizes if len(size) > 1), default=0)
+    untraced = any(native.plan_at is None and native.primitive_at is None and not native.alias for native in natives)
+    return least if images or rows >= BATCH_RUN_ROWS or untraced else None
+
+
+# ops that carry state or gather along their first dim while keeping its size: a recurrent layer's Y [S, D, N, H] is
+# sequence-first (runs over the sequence would drop the state between them), a padding-free program packs the
+# tokens of a whole batch into rows; their sizes scale with the first dim like an image's
+ALONG_THE_FIRST_DIM = frozenset({"LSTM", "GRU", "RNN", "Scan", "CumSum", "PackTokens", "UnpackTokens", "TokenIndex",
+                                 "PackedAttention"})
+# ops over a sequence dim (attending across it, rotating by position in it): dim -2, dim 0 when they read rank 2
+OVER_A_SEQUENCE = frozenset({"Attention", "MultiHeadAttention", "GroupQueryAttention", "Rotary", "RotaryEmbedding"})
+
+
+def computes_each_image_alone(segment: Any) -> bool:
+    """Whether `segment` at batch 2B (B: its planned batch) is two runs of it at B on consecutive halves of every
+    entry and exit: no member is an op along the first dim (ALONG_THE_FIRST_DIM, an `axis`/`axes` attribute that
+    names it: a Concat of two batches stacks them, a Softmax over it mixes them; an attention or rotary layer reading
+    rank 2, whose sequence is dim 0), each member's NativeStep at 2B
+    (`at`) writes every value at twice its planned first dim and its other dims as planned, and every exit keeps its
+    first dim outermost in memory. A layer that cannot bind 2B refuses (the segment then binds views, or runs layer
+    by layer, as before)."""
+    batch = segment._planned_batch
+    planned = _forms(segment.members, segment._natives)
+    ranks = {slot: len(size) for slot, (size, _strides, _dtype) in planned.items()}
+    ranks.update((slot, len(size)) for slot, size in zip(segment.entries, segment.entry_sizes))
+    for m in segment.members:
+        rank = ranks.get(m.inputs[0], 0)
+        if m.ctx.op_type in ALONG_THE_FIRST_DIM or _names_the_first_dim(m, rank) \
+                or (m.ctx.op_type in OVER_A_SEQUENCE and rank < 3):
+            return False
+    try:
+        at = segment._natives_at(tuple((2 * size[0], *size[1:]) for size in segment._planned_key))
+    except Exception:  # noqa: BLE001  a layer without a primitive at 2B: views or layer by layer, as before
+        return False
+    for slot, (size, _strides, _dtype) in planned.items():
+        doubled = at.forms.get(slot)
+        if doubled is None or len(size) == 0 or tuple(doubled[0]) != (2 * size[0], *size[1:]):
+            return False
+    # entries are laid out NHWC or row-major (entry_layouts), NCHW where staged: the first dim outermost in each
+    return all(len(size) > 0 and size[0] % batch == 0 and strides[0] == math.prod(size[1:])
+               for size, strides, _dtype in segment.exit_shapes)
+
+
+def _names_the_first_dim(member: Any, rank: int) -> bool:
+    """Whether a member's `axis` or `axes` attribute (ONNX's: negative from the end of its input's `rank` dims)
+    names dim 0."""
+    axes = member.attributes.get("axes", member.attributes.get("axis"))
+    values = axes.tolist() if hasattr(axes, "tolist") else axes  # a tensor or array of them
+    values = values if isinstance(values, (list, tuple)) else [values]
+    try:
+        found = [int(a) for a in values if a is not None]
+    except (TypeError, ValueError):  # an attribute of another meaning (a string)
+        return False
+    return any((a % rank if rank else a) == 0 for a in found)
+
+
+@dataclass
+class BatchPlan:
+    """How a segment runs one batch of its images, worked out at the batch's first call: `runs` runs of the planned
+    segment, then `left` images on `one` (its view at one image; None: layer by layer). Spans in bytes."""
+
+    runs: int
+    left: int
+    exit_shapes: list[tuple]  # (size, strides, dtype) of each exit at this batch
+    entry_spans: list[int]  # bytes of one run's span of each entry (its planned first dim)
+    exit_spans: list[int]
+    entry_images: list[int]  # ... and of one image's
+    exit_images: list[int]
+    one: tuple | None  # the key of the segment's view at one image (in its `resized`; None: no images left)
+
+
+def batch_plan(segment: Any, key: tuple) -> BatchPlan | None:
+    """`segment`'s BatchPlan for entries of sizes `key`, or None: not another batch of its images, or its members
+    mix the images of a batch (computes_each_image_alone, asked once). The caller holds the segment's resize lock."""
+    batch = segment._planned_batch
+    planned = segment._planned_key
+    if batch is None or not key or not key[0] or key[0][0] * batch % planned[0][0]:
+        return None
+    n = key[0][0] * batch // planned[0][0]  # images: each entry's first dim is theirs x its multiple
+    if n <= 0 or any(len(k) != len(p) or k[0] * batch != n * p[0] or k[1:] != p[1:] for k, p in zip(key, planned)):
+        return None
+    if segment._per_image is None:
+        segment._per_image = computes_each_image_alone(segment)
+    if not segment._per_image:
+        return None
+    runs, left = divmod(n, batch)
+    exit_shapes = []
+    for size, strides, dtype in segment.exit_shapes:
+        nhwc = len(size) == 4 and tuple(strides) != row_major_strides(tuple(size))
+        size = (size[0] // batch * n, *size[1:])
+        exit_shapes.append((size, native_strides(size) if nhwc else row_major_strides(size), dtype))
+    entry_spans = [dtype.itemsize * math.prod(p) for p, dtype in zip(planned, segment.entry_dtypes)]
+    exit_spans = [dtype.itemsize * math.prod(size) for size, _strides, dtype in segment.exit_shapes]
+    one = tuple((p[0] // batch, *p[1:]) for p in planned) if left else None
+    if one is not None:
+        segment._bind_sizes(one)  # bound now, at the batch's first call (held by key: no cycle through the view)
+    return BatchPlan(runs, left, exit_shapes, entry_spans, exit_spans, [s // batch for s in entry_spans],
+                     [s // batch for s in exit_spans], one)
+
+
+def run_batches(segment: Any, values: tuple, plan: BatchPlan) -> Any:
+    """Entries of plan.runs planned batches and plan.left more images: fresh exits at their sizes, the runs of the
+    planned segment (under its lock), then the images left on its one-image view."""
+    exits = [torch.empty_strided(size, strides, dtype=dtype) for size, strides, dtype in plan.exit_shapes]
+    staged = bool(segment._staged) and all(not segment._laid_out(k, values[k]) and values[k].is_contiguous()
+                                           for k, _, _ in segment._staged)
+    layouts = segment.entry_layouts
+    entries = [v if (staged and layouts[k] == "nhwc") or segment._laid_out(k, v)
+               else (v.contiguous(memory_format=_CL) if layouts[k] == "nhwc" else v.contiguous())
+               for k, v in enumerate(values)]
+    entry_at, exit_at = [e.data_ptr() for e in entries], [x.data_ptr() for x in exits]
+    if plan.runs:
+        with segment._lock:
+            for i in range(plan.runs):
+                segment._run([a + i * d for a, d in zip(entry_at, plan.entry_spans)],
+                             [a + i * d for a, d in zip(exit_at, plan.exit_spans)], staged)
+    if plan.left:
+        entry_at = [a + plan.runs * d for a, d in zip(entry_at, plan.entry_spans)]
+        exit_at = [a + plan.runs * d for a, d in zip(exit_at, plan.exit_spans)]
+        one = segment.resized.get(plan.one)
+        if one is None and plan.one not in segment.resized:  # let go by the segment's LRU since: bound again
+            with segment._resize_lock:
+                one = segment._bind_sizes(plan.one)
+        if one is None:
+            _left_layer_by_layer(segment, entries, exits, plan)
+        else:
+            keep = _laid_out_left(segment, entries, entry_at, plan) if staged else None
+            for j in range(plan.left):
+                one.run_at([a + j * d for a, d in zip(entry_at, plan.entry_images)],
+                           [a + j * d for a, d in zip(exit_at, plan.exit_images)])
+            del keep
+    return tuple(exits) if len(exits) != 1 else exits[0]
+
+
+def _left_layer_by_layer(segment: Any, entries: list[torch.Tensor], exits: list[torch.Tensor], plan: BatchPlan
+                         ) -> None:
+    """The images left, where the segment has no view at one image: its layers one by one on them."""
+    rest = [e[plan.runs * p[0]:] for e, p in zip(entries, segment._planned_key)]
+    for x, o, (size, _s, _d) in zip(exits, segment.fallback(rest), segment.exit_shapes):
+        x[plan.runs * size[0]:].copy_(o)
+
+
+def _laid_out_left(segment: Any, entries: list[torch.Tensor], entry_at: list[int], plan: BatchPlan
+                   ) -> list[torch.Tensor]:
+    """The left images of a staged segment's NCHW entries laid out NHWC, as its view reads them (it has no staging
+    reorder), by oneDNN's one-image reorder run over them (onednn_chunks.BatchChunks; torch's copy of a 224x224
+    image is ~0.1 ms, 1 thread): `entry_at` pointed at the copies, which the caller keeps until the view ran."""
+    keep = []
+    for k, _bound, _buffer in segment._staged:
+        size = tuple(entries[k].shape[1:])
+        out = torch.empty((plan.left, size[1], size[2], size[0]))  # NHWC
+        bound, chunks_plan = _one_image_reorder(segment, k)
+        lib = onednn.load()
+        with segment._lock:  # the reorder's memory objects and plan are the segment's
+            chunks_plan.count = plan.left
+            lib.lib.dnnl_memory_set_data_handle(bound.memory("src"), entry_at[k])
+            lib.lib.dnnl_memory_set_data_handle(bound.memory("dst"), out.data_ptr())
+            status = native_loop.load().kiln_batch_chunks(ctypes.c_void_p(ctypes.addressof(chunks_plan)), lib.stream,
+                                                          0, None)
+        onednn._check(status, f"reorder of input {k}'s images left past the runs")
+        entry_at[k] = out.data_ptr()
+        keep.append(out)
+    return keep
+
+
+def _one_image_reorder(segment: Any, k: int) -> tuple[Any, Any]:
+    """Entry k's one-image NCHW -> NHWC reorder in runs (ChunksBound, its plan), made at first use (per segment,
+    under the caller's view of no other thread: made twice at worst)."""
+    found = segment._left_reorders.get(k)
+    if found is None:
+        size = (1, *segment.entry_sizes[k][1:])
+        reorder = onednn.Reorder(size, onednn.TAG_ABCD, onednn.TAG_ACDB)
+        bound = onednn_chunks.BatchChunks(reorder, None, 1).bind(0, 0)
+        found = segment._left_reorders.setdefault(k, (bound, bound.plan))
+    return found

@@ -1,0 +1,201 @@
+"""Image segments at batches other than the tuned one (issue 10): runs of the planned segment over consecutive batches
+(kiln/runtime/native_batches.py), the images left over on its one-image view, oneDNN image layers at another batch as
+chunks of their tuned primitive (kiln/kernels/cpu/onednn_chunks.py). Outputs against onnxruntime and torch; that no
+segment and no primitive is bound for a new batch is asserted from the segments' state and the primitives made, not
+from time."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+import kiln
+from kiln import zoo
+from kiln.kernels.cpu import native_loop, onednn, onednn_chunks, onednn_primitives
+from kiln.runtime import native
+from kiln.runtime.native import Segment
+from kiln.tactics.tactic import NativeStep
+
+pytestmark = pytest.mark.skipif(not onednn_chunks.available(), reason="needs libdnnl and kiln's compiled loop")
+
+# float32: a conv stack's sums in another order than onnxruntime's (its own kernels) differ by a few ulps per layer
+RTOL = ATOL = 1e-4
+_CL = torch.channels_last
+
+
+@pytest.fixture(scope="module")
+def resnet():
+    exported = zoo.export("resnet_tiny", dynamic=True)
+    engine = kiln.build(str(exported.path), profiles=[{"pixel_values": "1x3x64x64,2x3x64x64,12x3x64x64"}])
+    session = ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
+    return engine, session
+
+
+def _image_segment(engine) -> Segment:
+    segments = [s for s in engine.program.segments if s._staged]
+    assert segments, "the tuned engine has no segment reading the images"
+    return segments[0]
+
+
+def test_new_batches_run_the_planned_segment_and_bind_nothing(resnet, monkeypatch):
+    engine, session = resnet
+    segment = _image_segment(engine)
+    assert segment._planned_batch == 2  # the profile's opt
+    context = engine.create_execution_context(pad_first_calls=False)  # every batch runs as given (none padded)
+    rng = np.random.default_rng()
+    context.run({"pixel_values": rng.standard_normal((1, 3, 64, 64), dtype=np.float32)})  # the one-image view
+    made, batch_runs = [], []
+    real_init, real_runs = onednn_primitives.Conv2d.__init__, native.run_batches
+
+    def counting_init(self, w, b, input_size, *args, **kwargs):
+        made.append(tuple(input_size))
+        real_init(self, w, b, input_size, *args, **kwargs)
+
+    def counting_runs(seg, values, plan):
+        batch_runs.append((values[0].shape[0], plan.runs, plan.left))
+        return real_runs(seg, values, plan)
+
+    monkeypatch.setattr(onednn_primitives.Conv2d, "__init__", counting_init)
+    monkeypatch.setattr(native, "run_batches", counting_runs)
+    views = dict(segment.resized)
+    batches = [3, 12, *rng.choice(np.arange(4, 12), 3, replace=False).tolist()]
+    for batch in batches:
+        x = rng.standard_normal((batch, 3, 64, 64), dtype=np.float32)
+        got = context.run({"pixel_values": x})
+        np.testing.assert_allclose(next(iter(got.values())), session.run(None, {"pixel_values": x})[0], rtol=RTOL,
+                                   atol=ATOL, err_msg=f"batch {batch}")
+    assert segment._per_image is True
+    assert sorted(b for b, _, _ in batch_runs) == sorted(batches)
+    assert all(runs == b // 2 and left == b % 2 for b, runs, left in batch_runs)
+    assert not made, f"primitives made at new batches: {made}"
+    assert dict(segment.resized) == views and all(key[0][0] == 1 for key in views)  # the one-image view, no other
+
+
+def test_the_tuned_batch_and_one_image_still_match(resnet):
+    engine, session = resnet
+    context = engine.create_execution_context(pad_first_calls=False)
+    rng = np.random.default_rng()
+    for batch in (2, 1, 2):
+        x = rng.standard_normal((batch, 3, 64, 64), dtype=np.float32)
+        np.testing.assert_allclose(next(iter(context.run({"pixel_values": x}).values())),
+                                   session.run(None, {"pixel_values": x})[0], rtol=RTOL, atol=ATOL)
+
+
+def test_a_segment_whose_layer_mixes_the_batch_is_not_run_in_batch_runs(resnet, monkeypatch):
+    """A member whose output at twice the batch does not have twice the first dim (a reduction across the batch)
+    makes the segment refuse batch runs: it then binds views, as before."""
+    engine, _ = resnet
+    segment = _image_segment(engine)
+    at, reads, x = segment._resizers[-1]
+
+    def across_the_batch(size):
+        step = at(size)
+        return NativeStep(step.input_size, (1, *step.output_size[1:]), step.primitive)
+
+    monkeypatch.setattr(segment, "_resizers", [*segment._resizers[:-1], (across_the_batch, reads, x)])
+    monkeypatch.setattr(segment, "_per_image", None)
+    monkeypatch.setattr(segment, "_batch_plans", OrderedDict())  # none of an earlier test's batches
+    assert segment._computes_each_image_alone() is False
+    assert segment._batch_runs(((6, 3, 64, 64),)) is None
+
+
+@pytest.mark.parametrize("op_type, attributes", [("Concat", {"axis": 0}), ("Softmax", {"axis": -4}),
+                                                  ("LSTM", {}), ("PackTokens", {})])
+def test_a_member_along_the_first_dim_refuses_batch_runs(resnet, monkeypatch, op_type, attributes):
+    """A Concat of two batches along dim 0 (or a recurrent layer, sequence-first) keeps its values' first dim
+    proportional to the batch, so the size check alone would pass it: its op refuses (the runs would stack or cut
+    what it computes across the first dim)."""
+    engine, _ = resnet
+    segment = _image_segment(engine)
+    member = segment.members[0]
+    monkeypatch.setattr(member, "attributes", {**member.attributes, **attributes})
+    monkeypatch.setattr(member, "ctx", dataclasses.replace(member.ctx, op_type=op_type))
+    assert segment._computes_each_image_alone() is False
+    monkeypatch.undo()
+    assert segment._computes_each_image_alone() is True
+
+
+def _conv(n: int, w: torch.Tensor, b: torch.Tensor, residual: bool, in_place: bool = False,
+          weight_of: onednn_primitives.Conv2d | None = None) -> onednn_primitives.Conv2d:
+    return onednn_primitives.Conv2d(w, b, [n, w.shape[1], 9, 9], [1, 1], [1, 1, 1, 1], [1, 1], 1,
+                                    onednn.eltwise_for("Relu", 0.0, 0.0), residual, False, residual_in_place=in_place,
+                                    share_weight_with=weight_of)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_batch_chunks_match_torch_and_the_primitive_made_for_the_batch(in_place):
+    """A convolution with a residual (a binary post-op, or accumulated in place) tuned at 3 images, run over 8 in
+    chunks (2 runs of 3, 2 of the one-image primitive) on fresh data: torch's convolution and the primitive made for
+    8 images."""
+    torch.manual_seed(int(np.random.default_rng().integers(1 << 31)))
+    w, b = torch.randn(12, 5, 3, 3), torch.randn(12)
+    x = torch.randn(8, 5, 9, 9).contiguous(memory_format=_CL)
+    r = torch.randn(8, 12, 9, 9).contiguous(memory_format=_CL)
+    expected = torch.relu(torch.nn.functional.conv2d(x, w, b, padding=1) + r)
+    tuned = _conv(3, w, b, True, in_place)
+    chunks = onednn_chunks.BatchChunks(tuned, _conv(1, w, b, True, in_place, tuned), 8)
+    assert (chunks.count, chunks.count1) == (2, 2)
+    results = []
+    for layer in (chunks, _conv(8, w, b, True, in_place)):
+        y = r.clone() if in_place else torch.empty_like(r)
+        bound = layer.bind(x.data_ptr(), y.data_ptr()) if in_place else layer.bind(x.data_ptr(), y.data_ptr(),
+                                                                                   r.data_ptr())
+        assert native_loop.run_calls(bound.calls()) == (0, -1)
+        results.append(y)
+    torch.testing.assert_close(results[0], expected, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(results[0], results[1], rtol=1e-6, atol=1e-6)  # same kernel, same sums per pixel
+
+
+def test_batch_chunks_leave_the_memory_objects_where_they_were():
+    """A run moves the roles' memory objects chunk by chunk and puts them back: a second run reads the same data
+    (a segment points only its entries and exits per run; the other roles are fixed arena places)."""
+    w, b = torch.randn(4, 2, 3, 3), torch.randn(4)
+    x = torch.randn(5, 2, 9, 9).contiguous(memory_format=_CL)
+    tuned = _conv(2, w, b, False)
+    bound = onednn_chunks.BatchChunks(tuned, _conv(1, w, b, False, weight_of=tuned), 5).bind(x.data_ptr(), 0)
+    for _ in range(2):
+        y = torch.empty(5, 4, 9, 9).contiguous(memory_format=_CL)
+        onednn.load().lib.dnnl_memory_set_data_handle(bound.memory("dst"), y.data_ptr())
+        assert native_loop.run_calls(bound.calls()) == (0, -1)
+        torch.testing.assert_close(y, torch.relu(torch.nn.functional.conv2d(x, w, b, padding=1)), rtol=RTOL,
+                                   atol=ATOL)
+
+
+def test_batch_chunks_refuse_a_remainder_without_the_one_image_primitive():
+    w, b = torch.randn(4, 2, 3, 3), torch.randn(4)
+    with pytest.raises(ValueError, match="one-image primitive"):
+        onednn_chunks.BatchChunks(_conv(2, w, b, False), None, 5)
+
+
+@pytest.mark.slow  # a Swin build: ~15-30 s on 2 shared cores
+def test_swin_runs_segments_at_other_batches_and_matches_onnxruntime(monkeypatch):
+    """swin_tiny at a dynamic batch: its shifted windows (Slices off the batch axis, NHWC Concats) and window masks
+    ([B·windows, ...] entries) bind at other batches, so its image segments run in batch runs and its token segments
+    ([B, H·W, C] rows) as views; none layer by layer (before: several segments ran their layers one by one)."""
+    exported = zoo.export("swin_tiny", dynamic=True)
+    engine = kiln.build(str(exported.path), profiles=[{"pixel_values": "1x3x32x32,2x3x32x32,8x3x32x32"}])
+    session = ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
+    context = engine.create_execution_context(pad_first_calls=False)
+    rng = np.random.default_rng()
+    segments = engine.program.segments
+
+    def layer_by_layer(self, values):
+        raise AssertionError(f"a segment of {[m.ctx.name for m in self.members][:3]}... ran layer by layer")
+
+    monkeypatch.setattr(native.Segment, "fallback", layer_by_layer)
+    for batch in (3, 8, 5):
+        x = rng.standard_normal((batch, 3, 32, 32), dtype=np.float32)
+        got = next(iter(context.run({"pixel_values": x}).values()))
+        np.testing.assert_allclose(got, session.run(None, {"pixel_values": x})[0], rtol=RTOL, atol=ATOL)
+        for s in segments:
+            if s._planned_batch is not None:
+                key = tuple((p[0] * batch // s._planned_batch, *p[1:]) for p in s._planned_key)
+                assert s._batch_runs(key) is not None
+            else:
+                assert any(k[0][0] == batch and view is not None for k, view in s.resized.items())
+    assert sum(s._planned_batch is not None for s in segments) >= len(segments) // 2
