@@ -110,13 +110,60 @@ def _error(message: str) -> bytes:
     return json.dumps({"error": message}, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
+class _Held:
+    """A uvicorn response cycle's transport while the fast path sends one answer: the writes of the head
+    (http.response.start) and of the body are kept, and leave together (_send)."""
+
+    __slots__ = ("parts", "closed")
+
+    def __init__(self):
+        self.parts: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.parts.append(data)
+
+    def close(self) -> None:  # a response with connection: close; closed once the writes have left
+        self.closed = True
+
+
+def _cycle(send):
+    """uvicorn's response cycle (httptools' or h11's) whose bound method `send` is, when it writes through a
+    `transport` attribute as uvicorn 0.2x-0.5x's do; else None (another server: ASGI messages only)."""
+    cycle = getattr(send, "__self__", None)
+    if type(cycle).__name__ == "RequestResponseCycle" and type(cycle).__module__.startswith("uvicorn.") \
+            and getattr(cycle, "transport", None) is not None:
+        return cycle
+    return None
+
+
 async def _send(send, status: int, payload: bytes, content_type: bytes, retry_after: int | None = None,
                 header_length: int | None = None) -> None:
+    """The answer as two ASGI messages, which uvicorn writes as it gets them: the head, then the body, each a
+    send(2) of its own and, with TCP_NODELAY, a segment of its own that wakes the client. Under uvicorn the two
+    writes are held and leave in one writelines (one system call: ~10% of the HTTP loop's CPU per request for an
+    empty model, bench/results/serve-cpu-2026-12-06.md); uvicorn's own bookkeeping (keep-alive, the next
+    pipelined request, Content-Length checks) runs as it does for any answer."""
     headers = [(b"content-length", str(len(payload)).encode()), (b"content-type", content_type)]
     if header_length is not None:
         headers.append((b"inference-header-content-length", str(header_length).encode()))
     if retry_after:
         headers.append((b"retry-after", str(retry_after).encode()))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": payload})
-
+    start = {"type": "http.response.start", "status": status, "headers": headers}
+    body = {"type": "http.response.body", "body": payload}
+    cycle = _cycle(send)
+    if cycle is None:
+        await send(start)
+        await send(body)
+        return
+    transport, held = cycle.transport, _Held()
+    cycle.transport = held
+    try:
+        await send(start)
+        await send(body)
+    finally:
+        cycle.transport = transport
+        if held.parts and not transport.is_closing():
+            transport.writelines(held.parts)
+        if held.closed:
+            transport.close()
