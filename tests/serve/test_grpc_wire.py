@@ -97,6 +97,53 @@ def test_response_encoder_writes_what_protobuf_writes():
         assert encoder.encode(model, version, request_id, outputs) == expected.SerializeToString()
 
 
+def test_large_answers_are_parts_viewing_the_arrays():
+    """Outputs adding up to PARTS_BYTES or more: the encoder's Parts, joined, are protobuf's bytes; each large
+    tensor's piece is a view of its array (datatypes.raw_view), a small or non-contiguous one a copy."""
+    from kiln.serve import datatypes
+    from kiln.serve.grpc_wire import PARTS_BYTES, Parts
+
+    g = rng()
+    big = g.standard_normal((128, 768)).astype(np.float32)  # BERT-base's hidden state of one request
+    small = g.standard_normal((1, 4)).astype(np.float16)
+    strided = g.standard_normal((64, 64)).astype(np.float32)[:, ::2]
+    outputs = [(name, dt, a.shape, datatypes.raw_view(a))
+               for name, dt, a in (("h", "FP32", big), ("s", "FP16", small), ("t", "FP32", strided))]
+    answer = ResponseEncoder().encode("bert", "1", "r-7", outputs)
+    assert type(answer) is Parts and answer.size == sum(map(len, answer)) >= PARTS_BYTES
+    expected = pb.ModelInferResponse(model_name="bert", model_version="1", id="r-7",
+                                     raw_output_contents=[big.tobytes(), small.tobytes(), strided.tobytes()])
+    for name, datatype, shape, _ in outputs:
+        expected.outputs.add(name=name, datatype=datatype, shape=shape)
+    assert b"".join(answer) == expected.SerializeToString()
+    assert np.shares_memory(np.frombuffer(outputs[0][3], np.uint8), big)
+    assert type(outputs[1][3]) is bytes and type(outputs[2][3]) is bytes
+    small_answer = ResponseEncoder().encode("bert", "1", "", outputs[1:2])
+    assert type(small_answer) is bytes
+
+
+def test_answers_in_parts_over_either_transport(grpc_server, monkeypatch):
+    """With PARTS_BYTES and VIEW_BYTES lowered so the mlp's answers go as Parts (kiln's transport: framed from the
+    views; grpcio's: joined by serialize_response), tritonclient gets each request's own rows."""
+    import tritonclient.grpc as grpcclient
+
+    from kiln.serve import datatypes, grpc_wire
+
+    monkeypatch.setattr(grpc_wire, "PARTS_BYTES", 64)
+    monkeypatch.setattr(datatypes, "VIEW_BYTES", 16)
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_server.ports.grpc}")
+    try:
+        for rows in (1, 3, 16):
+            x = rng().standard_normal((rows, 8)).astype(np.float32)
+            given = grpcclient.InferInput("x", list(x.shape), "FP32")
+            given.set_data_from_numpy(x)
+            answer = client.infer("mlp", [given])
+            np.testing.assert_array_equal(answer.as_numpy("z"), 2 * x)
+            assert answer.as_numpy("y").shape == (rows, 4)
+    finally:
+        client.close()
+
+
 def test_arrays_are_views_of_the_request(grpc_server):
     """Over gRPC: the answer is right for tensors of every length class (the views decode as the bytes)."""
     import tritonclient.grpc as grpcclient
