@@ -13,7 +13,7 @@
 #   (here, once)  PIP=/tmp/ci22/.venv/bin/pip bash bench/serve_gpu.sh --fetch   # wheels into .whl-serve/ (git-ignored)
 #   (device)      bash bench/gpu_batch5.sh     # run's carry: [".whl-serve"]; <= 290 s; serve.md and the log in $OUT
 # Options by environment: SERVE_MODELS (default "bert_base mobilenet_v2"), FRONTENDS (default 8), SERVE_PROCESSES
-# (default 4), CUDA_SYNC (default spin; "blocking", or "spin blocking": a server each), BASE (a commit: served
+# (default 4), CUDA_SYNC (unset: kiln serve's default, spin; "blocking", or "spin blocking": a server each), BASE (a commit: served
 # beside HEAD, an A/B in one run: SERVE_TREES "/tmp/kiln-base .", twice the rows; then SERVE_MODELS one model).
 set -u
 export OUT=${OUT:-/tmp/kiln-batch5}
@@ -25,7 +25,7 @@ if [ -n "${BASE:-}" ]; then
 fi
 GPU_TESTS=0 FRONTEND_TESTS=0 FRONTENDS=${FRONTENDS:-8} STAGING_MIB=64 SERVE_MODELS=${SERVE_MODELS:-bert_base mobilenet_v2} \
   SERVE_CONCURRENCY=64 SERVE_PROCESSES=${SERVE_PROCESSES:-4} SERVE_BENCH_S=${SERVE_BENCH_S:-255} SERVE_TREES="$TREES" \
-  SERVE_ARGS="--client wire --window 2.0 --warmup 0.5 --tuning-runs 3 --cuda-sync ${CUDA_SYNC:-spin}" \
+  SERVE_ARGS="--client wire --window 2.0 --warmup 0.5 --tuning-runs 3${CUDA_SYNC:+ --cuda-sync $CUDA_SYNC}" \
   timeout 280 bash bench/serve_gpu.sh .whl-serve > /dev/null 2>&1
 echo "== kiln $KILN_COMMIT${BASE:+ (A/B against $BASE)}, $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null), $(nproc) CPUs"
 grep -E "^== |failed|Error|error|wrong answer|kiln perf:" "$OUT/serve_gpu.log" | grep -v "^| " | cut -c1-300 | tail -10
