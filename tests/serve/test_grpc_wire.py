@@ -169,3 +169,24 @@ def test_malformed_message_is_invalid_argument(grpc_server):
             call(b"\x3a\xff\xff\xff\x0f", timeout=30)  # raw_input_contents of 4 GB that is not there
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "not a valid inference.ModelInferRequest" in e.value.details()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int64", "bool"])
+def test_raw_view_is_to_bytes_without_the_copy(dtype):
+    """datatypes.raw_view: the bytes to_bytes gives, for every fixed-size type; a large C-contiguous array's own
+    memory (a view), small, strided and BYTES ones copied (to_bytes)."""
+    import ml_dtypes
+
+    from kiln.serve import datatypes
+
+    numpy_type = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    g = rng()
+    large = (g.standard_normal((64, 128)) * 100).astype(numpy_type)
+    view = datatypes.raw_view(large)
+    assert type(view) is memoryview and bytes(view) == datatypes.to_bytes(large) and len(view) == large.nbytes
+    assert np.shares_memory(np.frombuffer(view, np.uint8), large)
+    rows = large[8:40]  # the batcher's split: a request's rows of a batch's output
+    assert np.shares_memory(np.frombuffer(datatypes.raw_view(rows), np.uint8), large)
+    assert bytes(datatypes.raw_view(rows)) == rows.tobytes()
+    for copied in (large[:1, :4], large[:, ::2], np.array([b"ab", b"c"], dtype=object)):
+        assert type(datatypes.raw_view(copied)) is bytes and datatypes.raw_view(copied) == datatypes.to_bytes(copied)
