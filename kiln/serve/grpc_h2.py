@@ -35,6 +35,7 @@ from kiln.serve.eager import run_eagerly
 from kiln.serve.grpc_call import MESSAGE_PREFIX, Call, CallFailed, RequestHead, Requests, unparsable
 from kiln.serve.grpc_compression import ACCEPT_ENCODING, compress
 from kiln.serve.grpc_options import GrpcOptions
+from kiln.serve.grpc_wire import Parts
 from kiln.serve.h2_connection import MAX_STREAMS, STREAM_WINDOW, H2Connection, H2Server
 from kiln.serve.h2_frames import (DATA, END_HEADERS, END_STREAM, FLOW_CONTROL_ERROR, FRAME, HEADERS, NO_ERROR,
                                   OK_TRAILERS, PROTOCOL_ERROR, REFUSED_STREAM, RESPONSE_HEADERS, RST_STREAM,
@@ -205,6 +206,8 @@ class GrpcConnection(H2Connection):
         """The handler returned (its answer, for a unary call; the end of its stream of answers) or failed."""
         if error is None:
             if call.requests is None:
+                if type(result) is Parts and call.head.response_encoding is None and self._answer_parts(call, result):
+                    return
                 try:
                     body = call.handler.response_serializer(result)
                 except Exception as e:  # noqa: BLE001 - the call's status
@@ -244,6 +247,45 @@ class GrpcConnection(H2Connection):
                              frame(HEADERS, END_HEADERS | END_STREAM, stream, OK_TRAILERS))))
         if not call.remote_closed:  # answered before the request ended: the client need send no more
             self.write(frame(RST_STREAM, 0, stream, WORD.pack(NO_ERROR)))
+        self._forget(call)
+        return True
+
+    def _answer_parts(self, call: Call, parts: Parts) -> bool:
+        """_answer_whole for a large answer left in its Parts (grpc_wire.ResponseEncoder): the DATA frames' payloads
+        are cut from the parts as views, not copied out of a joined message, and leave with the headers and trailers
+        in one writelines (H2Connection.write_views). False (nothing written) where the send windows do not hold the
+        whole message: the general path then sends it joined, as the windows open."""
+        size = parts.size + MESSAGE_PREFIX.size
+        if call.code is not grpc.StatusCode.OK or call.details or call.trailing or call.headers_sent or call.outbox \
+                or size > call.send_window or size > self.send_window:
+            return False
+        stream = call.id
+        call.send_window -= size
+        self.send_window -= size
+        self.keepalive.data_sent()
+        call.headers_sent = call.finished = True
+        if call.timer is not None:
+            call.timer.cancel()
+        out = [frame(HEADERS, END_HEADERS, stream, RESPONSE_HEADERS)]
+        pieces = iter([MESSAGE_PREFIX.pack(0, parts.size), *parts])
+        piece, at = memoryview(next(pieces)), 0
+        left, limit = size, self.peer_frame_size
+        while left:
+            n = min(left, limit)
+            left -= n
+            out.append(FRAME.pack(n >> 8, n & 0xFF, DATA, 0, stream))
+            while n:
+                if at == len(piece):
+                    piece, at = memoryview(next(pieces)), 0
+                    continue
+                take = min(n, len(piece) - at)
+                out.append(piece[at:at + take])
+                at += take
+                n -= take
+        out.append(frame(HEADERS, END_HEADERS | END_STREAM, stream, OK_TRAILERS))
+        if not call.remote_closed:  # answered before the request ended: the client need send no more
+            out.append(frame(RST_STREAM, 0, stream, WORD.pack(NO_ERROR)))
+        self.write_views(out)
         self._forget(call)
         return True
 

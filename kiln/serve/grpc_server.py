@@ -26,7 +26,7 @@ from kiln.serve import datatypes
 from kiln.serve.core import InferRequest, InferResponse, ServerCore
 from kiln.serve.errors import InvalidRequest, NotSupported, ServeError
 from kiln.serve.grpc_options import GrpcOptions
-from kiln.serve.grpc_wire import ResponseEncoder, WireRequest, parse_infer_request
+from kiln.serve.grpc_wire import Parts, ResponseEncoder, WireRequest, parse_infer_request
 from kiln.serve.http_codec import OutputOptions, classify
 from kiln.serve.shared_memory import (
     CUDA_NOT_SUPPORTED,
@@ -208,9 +208,14 @@ def encode_response(response: InferResponse, options: OutputOptions | None, batc
                                  outputs=tensors, raw_output_contents=contents)
 
 
-def serialize_response(response: pb.ModelInferResponse | bytes) -> bytes:
-    """ModelInfer's response_serializer: the answer's bytes (ResponseEncoder's), or the message's."""
-    return response if type(response) is bytes else response.SerializeToString()
+def serialize_response(response: pb.ModelInferResponse | bytes | Parts) -> bytes:
+    """ModelInfer's response_serializer: the answer's bytes (ResponseEncoder's, its Parts joined), or the
+    message's. (kiln's transport takes Parts as they are: grpc_h2.GrpcConnection._answer_parts.)"""
+    if type(response) is bytes:
+        return response
+    if type(response) is Parts:
+        return b"".join(response)
+    return response.SerializeToString()
 
 
 class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
@@ -276,9 +281,9 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             if infer_request is None:
                 infer_request, options = decode_request(request, self.core.shared_memory, raw)
             response = await self.core.infer(infer_request, model)
-            if options is None:  # the common answer (every output raw): its bytes, for serialize_response
+            if options is None:  # the common answer (every output raw): its bytes or Parts, for serialize_response
                 return self.responses.encode(response.model, response.version, response.id, [
-                    (name, datatypes.of_array(array).v2, array.shape, datatypes.to_bytes(array))
+                    (name, datatypes.of_array(array).v2, array.shape, datatypes.raw_view(array))
                     for name, array in response.outputs])
             return encode_response(response, options, model.config.max_batch_size > 0, self.core.shared_memory)
         except (asyncio.CancelledError, grpc.aio.AbortError):

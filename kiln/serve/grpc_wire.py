@@ -136,6 +136,19 @@ def _kept(table: dict, key, value: bytes) -> bytes:
     return value
 
 
+# answers whose tensors add up to this many bytes or more are left in their parts (Parts), not joined
+PARTS_BYTES = 64 << 10
+
+
+class Parts(list):
+    """A ModelInferResponse's bytes as the pieces they are made of, in order: the fields protobuf serialized and the
+    outputs' raw contents, those views of the engine's arrays (datatypes.raw_view). kiln's own transport writes
+    the pieces as they are, framed (grpc_h2's _answer_parts: the socket's writev gathers them); serialize_response
+    joins them for grpcio's. `size`: their length in all."""
+
+    __slots__ = ("size",)
+
+
 class ResponseEncoder:
     """ModelInferResponse bytes for answers whose outputs are all raw and carry no parameters; what repeats
     from answer to answer is serialized once. ~2 us an answer where building the message and serializing it
@@ -146,15 +159,18 @@ class ResponseEncoder:
         self._outputs: dict[tuple[str, str, tuple[int, ...]], bytes] = {}  # a field 5: one output's description
 
     def encode(self, model: str, version: str, id: str,
-               outputs: list[tuple[str, str, tuple[int, ...], bytes]]) -> bytes:
-        """`outputs`: (name, datatype, shape, raw bytes) of each, in the answer's order."""
+               outputs: list[tuple[str, str, tuple[int, ...], bytes | memoryview]]) -> bytes | Parts:
+        """`outputs`: (name, datatype, shape, raw bytes: flat, one byte an item) of each, in the answer's order.
+        The message's bytes, or its Parts where the tensors come to PARTS_BYTES or more."""
         head = self._heads.get((model, version))
         if head is None:
             head = _kept(self._heads, (model, version),
                          pb.ModelInferResponse(model_name=model, model_version=version).SerializeToString())
         parts = [head, pb.ModelInferResponse(id=id).SerializeToString()] if id else [head]
         contents = []
+        raw = 0
         for name, datatype, shape, data in outputs:
+            raw += len(data)
             tensor = self._outputs.get((name, datatype, shape))
             if tensor is None:
                 body = pb.ModelInferResponse.InferOutputTensor(name=name, datatype=datatype,
@@ -162,4 +178,8 @@ class ResponseEncoder:
                 tensor = _kept(self._outputs, (name, datatype, shape), OUTPUTS_KEY + _varint_bytes(len(body)) + body)
             parts.append(tensor)
             contents += (RAW_OUTPUT_CONTENTS_KEY + _varint_bytes(len(data)), data)
-        return b"".join(parts + contents)
+        if raw < PARTS_BYTES:
+            return b"".join(parts + contents)
+        answer = Parts(parts + contents)
+        answer.size = sum(map(len, answer))
+        return answer

@@ -62,6 +62,7 @@ class H2Connection(asyncio.Protocol):
         self.reader = FrameReader(RECEIVE_FRAME_SIZE)
         self.preface = False
         self.out: list[bytes] = []
+        self.gather = False  # self.out holds views of large answers (write_views): written with writelines
         self.receiving = False  # inside data_received: what it writes goes out at its end, in one write
         self.flush_pending = False
         self.calls: dict[int, Call] = {}
@@ -180,11 +181,24 @@ class H2Connection(asyncio.Protocol):
             self.flush_pending = True
             self.loop().call_soon(self._flush)
 
+    def write_views(self, pieces: list) -> None:
+        """write() for an answer's pieces, some of them views of large tensors: they leave in one writelines (uvloop
+        gathers them into the socket with writev; asyncio's transports join them) instead of being joined here."""
+        self.out.extend(pieces)
+        self.gather = True
+        if not self.receiving and not self.flush_pending:
+            self.flush_pending = True
+            self.loop().call_soon(self._flush)
+
     def _flush(self) -> None:
         self.flush_pending = False
         if self.out and self.transport is not None:
-            self.transport.write(b"".join(self.out))
+            if self.gather:
+                self.transport.writelines(self.out)
+            else:
+                self.transport.write(b"".join(self.out))
         self.out = []
+        self.gather = False
         if self.closing and not self.calls and self.transport is not None:
             self.transport.close()
 

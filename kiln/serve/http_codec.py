@@ -172,6 +172,15 @@ def classify(array: np.ndarray, k: int, batched: bool) -> np.ndarray:
 def encode_response(response: InferResponse, options: OutputOptions, batched: bool,
                     shared_memory: SharedMemoryRegistry) -> tuple[bytes, int | None]:
     """The response body, and the JSON header's length when binary outputs follow it."""
+    pieces, header_length = encode_response_pieces(response, options, batched, shared_memory)
+    return (pieces[0] if len(pieces) == 1 else b"".join(pieces)), header_length
+
+
+def encode_response_pieces(response: InferResponse, options: OutputOptions, batched: bool,
+                           shared_memory: SharedMemoryRegistry) -> tuple[list[bytes | memoryview], int | None]:
+    """encode_response's body in its pieces, not joined: the JSON header, then each binary output's bytes, large
+    ones as views of their arrays (datatypes.raw_view). The infer fast path (kiln/serve/http_fast.py) writes them
+    as they are."""
     outputs, chunks = [], []
     for name, array in response.outputs:
         if type(array) is SharedTensor:  # the engine process wrote it into its region
@@ -185,7 +194,7 @@ def encode_response(response: InferResponse, options: OutputOptions, batched: bo
         if place is not None:
             entry["parameters"] = output_parameters(place, shared_memory.write(place, array, name))
         elif options.is_binary(name):
-            data = datatypes.to_bytes(array)
+            data = datatypes.raw_view(array)
             entry["parameters"] = {"binary_data_size": len(data)}
             chunks.append(data)
         else:
@@ -196,5 +205,5 @@ def encode_response(response: InferResponse, options: OutputOptions, batched: bo
         body["id"] = response.id
     header = json.dumps(body, separators=(",", ":")).encode()
     if not chunks:
-        return header, None
-    return b"".join([header, *chunks]), len(header)
+        return [header], None
+    return [header, *chunks], len(header)

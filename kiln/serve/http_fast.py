@@ -20,7 +20,7 @@ import re
 
 from kiln.serve.core import ServerCore
 from kiln.serve.errors import PayloadTooLarge, ServeError
-from kiln.serve.http_codec import decode_request, encode_response
+from kiln.serve.http_codec import decode_request, encode_response_pieces
 from kiln.serve.http_server import check_length, inflate
 
 log = logging.getLogger("kiln.serve")
@@ -64,7 +64,8 @@ class InferFastPath:
             return
         await _send(send, 200, payload, _JSON if header_length is None else _BINARY, None, header_length)
 
-    async def _answer(self, scope, receive, model_name: str, model_version: str) -> tuple[bytes, int | None]:
+    async def _answer(self, scope, receive, model_name: str,
+                      model_version: str) -> tuple[list[bytes | memoryview], int | None]:
         length = encoding = header_length = None
         for key, value in scope["headers"]:
             if key == b"content-length":
@@ -81,7 +82,7 @@ class InferFastPath:
         shared_memory = self.core.shared_memory
         infer_request, options = decode_request(body, header_length, model_name, model_version, shared_memory)
         response = await self.core.infer(infer_request, model)
-        return encode_response(response, options, model.config.max_batch_size > 0, shared_memory)
+        return encode_response_pieces(response, options, model.config.max_batch_size > 0, shared_memory)
 
     async def _body(self, receive) -> bytes:
         message = await receive()
@@ -110,13 +111,71 @@ def _error(message: str) -> bytes:
     return json.dumps({"error": message}, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
-async def _send(send, status: int, payload: bytes, content_type: bytes, retry_after: int | None = None,
-                header_length: int | None = None) -> None:
-    headers = [(b"content-length", str(len(payload)).encode()), (b"content-type", content_type)]
+# an answer at least this large leaves as its pieces (writelines: no join, uvloop's writev); smaller ones joined
+GATHER_BYTES = 64 << 10
+
+
+class _Held:
+    """A uvicorn response cycle's transport while the fast path sends one answer: the writes of the head
+    (http.response.start) and of the body are kept, and leave together (_send)."""
+
+    __slots__ = ("parts", "closed")
+
+    def __init__(self):
+        self.parts: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.parts.append(data)
+
+    def close(self) -> None:  # a response with connection: close; closed once the writes have left
+        self.closed = True
+
+
+def _cycle(send):
+    """uvicorn's response cycle (httptools' or h11's) whose bound method `send` is, when it writes through a
+    `transport` attribute as uvicorn 0.2x-0.5x's do; else None (another server: ASGI messages only)."""
+    cycle = getattr(send, "__self__", None)
+    if type(cycle).__name__ == "RequestResponseCycle" and type(cycle).__module__.startswith("uvicorn.") \
+            and getattr(cycle, "transport", None) is not None:
+        return cycle
+    return None
+
+
+async def _send(send, status: int, payload: bytes | list[bytes | memoryview], content_type: bytes,
+                retry_after: int | None = None, header_length: int | None = None) -> None:
+    """The answer as ASGI messages, which uvicorn writes as it gets them: the head, then the body (`payload`: its
+    bytes, or its pieces: a message each, the large outputs views of their arrays), each a send(2) of its own and,
+    with TCP_NODELAY, a segment of its own that wakes the client. Under uvicorn the writes are held and leave in
+    one writelines (one system call, the pieces gathered by writev under uvloop, not joined here); uvicorn's own
+    bookkeeping (keep-alive, the next pipelined request, Content-Length checks) runs as for any answer."""
+    pieces = [payload] if type(payload) is bytes else payload
+    headers = [(b"content-length", str(sum(map(len, pieces))).encode()), (b"content-type", content_type)]
     if header_length is not None:
         headers.append((b"inference-header-content-length", str(header_length).encode()))
     if retry_after:
         headers.append((b"retry-after", str(retry_after).encode()))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": payload})
-
+    start = {"type": "http.response.start", "status": status, "headers": headers}
+    last = len(pieces) - 1
+    bodies = [{"type": "http.response.body", "body": piece, "more_body": k < last} for k, piece in enumerate(pieces)]
+    cycle = _cycle(send)
+    if cycle is None:
+        await send(start)
+        for body in bodies:
+            await send(body)
+        return
+    transport, held = cycle.transport, _Held()
+    cycle.transport = held
+    try:
+        await send(start)
+        for body in bodies:
+            await send(body)
+    finally:
+        cycle.transport = transport
+        if held.parts and not transport.is_closing():
+            if sum(map(len, held.parts)) < GATHER_BYTES:
+                transport.write(b"".join(held.parts))  # one buffer: uvloop's fastest write
+            else:
+                transport.writelines(held.parts)  # large outputs' views gathered by writev, not joined here
+        if held.closed:
+            transport.close()

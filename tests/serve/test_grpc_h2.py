@@ -537,3 +537,59 @@ def test_large_data_frames_over_many_reads(h2_server, engine_of):
             assert answer.message(pb.ModelInferResponse).id == request_id
     finally:
         client.close()
+
+
+class _GatheringTransport(_Transport):
+    """_Transport counting writelines calls (the pieces of a Parts answer leave in one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gathered = 0
+
+    def writelines(self, pieces) -> None:
+        self.gathered += 1
+        self.sent += b"".join(bytes(p) for p in pieces)
+
+
+@pytest.mark.parametrize("window", [None, 1000])
+def test_an_answer_in_parts_is_framed_from_its_views(window):
+    """A handler answering grpc_wire.Parts (a protobuf field, a 60 KB numpy array's view, a tail, an empty piece):
+    its DATA frames (no larger than the client's 16,384) carry exactly the pieces joined, sent in one writelines
+    with the headers and trailers. With a stream window of 1,000 bytes (smaller than the answer) the general path
+    sends it joined: 1,000 bytes, then the rest once the window opens."""
+    import grpc as grpc_lib
+
+    from kiln.serve.grpc_server import serialize_response
+    from kiln.serve.grpc_wire import Parts
+
+    array = np.random.default_rng().integers(0, 256, 60_000, dtype=np.uint8)
+
+    def answer(request, context):
+        parts = Parts([b"\x0a\x03abc", memoryview(array), b"", request[::-1]])
+        parts.size = sum(map(len, parts))
+        return parts
+
+    server = GrpcServer("test.Parts", {"Answer": grpc_lib.unary_unary_rpc_method_handler(
+        answer, request_deserializer=bytes, response_serializer=serialize_response)}, 1 << 20)
+    connection = GrpcConnection(server)
+    transport = _GatheringTransport()
+    connection.connection_made(transport)
+    settings = b"" if window is None else struct.pack(">HI", INITIAL_WINDOW_SIZE, window)
+    block = hpack.Encoder().encode([(":method", "POST"), (":path", "/test.Parts/Answer"),
+                                    ("content-type", "application/grpc")])
+    connection.data_received(PREFACE + frame(SETTINGS, 0, 0, settings) + frame(HEADERS, END_HEADERS, 1, block) +
+                             frame(DATA, END_STREAM, 1, struct.pack(">BI", 0, 5) + b"hello"))
+    expected = b"\x0a\x03abc" + array.tobytes() + b"olleh"
+    frames = _parse_frames(transport.sent)
+    data = [payload for kind, _, stream, payload in frames if kind == DATA and stream == 1]
+    assert all(len(p) <= 16384 for p in data)
+    if window is None:
+        assert transport.gathered == 1
+    else:
+        assert transport.gathered == 0 and sum(map(len, data)) == window
+        connection.data_received(frame(WINDOW_UPDATE, 0, 1, struct.pack(">I", 1 << 20)))
+        frames = _parse_frames(transport.sent)
+        data = [payload for kind, _, stream, payload in frames if kind == DATA and stream == 1]
+    assert b"".join(data) == struct.pack(">BI", 0, len(expected)) + expected
+    trailers = [payload for kind, flags, stream, payload in frames if kind == HEADERS and flags & END_STREAM]
+    assert dict(hpack.Decoder().decode(trailers[0], raw=True))[b"grpc-status"] == b"0"

@@ -97,6 +97,53 @@ def test_response_encoder_writes_what_protobuf_writes():
         assert encoder.encode(model, version, request_id, outputs) == expected.SerializeToString()
 
 
+def test_large_answers_are_parts_viewing_the_arrays():
+    """Outputs adding up to PARTS_BYTES or more: the encoder's Parts, joined, are protobuf's bytes; each large
+    tensor's piece is a view of its array (datatypes.raw_view), a small or non-contiguous one a copy."""
+    from kiln.serve import datatypes
+    from kiln.serve.grpc_wire import PARTS_BYTES, Parts
+
+    g = rng()
+    big = g.standard_normal((128, 768)).astype(np.float32)  # BERT-base's hidden state of one request
+    small = g.standard_normal((1, 4)).astype(np.float16)
+    strided = g.standard_normal((64, 64)).astype(np.float32)[:, ::2]
+    outputs = [(name, dt, a.shape, datatypes.raw_view(a))
+               for name, dt, a in (("h", "FP32", big), ("s", "FP16", small), ("t", "FP32", strided))]
+    answer = ResponseEncoder().encode("bert", "1", "r-7", outputs)
+    assert type(answer) is Parts and answer.size == sum(map(len, answer)) >= PARTS_BYTES
+    expected = pb.ModelInferResponse(model_name="bert", model_version="1", id="r-7",
+                                     raw_output_contents=[big.tobytes(), small.tobytes(), strided.tobytes()])
+    for name, datatype, shape, _ in outputs:
+        expected.outputs.add(name=name, datatype=datatype, shape=shape)
+    assert b"".join(answer) == expected.SerializeToString()
+    assert np.shares_memory(np.frombuffer(outputs[0][3], np.uint8), big)
+    assert type(outputs[1][3]) is bytes and type(outputs[2][3]) is bytes
+    small_answer = ResponseEncoder().encode("bert", "1", "", outputs[1:2])
+    assert type(small_answer) is bytes
+
+
+def test_answers_in_parts_over_either_transport(grpc_server, monkeypatch):
+    """With PARTS_BYTES and VIEW_BYTES lowered so the mlp's answers go as Parts (kiln's transport: framed from the
+    views; grpcio's: joined by serialize_response), tritonclient gets each request's own rows."""
+    import tritonclient.grpc as grpcclient
+
+    from kiln.serve import datatypes, grpc_wire
+
+    monkeypatch.setattr(grpc_wire, "PARTS_BYTES", 64)
+    monkeypatch.setattr(datatypes, "VIEW_BYTES", 16)
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_server.ports.grpc}")
+    try:
+        for rows in (1, 3, 16):
+            x = rng().standard_normal((rows, 8)).astype(np.float32)
+            given = grpcclient.InferInput("x", list(x.shape), "FP32")
+            given.set_data_from_numpy(x)
+            answer = client.infer("mlp", [given])
+            np.testing.assert_array_equal(answer.as_numpy("z"), 2 * x)
+            assert answer.as_numpy("y").shape == (rows, 4)
+    finally:
+        client.close()
+
+
 def test_arrays_are_views_of_the_request(grpc_server):
     """Over gRPC: the answer is right for tensors of every length class (the views decode as the bytes)."""
     import tritonclient.grpc as grpcclient
@@ -122,3 +169,24 @@ def test_malformed_message_is_invalid_argument(grpc_server):
             call(b"\x3a\xff\xff\xff\x0f", timeout=30)  # raw_input_contents of 4 GB that is not there
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "not a valid inference.ModelInferRequest" in e.value.details()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int64", "bool"])
+def test_raw_view_is_to_bytes_without_the_copy(dtype):
+    """datatypes.raw_view: the bytes to_bytes gives, for every fixed-size type; a large C-contiguous array's own
+    memory (a view), small, strided and BYTES ones copied (to_bytes)."""
+    import ml_dtypes
+
+    from kiln.serve import datatypes
+
+    numpy_type = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    g = rng()
+    large = (g.standard_normal((64, 128)) * 100).astype(numpy_type)
+    view = datatypes.raw_view(large)
+    assert type(view) is memoryview and bytes(view) == datatypes.to_bytes(large) and len(view) == large.nbytes
+    assert np.shares_memory(np.frombuffer(view, np.uint8), large)
+    rows = large[8:40]  # the batcher's split: a request's rows of a batch's output
+    assert np.shares_memory(np.frombuffer(datatypes.raw_view(rows), np.uint8), large)
+    assert bytes(datatypes.raw_view(rows)) == rows.tobytes()
+    for copied in (large[:1, :4], large[:, ::2], np.array([b"ab", b"c"], dtype=object)):
+        assert type(datatypes.raw_view(copied)) is bytes and datatypes.raw_view(copied) == datatypes.to_bytes(copied)

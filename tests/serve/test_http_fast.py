@@ -164,3 +164,97 @@ def test_switch_interval_restored_when_the_last_server_stops():
         assert sys.getswitchinterval() == pytest.approx(python, abs=2e-6)  # Python keeps whole microseconds
     finally:
         sys.setswitchinterval(saved)
+
+
+class _Transport:
+    """What uvicorn's HTTP/1.1 protocols write: each write or writelines call's bytes, and whether it closed."""
+
+    def __init__(self):
+        self.calls: list[bytes] = []
+        self.closed = False
+
+    def write(self, data):
+        self.calls.append(bytes(data))
+
+    def writelines(self, parts):
+        self.calls.append(b"".join(bytes(p) for p in parts))
+
+    def close(self):
+        self.closed = True
+
+    def is_closing(self):
+        return self.closed
+
+    def get_extra_info(self, name, default=None):
+        return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 5000)}.get(name, default)
+
+    def pause_reading(self):
+        pass
+
+    def resume_reading(self):
+        pass
+
+    def set_protocol(self, protocol):
+        pass
+
+
+async def _through_uvicorn(app, http: str, data: bytes, answers: int) -> _Transport:
+    """`data` fed to uvicorn's `http` protocol (httptools or h11) over a recording transport, until `answers`
+    responses have been written (or 5 s)."""
+    import asyncio
+
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    config = uvicorn.Config(app, http=http, lifespan="off", access_log=False, log_level="warning")
+    config.load()
+    protocol = config.http_protocol_class(config=config, server_state=ServerState(), app_state={},
+                                          _loop=asyncio.get_running_loop())
+    transport = _Transport()
+    protocol.connection_made(transport)
+    protocol.data_received(data)
+    for _ in range(500):
+        if sum(c.count(b"HTTP/1.1 ") for c in transport.calls) >= answers:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.02)  # anything written after the last answer is seen too
+    closed = transport.closed
+    protocol.connection_lost(None)
+    transport.closed = closed  # as the answers left it
+    return transport
+
+
+def _request(path: str, body: bytes, headers: dict[str, str], close: bool = False) -> bytes:
+    head = [f"POST {path} HTTP/1.1", "host: 127.0.0.1", f"content-length: {len(body)}"]
+    head += [f"{k}: {v}" for k, v in headers.items()] + (["connection: close"] if close else [])
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+def test_an_answer_leaves_in_one_write_under_uvicorn(core_thread, http):
+    """Under uvicorn the fast path's answer (head and body) is one write: two pipelined requests, two writes, each a
+    whole response whose tensors are the FastAPI route's; an error answer likewise; connection: close closes after
+    the write. A send that is not uvicorn's gets the two ASGI messages (the tests above)."""
+    pytest.importorskip(http)
+    thread, core = core_thread
+    app = http_app(core, MetricsExporter(list))
+    fast = InferFastPath(app, core, 64 << 20)
+    path, body, headers = _valid_cases()["binary in and out"]
+    expected = thread.call(_asgi(app, path, body, headers))
+    assert expected[0] == 200
+    one = _request(path, body, headers)
+    bad = _request("/v2/models/nope/infer", b"{}", {})
+    transport = thread.call(_through_uvicorn(fast, http, one + bad, 2))
+    assert len(transport.calls) == 2, [c[:60] for c in transport.calls]
+    for call, (status, payload) in zip(transport.calls, [(200, expected[1]), (404, None)]):
+        head, _, rest = call.partition(b"\r\n\r\n")
+        assert head.startswith(f"HTTP/1.1 {status} ".encode()), head
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+        assert len(rest) == length
+        if payload is not None:
+            assert rest == payload
+        else:
+            assert "nope" in json.loads(rest)["error"]
+    assert not transport.closed
+    closing = thread.call(_through_uvicorn(fast, http, _request(path, body, headers, close=True), 1))
+    assert len(closing.calls) == 1 and closing.calls[0].endswith(expected[1]) and closing.closed
