@@ -106,8 +106,9 @@ def engines(threads: int, args, found) -> list[str]:
     load = os.getloadavg()[0]
     with realtime(args.realtime):
         times = blocks(runners, args.rounds, args.runs, clock=clock)
-    return table(f"### Engine, {threads} thread(s), {'thread CPU time' if threads == 1 else 'wall'}, load {load:.2f} -> "
-                 f"{os.getloadavg()[0]:.2f}; the tuner's picks: {lstm_picks(tuned)}", times, "onnxruntime")
+    clock_name = "thread CPU time" if threads == 1 else "wall"
+    return table(f"### Engine, {threads} thread(s), {clock_name}, load {load:.2f} -> {os.getloadavg()[0]:.2f}; "
+                 f"the tuner's picks: {lstm_picks(tuned)}", times, "onnxruntime")
 
 
 def layers(threads: int, args, found) -> list[str]:
