@@ -405,7 +405,7 @@ def least(samples: list[float]) -> float:
     2-thread MobileNetV2 build at load 6 on the 2-vCPU Zen 4 (capped to AVX2) timed its whole runs at 50-230 ms
     (the network runs in ~6), and kept cpu.conv.onednn_graph for a 1x1 convolution on a median of 52 against
     onednn_direct's 94 ms; with the cores to itself (SCHED_FIFO) the build took onednn_direct everywhere and ran
-    0.80x onnxruntime (bench/results/zoo-cpu-avx2.md, 2026-12-06)."""
+    0.80x onnxruntime (bench/results/zoo-cpu-avx2-2026-12-06.md, session 22)."""
     return min(samples)
 
 

@@ -383,10 +383,11 @@ static void fused_row_slice(void *ctx, long q) {
 /* Rows [row0, row0 + n) of a slice as tiles, written to spans (NULL: only counted); returns how many.
    pairs_full kernels: as many full two-pass tiles (pairs_mr rows) as fit, the rest in one-pass tiles as even as
    they go (8 rows on AVX2: 6 + 2, 4 rows: 2 + 2). Why: capped to AVX2 (16 ymm) the one-pass tile holds 3 rows,
-   and a step streams each block's weights from L2 once a tile; the 6-row two-pass tile reads each weight for 6 rows.
-   One thread, thread CPU time, 96 steps, 128 units, Zen 4 EPYC capped to AVX2 (bench/results/zoo-cpu-avx2.md):
-   batch 6 as one 6-row two-pass tile 0.933 / 1.525 ms (I = 16 / 128) against 1.175 / 2.018 as 3 + 3 one-pass
-   (onnxruntime 0.966 / 1.709); but a 4-row two-pass tile (8 accumulators) lost to 2 + 2 one-pass, 1.656 vs 1.397.
+   and a step streams each block's weights from L2 once a tile; the 6-row two-pass tile reads each weight for 6
+   rows. One thread, thread CPU time, 96 steps, 128 units, Zen 4 EPYC capped to AVX2 (bench/results/
+   zoo-cpu-avx2-2026-12-06.md, session 22): batch 6 as one 6-row two-pass tile 0.933 / 1.525 ms (I = 16 / 128)
+   against 1.175 / 2.018 as 3 + 3 one-pass (onnxruntime 0.966 / 1.709); but a 4-row two-pass tile (8 accumulators)
+   lost to 2 + 2 one-pass, 1.656 vs 1.397 ms (I = 128).
    Other kernels: ceil(n / MR) tiles as even as they go, two-pass where the rows exceed the one-pass tile's. */
 static long fused_tiles(const fused_kernel *k, long row0, long n, fused_span *spans) {
     long count = 0;
