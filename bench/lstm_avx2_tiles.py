@@ -105,7 +105,7 @@ def engines(threads: int, args, found) -> list[str]:
     clock = time.thread_time if threads == 1 else time.perf_counter
     load = os.getloadavg()[0]
     with realtime(args.realtime):
-        times = blocks(runners, args.rounds, args.runs, clock=clock)
+        times = blocks(runners, args.rounds, args.runs, clock=clock, settle=args.settle)
     clock_name = "thread CPU time" if threads == 1 else "wall"
     return table(f"### Engine, {threads} thread(s), {clock_name}, load {load:.2f} -> {os.getloadavg()[0]:.2f}; "
                  f"the tuner's picks: {lstm_picks(tuned)}", times, "onnxruntime")
@@ -140,7 +140,7 @@ def layers(threads: int, args, found) -> list[str]:
         clock = time.thread_time if threads == 1 else time.perf_counter
         load = os.getloadavg()[0]
         with realtime(args.realtime):
-            times = blocks(runners, args.rounds, args.runs, clock=clock)
+            times = blocks(runners, args.rounds, args.runs, clock=clock, settle=args.settle)
         lines += table(f"### One layer, I = {inputs}, {threads} thread(s), load {load:.2f} -> {os.getloadavg()[0]:.2f}",
                        times, "onnxruntime")
     return lines
@@ -154,6 +154,8 @@ def main() -> None:
     ap.add_argument("--no-realtime", dest="realtime", action="store_false",
                     help="time at normal priority (default: SCHED_FIFO, root)")
     ap.add_argument("--no-layers", dest="layers", action="store_false", help="engines only")
+    ap.add_argument("--settle", type=float, default=0.05,
+                    help="seconds slept before each block (the last block's spinning threads go to sleep)")
     args = ap.parse_args()
     found = kernels()
     commit = os.popen("git rev-parse --short HEAD").read().strip()
