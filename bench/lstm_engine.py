@@ -87,14 +87,19 @@ def realtime(on: bool):
 
 
 def blocks(calls: dict, rounds: int, runs: int, *, rotate: bool = True, clock=time.perf_counter,
-           warmup: int = 5) -> dict:
+           warmup: int = 5, settle: float = 0.0) -> dict:
     """Per call, its block medians in ms: `rounds` rounds, each call in turn (the order rotated by one each round
-    where `rotate`) `warmup` untimed runs then a block of `runs` timed by `clock`."""
+    where `rotate`) `warmup` untimed runs then a block of `runs` timed by `clock`. `settle`: seconds slept before
+    each block, so that the threads the block before left spinning (onnxruntime's pool spins after each call) have
+    gone to sleep: at SCHED_FIFO a spinning thread keeps its core from an equal-priority one, and with the rotation
+    the same runner always follows onnxruntime's block (bench/results/zoo-cpu-avx2-2026-12-06.md, session 22)."""
     times: dict = {k: [] for k in calls}
     order = list(calls.items())
     for r in range(rounds):
         shift = r % len(order) if rotate else 0
         for key, fn in order[shift:] + order[:shift]:
+            if settle:
+                time.sleep(settle)
             for _ in range(warmup):
                 fn()
             block = []

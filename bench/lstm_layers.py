@@ -3,6 +3,7 @@
     python bench/lstm_layers.py                       # inputs 16 and 128, batch 8, 96 steps, 128 units, 1 thread
     python bench/lstm_layers.py --inputs 128 --batch 1 --rounds 7
     python bench/lstm_layers.py --threads 2          # wall clock (each peer's pool on 2 threads)
+    python bench/lstm_layers.py --threads 2 --avx2 --realtime   # AVX2 only (cpuid masked), at SCHED_FIFO (root)
 
 Every peer runs the same forward layer (W, R, B random, no initial state) on one thread, timed by the CPU
 time of the calling thread (time.thread_time: every peer computes on the calling thread at one thread; with
@@ -21,12 +22,20 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import onnxruntime as ort
-import torch
-from onnx import TensorProto, helper, numpy_helper
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+if "--avx2" in sys.argv:  # before torch, onnxruntime or kiln read cpuid (bench/zoo_avx2.py checks MLAS obeys)
+    import cpuid_avx2
 
+    cpuid_avx2.enable()
+    os.environ["KILN_CPU_ISA"] = "avx2"
+
+import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+import kiln  # noqa: E402, F401  (first: KILN_CPU_ISA caps the libraries before their first kernel)
+import onnxruntime as ort  # noqa: E402
+import torch  # noqa: E402
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+
 from kiln.builder.timing_cache import cpu_name  # noqa: E402
 from kiln.kernels.cpu import recurrent  # noqa: E402
 
@@ -73,7 +82,9 @@ def peers(inputs: int, args) -> tuple[dict, np.ndarray, dict]:
             layers[f"lanes {k.name.split()[0]}"] = recurrent.LanesLSTMDirection(W[0], R[0], B[0], kernel=k)
     for k in recurrent.fused_kernels():
         if k.supported and not k.test_only:
-            layers[f"fused {k.name.split()[0]}"] = recurrent.FusedLSTMDirection(W[0], R[0], B[0], kernel=k)
+            for split in (("rows", "blocks") if args.threads > 1 else (None,)):
+                label = f"fused {k.name.split()[0]}" + (f" {split}" if split else "")
+                layers[label] = recurrent.FusedLSTMDirection(W[0], R[0], B[0], kernel=k, split=split)
     outputs = {name: torch.empty(steps, batch, hidden) for name in layers}
     run = {name: (lambda layer, y: lambda: layer.run(X, y, None, None, None, None, reverse=False,
                                                      batch_major=False))(layer, outputs[name])
@@ -101,12 +112,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--runs", type=int, default=20, help="timed runs per block")
     parser.add_argument("--threads", type=int, default=1, help="threads of every peer (past 1: wall clock)")
+    parser.add_argument("--avx2", action="store_true", help="kiln and onnxruntime on an AVX2-only CPU (cpuid masked)")
+    parser.add_argument("--realtime", action="store_true", help="time the rounds at SCHED_FIFO priority (root)")
     args = parser.parse_args()
+    from lstm_engine import realtime
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     print(f"{cpu_name()} ({platform.machine()}), load {os.getloadavg()[0]:.2f}, {args.threads} thread(s), "
           f"{'CPU time of the calling thread' if args.threads == 1 else 'wall clock'}, batch {args.batch}, "
-          f"{args.steps} steps, {args.hidden} units", flush=True)
+          f"{args.steps} steps, {args.hidden} units{', AVX2 only' if args.avx2 else ''}"
+          f"{', SCHED_FIFO' if args.realtime else ''}", flush=True)
     for inputs in (int(i) for i in args.inputs.split(",")):
         run, want, outputs = peers(inputs, args)
         for name, fn in run.items():
@@ -117,9 +132,12 @@ def main() -> None:
             if err > 1e-5:
                 raise SystemExit(f"I={inputs} {name}: max |Y - Y_onnxruntime| = {err:.1e}")
         rounds = {name: [] for name in run}
-        for _ in range(args.rounds):
-            for name, fn in run.items():
-                rounds[name].append(median_ms(fn, args.runs, clock))
+        order = list(run.items())
+        with realtime(args.realtime):
+            for r in range(args.rounds):
+                shift = r % len(order)  # each round starts at the next peer
+                for name, fn in order[shift:] + order[:shift]:
+                    rounds[name].append(median_ms(fn, args.runs, clock))
         flop = 2 * args.steps * args.batch * (inputs + args.hidden) * 4 * args.hidden
         for name, ms in rounds.items():
             median = float(np.median(ms))

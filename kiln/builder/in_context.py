@@ -15,9 +15,10 @@ layers of its signature (every block's QKV GEMM), one signature at a time: two w
 tactics (A) and that signature's rival swapped in (B), run in interleaved rounds, each segment call timed by the
 segment's own loop (Segment.timed). A layer's cost in context is its span: its own call and the calls after it up
 to the next compared layer (the layer reading its output pays for where it left it), by the wall clock (at one
-thread, the thread's CPU time: context_clock); a signature's cost is the median over rounds of its layers' spans'
-sum. The rival is kept where that is faster. A chosen tactic that is not native (MKL, torch's default: outside the
-segments, where its rival would join them) is compared by whole runs instead (on T5 at 2 threads and load 16, a
+thread, the thread's CPU time: context_clock); a signature's cost is the least over rounds of its layers' spans'
+sum (other work only adds time: `least`). The rival is kept where that is faster. A chosen tactic that is not
+native (MKL, torch's default: outside the segments, where its rival would join them) is compared by whole runs
+instead (on T5 at 2 threads and load 16, a
 build whose search took MKL for 12 GEMMs by CPU time ran 3.1x onnxruntime; MobileNetV2's three 1x1 convolutions on
 cpu.conv.onednn_graph at 2 threads, faster alone, made the engine 1.12x slower than onednn_direct there).
 
@@ -36,7 +37,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -81,7 +81,7 @@ CONTEXT_BUDGET_S = 2.0  # per signature
 WARMUP_RUNS = 1
 # how a choice in context is made: part of its timing cache key (a new method does not read the old one's choices)
 CONTEXT_METHOD = ("one signature at a time; spans of native segments, whole runs for a non-native winner; "
-                  "wall clock, thread CPU at 1 thread")
+                  "wall clock, thread CPU at 1 thread; the least round")
 
 
 @dataclasses.dataclass
@@ -254,7 +254,7 @@ def retime(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inp
     network's packed weights and one signature's rivals' (DeiT-small: all 49 GEMMs were rivals, and binding them
     at once packed the network twice). A native chosen tactic is compared by spans (in the native segments of
     both programs); one that is not native runs outside the segments, and its rival would join them, so its
-    signature is compared by whole runs (`ms`: the whole run's median, both sides)."""
+    signature is compared by whole runs (`ms`: the whole run's least round, both sides)."""
     if not rivals:
         return InContext({})
     release = _trimmed(release)
@@ -346,7 +346,7 @@ class _Network:
 
 @dataclasses.dataclass
 class _Timed:
-    """One signature's layers compared (`layers`: step indices), the median cost per layer in context of the chosen
+    """One signature's layers compared (`layers`: step indices), the least cost per layer in context of the chosen
     tactic and of the rival, and the rounds that timed them."""
 
     layers: list[int]
@@ -382,7 +382,7 @@ def _time_group(network: _Network, members: list[int]) -> _Timed | None:
     programs = [network.program, swapped]
     if not _native(spec.steps[members[0]].tactic):  # whole runs
         samples, stopped = _rounds(programs, network.inputs)
-        chosen_ms, rival_ms = (statistics.median(s["run"]) for s in samples)
+        chosen_ms, rival_ms = (least(s["run"]) for s in samples)
         layers = members
     else:
         names = {i: spec.steps[i].name for i in members}
@@ -391,11 +391,22 @@ def _time_group(network: _Network, members: list[int]) -> _Timed | None:
         if not layers:
             return None
         samples, stopped = _rounds(programs, network.inputs, [[side[names[i]] for i in layers] for side in spans])
-        chosen_ms, rival_ms = (statistics.median(s["spans"]) / len(layers) for s in samples)
+        chosen_ms, rival_ms = (least(s["spans"]) / len(layers) for s in samples)
     # as retime rounds them: where the rival is kept, its program may be the tuned engine (retime's `outputs`)
     outputs = (_tactics(swapped.spec), _outputs(swapped, network.inputs)) \
         if round(rival_ms, 4) < round(chosen_ms, 4) else None
     return _Timed(layers, chosen_ms, rival_ms, len(samples[0]["run"]), stopped, outputs)
+
+
+def least(samples: list[float]) -> float:
+    """A program's cost in context: the least of its rounds. Other work on the machine only adds time (a thread
+    descheduled mid-run, a barrier waiting it out), so the least round is the one closest to the network's own
+    cost, as autotune.measure takes the least of a candidate's rounds. The median did not hold under load: a
+    2-thread MobileNetV2 build at load 6 on the 2-vCPU Zen 4 (capped to AVX2) timed its whole runs at 50-230 ms
+    (the network runs in ~6), and kept cpu.conv.onednn_graph for a 1x1 convolution on a median of 52 against
+    onednn_direct's 94 ms; with the cores to itself (SCHED_FIFO) the build took onednn_direct everywhere and ran
+    0.80x onnxruntime (bench/results/zoo-cpu-avx2-2026-12-06.md, session 22)."""
+    return min(samples)
 
 
 def _swapped(spec: ProgramSpec, rivals: dict[int, Rival], which: set[int]) -> ProgramSpec:

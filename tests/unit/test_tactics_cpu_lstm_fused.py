@@ -64,3 +64,67 @@ def test_the_tiles_are_the_ones_this_cpu_has():
 def test_wrong_weight_shapes_are_refused_by_name():
     with pytest.raises(ValueError, match="not \\[4·H, I\\]"):
         recurrent.FusedLSTMDirection(torch.zeros(30, 3), torch.zeros(32, 8), None)
+
+
+def _kernel(prefix: str):
+    return next(k for k in recurrent.fused_kernels() if k.name.split()[0] == prefix)
+
+
+def test_avx2_kernel_runs_full_six_row_two_pass_tiles_then_one_pass_tiles():
+    """AVX2's kernel (16 ymm): full 6-row two-pass tiles, the rest one-pass, as even as they go; the kernel before it
+    (avx2onepass) and AVX-512's keep their even tiles (the tables do not depend on the CPU: no tile runs here)."""
+    plan = recurrent.fused_tile_plan
+    avx2 = _kernel("avx2")
+    assert plan(avx2, 8) == [(6, True), (2, False)]
+    assert plan(avx2, 6) == [(6, True)]
+    assert plan(avx2, 4) == [(2, False), (2, False)]  # a 4-row two-pass tile (8 accumulators) lost to 2 + 2
+    assert plan(avx2, 11) == [(6, True), (3, False), (2, False)]
+    assert plan(avx2, 12) == [(6, True), (6, True)]
+    assert plan(avx2, 1) == [(1, False)]
+    assert plan(_kernel("avx2onepass"), 8) == [(3, False), (3, False), (2, False)]
+    avx512 = _kernel("avx512")
+    assert plan(avx512, 8) == [(8, True)]
+    assert plan(avx512, 9) == [(5, True), (4, True)]
+    assert plan(avx512, 6) == [(6, False)]
+    for kernel in recurrent.fused_kernels():
+        for rows in range(1, 20):
+            assert sum(r for r, _ in plan(kernel, rows)) == rows, (kernel.name, rows)
+
+
+class _Threads(recurrent.FusedLSTMDirection):
+    """A layer whose calls run on `threads` threads (the plan's field; 0 would be OpenMP's count)."""
+
+    threads = 1
+
+    def plan(self, *args, **kwargs):
+        found = super().plan(*args, **kwargs)
+        found.threads = self.threads
+        return found
+
+
+@pytest.mark.skipif(not _kernel("avx2").supported, reason="no AVX2 on this CPU")
+@pytest.mark.parametrize("split", ["rows", "blocks"])
+def test_avx2_kernel_every_batch_and_thread_count_matches_onnxruntime(split):
+    """Every batch 1-14 (6-row two-pass tiles with 0-8 rows of one-pass ones; a slice of each thread's rows under
+    the row split), 1-3 threads, forward and reverse with initial states, against onnxruntime's LSTM on fresh
+    random inputs."""
+    from tests.unit.test_tactics_cpu_lstm import oracle
+
+    rng = case_rng(f"lstm-fused-avx2-batches-{split}")
+    hidden, steps, features = 20, 5, 6  # 20 = 2·8 + 4: a partial block
+    for batch in range(1, 15):
+        values = inputs(rng, steps=steps, batch=batch, features=features, hidden=hidden, directions=1, layout=0,
+                        bias=True, initial=True)
+        t = {k: torch.from_numpy(v) for k, v in values.items()}
+        layer = _Threads(t["W"][0], t["R"][0], t["B"][0], kernel=_kernel("avx2"), split=split)
+        for threads in (1, 2, 3):
+            for reverse in (False, True):
+                layer.threads = threads
+                y = torch.full((steps, batch, hidden), float("nan"))
+                yh, yc = torch.empty(batch, hidden), torch.empty(batch, hidden)
+                layer.run(t["X"], y, t["initial_h"][0], t["initial_c"][0], yh, yc, reverse=reverse,
+                          batch_major=False)
+                want = oracle(values, {"direction": "reverse"} if reverse else {}, hidden)
+                for name, got, w in zip(["Y", "Y_h", "Y_c"], [y[:, None], yh[None], yc[None]], want):
+                    assert_close(got.numpy(), w, TOLERANCE,
+                                 f"N {batch} {split} {threads} threads {'reverse' if reverse else 'forward'} {name}")

@@ -17,8 +17,9 @@
  * 0.45 ms of a 2.8 ms call. Here each FMA is a broadcast of x or h times a vector of U weights (16 on
  * AVX-512), the sums never leave the registers, and the cell is vector code on them.
  *
- * Two tiles: the four gates of up to MR rows in one pass over K (FUSED_ROWS), and on AVX-512, for a batch past
- * its 6 rows, the gates in two passes of two for up to 8 rows (FUSED_PAIRS: each weight read once a step).
+ * Two tiles: the four gates of up to MR rows in one pass over K (FUSED_ROWS), and the gates in two passes of two
+ * (FUSED_PAIRS: each weight read once a step for more rows): on AVX-512 for a batch past its 6 rows, up to 8; on
+ * AVX2 full tiles of 6 rows, the rest one-pass (fused_tiles: 8 rows as 6 + 2).
  *
  * Threads: where each gets two rows or more, each runs a slice of the batch's rows through every step
  * (fused_row_slice): a row's recurrence reads only its own h and c, so the threads never wait for each other
@@ -48,15 +49,22 @@ typedef struct {
     fused_rows_fn pairs[8];     /* pairs[m - 1]: a two-pass tile of m <= pairs_mr rows (FUSED_PAIRS) */
     int (*supported)(void);
     int test_only;
+    int pairs_full;             /* 1: the rows as full two-pass tiles, the rest one-pass (fused_tiles); 0: even */
 } fused_kernel;
+
+/* One tile of a step's block: `rows` batch rows from row0, on `tile`. */
+typedef struct {
+    long row0, rows;
+    fused_rows_fn tile;
+} fused_span;
 
 struct fused_ctx {
     loop_ctx loop;              /* first: run_stages hands it back to fused_item */
     const kiln_recurrent_plan *p;
     const fused_kernel *kernel;
-    const fused_rows_fn *tiles; /* the kernel's rows or pairs: tiles[m - 1] runs m rows */
+    const fused_span *spans;    /* the row groups of a step, in row order (fused_tiles) */
     float *h[2], *c;            /* h of even / odd steps' inputs [N, H]; c [N, H] */
-    long blocks, groups;        /* unit blocks; row groups of a step (fused_group) */
+    long blocks, groups;        /* unit blocks; row groups of a step (spans) */
     long per_item;              /* row groups of one work item (fused_item) */
 };
 
@@ -68,6 +76,7 @@ static const float *fused_x_row(const kiln_recurrent_plan *p, long step, long n)
     return p->x + row_of(p, t, n) * p->I;
 }
 
+#include <stdlib.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
@@ -253,15 +262,26 @@ static inline fused_v4 fused_rcp(fused_v4 d) { return 1.0f / d; }
     FUSED_PAIRS(NAME, TARGET, NAME##_v, U, 5) FUSED_PAIRS(NAME, TARGET, NAME##_v, U, 6)                      \
     FUSED_PAIRS(NAME, TARGET, NAME##_v, U, 7) FUSED_PAIRS(NAME, TARGET, NAME##_v, U, 8)
 
+/* the two-pass tiles up to 6 rows: AVX2's 16 ymm hold 6 rows x 2 gates = 12 accumulators, a weight vector and the
+   broadcast */
+#define FUSED_PAIRS_KERNEL6(NAME, TARGET, U)                                                                 \
+    FUSED_PAIRS(NAME, TARGET, NAME##_v, U, 1) FUSED_PAIRS(NAME, TARGET, NAME##_v, U, 2)                      \
+    FUSED_PAIRS(NAME, TARGET, NAME##_v, U, 3) FUSED_PAIRS(NAME, TARGET, NAME##_v, U, 4)                      \
+    FUSED_PAIRS(NAME, TARGET, NAME##_v, U, 5) FUSED_PAIRS(NAME, TARGET, NAME##_v, U, 6)
+
+#define FUSED_PAIR_FNS6(NAME) {NAME##_pairs1, NAME##_pairs2, NAME##_pairs3, NAME##_pairs4, NAME##_pairs5, NAME##_pairs6}
+
 #define FUSED_PAIR_FNS(NAME)                                                                                 \
     {NAME##_pairs1, NAME##_pairs2, NAME##_pairs3, NAME##_pairs4, NAME##_pairs5, NAME##_pairs6, NAME##_pairs7,  \
      NAME##_pairs8}
 
 #if defined(__x86_64__) || defined(__i386__)
-/* AVX-512: 6 rows x 4 gates = 24 zmm accumulators of 32; AVX2: 4 gates x 8 units, up to 3 rows (12 of 16) */
+/* AVX-512: 6 rows x 4 gates = 24 zmm accumulators of 32; AVX2: 4 gates x 8 units, up to 3 rows (12 of 16), and
+   2 gates x 8 units, up to 6 rows (12 of 16) in two passes */
 FUSED_KERNEL(fused_avx512, KILN_AVX512, 16, _mm512_min_ps, _mm512_max_ps, _mm512_rcp14_ps)
 FUSED_PAIRS_KERNEL(fused_avx512, KILN_AVX512, 16)  /* 8 rows x 2 gates = 16 zmm accumulators */
 FUSED_KERNEL(fused_avx2, KILN_AVX2, 8, _mm256_min_ps, _mm256_max_ps, _mm256_rcp_ps)
+FUSED_PAIRS_KERNEL6(fused_avx2, KILN_AVX2, 8)
 #endif
 FUSED_KERNEL(fused_generic, , 4, fused_min, fused_max, fused_rcp)
 
@@ -270,10 +290,13 @@ FUSED_KERNEL(fused_generic, , 4, fused_min, fused_max, fused_rcp)
 static const fused_kernel FUSED_KERNELS[] = {
 #if defined(__x86_64__) || defined(__i386__)
     {"avx512 16 units x 4 gates, 6 rows; 2+2 gates, 8 rows", 16, 6, FUSED_ROW_FNS(fused_avx512),
-     8, FUSED_PAIR_FNS(fused_avx512), has_avx512, 0},
-    {"avx2 8 units x 4 gates, 3 rows", 8, 3, FUSED_ROW_FNS(fused_avx2), 0, {0}, has_avx2, 0},
+     8, FUSED_PAIR_FNS(fused_avx512), has_avx512, 0, 0},
+    {"avx2 8 units x 4 gates, 3 rows; 2+2 gates, 6 rows", 8, 3, FUSED_ROW_FNS(fused_avx2),
+     6, FUSED_PAIR_FNS6(fused_avx2), has_avx2, 0, 1},
+    /* the AVX2 kernel before the 6-row two-pass tile (2026-12-06): benches time it beside the one above */
+    {"avx2onepass 8 units x 4 gates, 3 rows", 8, 3, FUSED_ROW_FNS(fused_avx2), 0, {0}, has_avx2, 1, 0},
 #endif
-    {"generic 4 units x 4 gates, 4 rows", 4, 4, FUSED_ROW_FNS(fused_generic), 0, {0}, always, 0},
+    {"generic 4 units x 4 gates, 4 rows", 4, 4, FUSED_ROW_FNS(fused_generic), 0, {0}, always, 0, 0},
 };
 #define FUSED_KERNEL_COUNT ((int)(sizeof(FUSED_KERNELS) / sizeof(FUSED_KERNELS[0])))
 
@@ -329,11 +352,7 @@ static void fused_item(const loop_ctx *lc, long step, long item) {
     const long chunks = (c->groups + c->per_item - 1) / c->per_item;
     const long block = item / chunks, first = item % chunks * c->per_item;
     const long last = first + c->per_item < c->groups ? first + c->per_item : c->groups;
-    for (long g = first; g < last; ++g) {
-        long rows;
-        const long row0 = fused_group(c->p->N, c->groups, g, &rows);
-        c->tiles[rows - 1](c, step, block, row0);
-    }
+    for (long g = first; g < last; ++g) c->spans[g].tile(c, step, block, c->spans[g].row0);
 }
 
 /* 1: at two threads and more, each thread runs a slice of the batch's rows through every step (fused_row_slice),
@@ -348,21 +367,64 @@ int kiln_lstm_fused_row_split = 1;
 
 typedef struct {
     const fused_ctx *c;
-    long participants;
+    const long *first;          /* participant q's row groups: spans [first[q], first[q + 1]) */
 } fused_slices;
 
 /* Participant q's row groups through every step, with no barrier: a row's recurrence reads its own h and c only. */
 static void fused_row_slice(void *ctx, long q) {
     const fused_slices *r = (const fused_slices *)ctx;
     const fused_ctx *c = r->c;
-    const long first = c->groups * q / r->participants, last = c->groups * (q + 1) / r->participants;
+    const long first = r->first[q], last = r->first[q + 1];
     for (long step = 0; step < c->p->S; ++step)
         for (long block = 0; block < c->blocks; ++block)
-            for (long g = first; g < last; ++g) {
-                long rows;
-                const long row0 = fused_group(c->p->N, c->groups, g, &rows);
-                c->tiles[rows - 1](c, step, block, row0);
-            }
+            for (long g = first; g < last; ++g) c->spans[g].tile(c, step, block, c->spans[g].row0);
+}
+
+/* Rows [row0, row0 + n) of a slice as tiles, written to spans (NULL: only counted); returns how many.
+   pairs_full kernels: as many full two-pass tiles (pairs_mr rows) as fit, the rest in one-pass tiles as even as
+   they go (8 rows on AVX2: 6 + 2, 4 rows: 2 + 2). Why: capped to AVX2 (16 ymm) the one-pass tile holds 3 rows,
+   and a step streams each block's weights from L2 once a tile; the 6-row two-pass tile reads each weight for 6
+   rows. One thread, thread CPU time, 96 steps, 128 units, Zen 4 EPYC capped to AVX2 (bench/results/
+   zoo-cpu-avx2-2026-12-06.md, session 22): batch 6 as one 6-row two-pass tile 0.933 / 1.525 ms (I = 16 / 128)
+   against 1.175 / 2.018 as 3 + 3 one-pass (onnxruntime 0.966 / 1.709); but a 4-row two-pass tile (8 accumulators)
+   lost to 2 + 2 one-pass, 1.656 vs 1.397 ms (I = 128).
+   Other kernels: ceil(n / MR) tiles as even as they go, two-pass where the rows exceed the one-pass tile's. */
+static long fused_tiles(const fused_kernel *k, long row0, long n, fused_span *spans) {
+    long count = 0;
+    if (k->pairs_full && k->pairs_mr > 0) {
+        for (; n >= k->pairs_mr; n -= k->pairs_mr, row0 += k->pairs_mr, ++count)
+            if (spans) spans[count] = (fused_span){row0, k->pairs_mr, k->pairs[k->pairs_mr - 1]};
+        const long groups = (n + k->mr - 1) / k->mr;
+        for (long g = 0; g < groups; ++g, ++count) {
+            long rows;
+            const long first = fused_group(n, groups, g, &rows);
+            if (spans) spans[count] = (fused_span){row0 + first, rows, k->rows[rows - 1]};
+        }
+        return count;
+    }
+    const int two_pass = k->pairs_mr > 0 && n > k->mr;
+    const long groups = (n + (two_pass ? k->pairs_mr : k->mr) - 1) / (two_pass ? k->pairs_mr : k->mr);
+    for (long g = 0; g < groups; ++g, ++count) {
+        long rows;
+        const long first = fused_group(n, groups, g, &rows);
+        if (spans) spans[count] = (fused_span){row0 + first, rows, (two_pass ? k->pairs : k->rows)[rows - 1]};
+    }
+    return count;
+}
+
+/* The tiles `kernel` runs a slice of n rows on, in row order (fused_tiles): rows[t] and two_pass[t] (1: the
+   two-pass tile) for t < the count returned, at most `most` of them written. For tests and benches. */
+long kiln_lstm_fused_tile_plan(int kernel, long n, long *rows, int *two_pass, long most) {
+    if (kernel < 0 || kernel >= FUSED_KERNEL_COUNT || n <= 0) return 0;
+    const fused_kernel *k = &FUSED_KERNELS[kernel];
+    const long count = fused_tiles(k, 0, n, NULL);
+    fused_span spans[count];
+    fused_tiles(k, 0, n, spans);
+    for (long t = 0; t < count && t < most; ++t) {
+        rows[t] = spans[t].rows;
+        two_pass[t] = k->pairs_mr > 0 && spans[t].tile == k->pairs[spans[t].rows - 1];
+    }
+    return count;
 }
 
 /* plan.packed_w: kiln_lstm_fused_pack's layout for plan.kernel (an index of FUSED_KERNELS), the bias after
@@ -391,12 +453,17 @@ int kiln_lstm_fused(void *object, void *stream, int nargs, const void *args) {
     const int row_split = p->split ? p->split == 1 : kiln_lstm_fused_row_split;
     const long slices = row_split ? (most_slices < threads ? most_slices : threads) : 1;
     p->row_slices = (int)slices;
-    const long rows = (N + slices - 1) / slices;
-    /* rows past the one-pass tile's: the two-pass tile's, where the kernel has one */
-    const int two_pass = kernel->pairs_mr > 0 && rows > kernel->mr;
-    const long group_rows = two_pass ? kernel->pairs_mr : kernel->mr;
-    c.tiles = two_pass ? kernel->pairs : kernel->rows;
-    c.groups = slices * ((rows + group_rows - 1) / group_rows);
+    /* each slice's rows (as even as they go) as tiles: spans [first[q], first[q + 1]) */
+    long first[slices + 1];
+    first[0] = 0;
+    for (long q = 0; q < slices; ++q)
+        first[q + 1] = first[q] + fused_tiles(kernel, N * q / slices, N * (q + 1) / slices - N * q / slices, NULL);
+    fused_span *spans = (fused_span *)malloc((size_t)first[slices] * sizeof *spans);
+    if (!spans) return 3;
+    for (long q = 0; q < slices; ++q)
+        fused_tiles(kernel, N * q / slices, N * (q + 1) / slices - N * q / slices, spans + first[q]);
+    c.spans = spans;
+    c.groups = first[slices];
     /* whole blocks as items while there are two items a thread, else fewer groups an item */
     const long splits = (2L * threads + c.blocks - 1) / c.blocks;
     c.per_item = (c.groups + splits - 1) / splits;
@@ -406,7 +473,7 @@ int kiln_lstm_fused(void *object, void *stream, int nargs, const void *args) {
     load_states(p, &states);
     if (slices > 1) {
         const long start = now_ns();
-        fused_slices r = {&c, slices};
+        fused_slices r = {&c, first};
         kiln_parallel_for(slices, (int)slices, fused_row_slice, &r);
         p->stalled = 0;
         p->waited_ns = 0;
@@ -416,5 +483,6 @@ int kiln_lstm_fused(void *object, void *stream, int nargs, const void *args) {
             run_stages(&c.loop, p->S, c.blocks * ((c.groups + c.per_item - 1) / c.per_item), threads, fused_item);
     }
     store_states(p, c.h[p->S % 2], c.c);
+    free(spans);
     return 0;
 }

@@ -120,6 +120,9 @@ def load(test_kernels: bool = False) -> ctypes.CDLL | None:
         lib.kiln_lstm_fused_pack.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                              ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
         lib.kiln_lstm_fused_scratch_floats.restype = ctypes.c_long
+        lib.kiln_lstm_fused_tile_plan.restype = ctypes.c_long
+        lib.kiln_lstm_fused_tile_plan.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
+                                                  ctypes.c_long]
         lib.kiln_lstm_fused_scratch_floats.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_long]
         lib.kiln_recurrent_member.restype = ctypes.c_int
         lib.kiln_recurrent_member.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
@@ -403,6 +406,18 @@ def fused_kernels(test_kernels: bool = False) -> list[FusedKernel]:
     return [FusedKernel(i, lib.kiln_lstm_fused_kernel_name(i).decode(), int(lib.kiln_lstm_fused_kernel_units(i)),
                         bool(lib.kiln_lstm_fused_kernel_supported(i)), bool(lib.kiln_lstm_fused_kernel_test_only(i)))
             for i in range(lib.kiln_lstm_fused_kernel_count())]
+
+
+def fused_tile_plan(kernel: FusedKernel, rows: int) -> list[tuple[int, bool]]:
+    """The tiles lstm_fused.c runs a slice of `rows` batch rows on, in row order: (rows, two-pass) each. AVX2's
+    kernel: full 6-row two-pass tiles, the rest one-pass (8 rows: 6 + 2); the others: tiles as even as they go."""
+    lib = load()  # the tables of both builds are one (test_only marks an entry, it does not add one)
+    if lib is None:
+        raise RuntimeError(f"kiln's recurrent layers are not built: {reason()}")
+    most = max(int(rows), 1)
+    found, two_pass = (ctypes.c_long * most)(), (ctypes.c_int * most)()
+    count = lib.kiln_lstm_fused_tile_plan(kernel.index, int(rows), found, two_pass, most)
+    return [(int(found[t]), bool(two_pass[t])) for t in range(count)]
 
 
 class FusedLSTMDirection(_Direction):
