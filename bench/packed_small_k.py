@@ -111,8 +111,10 @@ def base_library(rev: str):
     return lib, sha
 
 
-def ort_runner(x: np.ndarray, ws: list[np.ndarray], bs: list[np.ndarray], activation: str, threads: int):
-    """One onnxruntime session of len(ws) MatMul + Add [+ Gelu] nodes on the one input x."""
+def ort_runner(x: np.ndarray, ws: list[np.ndarray], bs: list[np.ndarray], activation: str, threads: int,
+               spin: bool = True):
+    """One onnxruntime session of len(ws) MatMul + Add [+ Gelu] nodes on the one input x (`spin` False: its
+    workers block between runs instead of spinning)."""
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
@@ -132,6 +134,8 @@ def ort_runner(x: np.ndarray, ws: list[np.ndarray], bs: list[np.ndarray], activa
     model.ir_version = min(model.ir_version, 10)
     options = ort.SessionOptions()
     options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    if not spin:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     feeds = {"x": x}
 
@@ -144,7 +148,7 @@ def ort_runner(x: np.ndarray, ws: list[np.ndarray], bs: list[np.ndarray], activa
     return run
 
 
-def runners(m, k, n, activation, layers, threads, timer, base, base_small_m=None):
+def runners(m, k, n, activation, layers, threads, timer, base, base_small_m=None, spin=True):
     """{name: (pass function, outputs to check)} for R = `layers` layers of the shape."""
     rng = np.random.default_rng(m * 7 + k * 3 + n)
     x = torch.from_numpy(rng.standard_normal((m, k), dtype=np.float32))
@@ -194,7 +198,7 @@ def runners(m, k, n, activation, layers, threads, timer, base, base_small_m=None
         if threads > 1 and all(s is not None for s in serial):
             out["oneDNN inner product, serial form"] = (NativeCalls(timer, [c for s in serial for c in s],
                                                                     [ips, bound, x, zs]), zs)
-    ort = ort_runner(x.numpy(), [w.numpy() for w in ws], [b.numpy() for b in bs], activation, threads)
+    ort = ort_runner(x.numpy(), [w.numpy() for w in ws], [b.numpy() for b in bs], activation, threads, spin)
     out["onnxruntime (MLAS)"] = (ort, None)
     # every runner computes the same thing before it is timed (float64 oracle; exact erf GELU)
     want = [torch.nn.functional.linear(x.double(), w.double(), b.double()) for w, b in zip(ws, bs)]
@@ -219,7 +223,10 @@ def main() -> None:
     ap.add_argument("--base-small-m", type=int, default=None,
                     help="the base's plans read x in place over the whole K up to this many rows (its gemm_native's "
                     "small_rows; default: the working tree's)")
-    ap.add_argument("--realtime", action="store_true", help="time the rounds at SCHED_FIFO priority (root)")
+    ap.add_argument("--realtime", action="store_true",
+                    help="time the rounds at SCHED_FIFO priority (root); onnxruntime's workers then block between "
+                    "runs (set OMP_WAIT_POLICY=passive for OpenMP's): a spinning FIFO thread holds its core against "
+                    "every other runner's worker of the same priority")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     shapes = []
@@ -250,7 +257,7 @@ def main() -> None:
     for m, k, n, act in shapes:
         flops = 2 * m * k * n
         layers = max(1, min(32, int(4e6 // flops)))
-        fns = runners(m, k, n, act, layers, args.threads, timer, base, args.base_small_m)
+        fns = runners(m, k, n, act, layers, args.threads, timer, base, args.base_small_m, not args.realtime)
         passes = args.passes or max(3, min(400, int(0.02 * 50e9 / (flops * layers))))
         names = list(fns)
         per_round: dict[str, list[float]] = {key: [] for key in names}

@@ -103,9 +103,10 @@ typedef struct {
     } while (0)
 
 /* k steps before the end of a tile's K loop at which it prefetches its C lines (for writing): ~1500 cycles ahead on
-   the 8x48 tile, time for a line from L3. At the start of the loop, a whole-K tile's lines (768 steps) left L1
-   again before the store, under the W panel streaming through; not at all (as before where the tile did not load
-   C), each first store of a line waited for it: 128 x 768 x 2304 on a Zen 4 core 2-4% slower. */
+   the 8x48 tile, time for a line from L3, where at the loop's start a whole-K tile's lines would sit in L1 through
+   its 768 steps at K = 768 as the W panel streams past (measured level with this). Not prefetched where the tile
+   does not load C (as before), each first store of a line waited for it: 128 x 768 x 2304 on one Zen 4 core 2-3%
+   slower, whole K or K-blocked. */
 #define KILN_C_AHEAD 64
 #define KILN_PREFETCH_C(W, NV, M)                                                                            \
     KILN_UNROLL for (int i = 0; i < (M); ++i) {                                                              \
@@ -117,7 +118,7 @@ typedef struct {
    code, so that every ISA's tiles apply it in registers: ½v(1 + erf(v/√2)) as h + h·erf, h = ½v. */
 #define KILN_DEFINE_GELU(NAME, TARGET, W)                                                                    \
     typedef int NAME##_ivec __attribute__((vector_size((W) * 4)));                                           \
-    static inline __attribute__((always_inline)) TARGET NAME##_vec NAME##_clamp(NAME##_vec v, float lo,       \
+    static inline __attribute__((always_inline)) TARGET NAME##_vec NAME##_clamp(NAME##_vec v, float lo,      \
                                                                                float hi) {                   \
         const NAME##_vec low = (NAME##_vec){0} + lo, high = (NAME##_vec){0} + hi;                            \
         NAME##_ivec m = v < low;                                                                             \
@@ -182,10 +183,10 @@ typedef struct {
     }                                                                                                        \
     KILN_BODIES(NAME, TARGET, MR)                                                                            \
     static inline __attribute__((always_inline)) TARGET void NAME##_run(int m, long k, const float *a, long rs, \
-                                  int packed, const float *b, float *c, long ldc, int n, int flags,        \
+                                  int packed, const float *b, float *c, long ldc, int n, int flags,          \
                                   const float *bias) {                                                       \
         if (n == (W) * (NV)) {                                                                               \
-            KILN_DISPATCH(NAME, m, (k, a, rs, b, c, ldc, flags, bias));                                     \
+            KILN_DISPATCH(NAME, m, (k, a, rs, b, c, ldc, flags, bias));                                      \
             return;                                                                                          \
         }                                                                                                    \
         float tile[(MR) * (W) * (NV)] __attribute__((aligned(64))), padded[(W) * (NV)];                      \
@@ -193,17 +194,17 @@ typedef struct {
             for (int j = 0; j < (W) * (NV); ++j)                                                             \
                 tile[i * (W) * (NV) + j] = (flags & KILN_TILE_LOAD_C) && j < n ? c[i * ldc + j] : 0.0f;      \
         if (bias) for (int j = 0; j < (W) * (NV); ++j) padded[j] = j < n ? bias[j] : 0.0f;                   \
-        KILN_DISPATCH(NAME, m, (k, a, rs, b, tile, (W) * (NV), flags, bias ? padded : NULL));               \
+        KILN_DISPATCH(NAME, m, (k, a, rs, b, tile, (W) * (NV), flags, bias ? padded : NULL));                \
         for (int i = 0; i < m; ++i) memcpy(c + i * ldc, tile + i * (W) * (NV), (size_t)n * sizeof(float));  \
     }                                                                                                        \
     static __attribute__((unused)) TARGET void NAME##_packed(int m, long k, const float *a, long lda, const float *b, float *c, long ldc, \
-                              int n, int flags, const float *bias) {                                        \
+                              int n, int flags, const float *bias) {                                         \
         (void)lda;                                                                                           \
-        NAME##_run(m, k, a, 0, 1, b, c, ldc, n, flags, bias);                                               \
+        NAME##_run(m, k, a, 0, 1, b, c, ldc, n, flags, bias);                                                \
     }                                                                                                        \
     static TARGET void NAME##_direct(int m, long k, const float *a, long lda, const float *b, float *c, long ldc,   \
-                              int n, int flags, const float *bias) {                                        \
-        NAME##_run(m, k, a, lda, 0, b, c, ldc, n, flags, bias);                                             \
+                              int n, int flags, const float *bias) {                                         \
+        NAME##_run(m, k, a, lda, 0, b, c, ldc, n, flags, bias);                                              \
     }
 
 /* One function per row count M (<= MR; larger ones are never called) and A layout, each compiled on its
@@ -213,11 +214,11 @@ typedef struct {
     static __attribute__((noinline)) TARGET void NAME##_p##M(long k, const float *a, long rs, const float *b, \
                                                            float *c, long ldc, int flags, const float *bias) { \
         (void)rs;                                                                                            \
-        NAME##_rows((M) <= (MR) ? (M) : 1, k, a, 1, MR, b, c, ldc, flags, bias);                            \
+        NAME##_rows((M) <= (MR) ? (M) : 1, k, a, 1, MR, b, c, ldc, flags, bias);                             \
     }                                                                                                        \
     static __attribute__((noinline)) TARGET void NAME##_d##M(long k, const float *a, long rs, const float *b, \
                                                            float *c, long ldc, int flags, const float *bias) { \
-        NAME##_rows((M) <= (MR) ? (M) : 1, k, a, rs, 1, b, c, ldc, flags, bias);                            \
+        NAME##_rows((M) <= (MR) ? (M) : 1, k, a, rs, 1, b, c, ldc, flags, bias);                             \
     }
 #define KILN_BODIES(NAME, TARGET, MR)                                                                        \
     KILN_BODY(NAME, TARGET, MR, 1) KILN_BODY(NAME, TARGET, MR, 2) KILN_BODY(NAME, TARGET, MR, 3)             \
