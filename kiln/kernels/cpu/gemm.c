@@ -16,8 +16,9 @@
  * a target attribute; "a*b + c" contracts to FMA (GNU C's default -ffp-contract=fast).
  *
  * The epilogue is kiln::FusedGemm's (kiln/ops/fused.py): + bias, the activation, the residual before or
- * after it. The bias is where a tile's sums start (its first K block); the rest is applied to each C tile
- * right after its last K block, while the tile is in L1 (erf-GELU in AVX-512 / AVX2 registers by cpuid). The
+ * after it. The bias is where a tile's sums start (its first K block); erf-GELU without a residual is applied
+ * by the tile to its sums before the store (KILN_TILE_GELU, its last K block); the rest to each C tile right
+ * after its last K block, while the tile is in L1 (erf-GELU in AVX-512 / AVX2 registers by cpuid). The
  * 8x48 tile has edge tiles for a last panel of 16 or 32 columns (tile_for).
  * Threads: kiln_parallel_for (pool.c, compiled in front of this file) over work items (row group, panel
  * chunk) claimed dynamically, so a core slowed by other work takes fewer of them, and a worker descheduled
