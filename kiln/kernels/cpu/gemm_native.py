@@ -205,7 +205,7 @@ def small_rows(kernel: Kernel, k: int) -> int:
     3072, one thread, CPU time): as fast as the K-blocked paths, packed or not, within the noise (~85 GFLOP/s
     of a ~98 GFLOP/s core). Past a few MB of x, re-reading it per panel would leave the caches.
 
-    Both tiles stop at WHOLE_K_ROW_BLOCKS row blocks: since the K-blocked loop prefetches the next W
+    The 6x16 and 14x32 tiles stop at WHOLE_K_ROW_BLOCKS row blocks: since the K-blocked loop prefetches the next W
     micro-panel and adds C after the K loop (gemm.c), it keeps its kc x NR micro-panel of W in L1 down the
     rows, where the whole-K panel (K x NR floats, 32-384 KB) comes from L2 for every tile. AVX2 6x16 (Xeon
     capped to AVX2, bench/results/avx2-gemm-2026-12-04d.md): crossover between 32 rows (whole K 81-85% of
