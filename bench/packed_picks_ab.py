@@ -10,13 +10,15 @@ name, the other cpu.gemm.* left out). The tuned build's GEMM picks and its in-co
 checked against onnxruntime; then interleaved rounds of blocks (lstm_engine.blocks), wall clock; `--realtime`: the
 rounds at SCHED_FIFO (root), `--build-realtime`: the tuned build too (the tuner then times by the wall clock,
 cpu_clock.py's has_cores). `--base REV`: also the kiln_packed engine on gemm.c as it was at REV (bench/packed_small_k.py's
-base_library, loaded beside the working tree's): the A/B of a kernel change in the network.
+base_library, loaded beside the working tree's): the A/B of a kernel change in the network (`--base-rows`: at the
+whole-K row rule of before too).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from contextlib import nullcontext
 import statistics
 import sys
 from collections import Counter
@@ -78,7 +80,10 @@ def measure(name: str, args) -> list[str]:
         from packed_small_k import base_library
 
         lib, sha = base_library(args.base)
-        with mock.patch.dict(gemm_native._LOADED, {False: lib}):
+        # --base-rows: the base's plans at the whole-K / K-blocked switch of before the 8x48 tile's own (every tile at
+        # WHOLE_K_ROW_BLOCKS), set as each layer is made
+        rows = mock.patch.dict(gemm_native.WHOLE_K_ROW_BLOCKS_OF, {}, clear=True) if args.base_rows else nullcontext()
+        with mock.patch.dict(gemm_native._LOADED, {False: lib}), rows:
             engines[f"kiln, GEMMs on kiln_packed, gemm.c at {sha}"] = kiln.build(
                 str(exported.path), tactics=only_gemm("cpu.gemm.kiln_packed"))
     options = ort.SessionOptions()
@@ -121,6 +126,9 @@ def main() -> None:
     ap.add_argument("--realtime", action="store_true", help="time the rounds at SCHED_FIFO priority (root)")
     ap.add_argument("--build-realtime", action="store_true", help="build the tuned engine at SCHED_FIFO too")
     ap.add_argument("--base", default="", help="also every GEMM on kiln_packed with gemm.c as at this git revision")
+    ap.add_argument("--base-rows", action="store_true",
+                    help="the base engine's layers switch to the K-blocked loop past WHOLE_K_ROW_BLOCKS row blocks on "
+                    "every tile (gemm_native's rule before WHOLE_K_ROW_BLOCKS_OF)")
     args = ap.parse_args()
     for name in args.models.split(","):
         print("\n".join(measure(name.strip(), args)) + "\n", flush=True)

@@ -1,7 +1,7 @@
 """kiln's packed GEMM (cpu.gemm.kiln_packed) at ConvNeXt-tiny's small-K pointwise shapes and BERT-base's, against
 oneDNN's inner product (cpu.gemm.onednn_direct) and onnxruntime's MLAS, with the kernel timed in C.
 
-    python bench/packed_small_k.py [--threads 1|2] [--rounds 7] [--base REV] [--shapes convnext,bert]
+    python bench/packed_small_k.py [--threads 1|2] [--rounds 7] [--base REV [--base-small-m ROWS]] [--shapes convnext,bert]
 
 Why: at ~1 MFLOP (512 x 16 x 64) a Python call (ctypes, reshape, a lock: 3-5 us) is a third of the work, so
 bench/gemm.py's per-call times blur the kernels. Here each runner is a list of R layers of the shape (distinct
@@ -9,7 +9,8 @@ weights, one input, R outputs, as in a network) run R at a time: kiln's and oneD
 calls (kiln_gemm on a plan; dnnl_primitive_execute on a bound primitive: what a native segment runs), onnxruntime's as
 one session of R MatMul[+Add][+Gelu] nodes (its per-run overhead spread over R GEMMs). `--base REV` adds kiln's GEMM
 as gemm.c was at REV (git show), built beside the working tree's and run on the same plans and packed weights: the A/B
-of a kernel change in one process. Outputs are checked against float64 first. Interleaved rounds (each runner a block
+of a kernel change in one process (`--base-small-m`: the base's plans switch from the whole-K path to the K-blocked
+one past this many rows, as its gemm_native.small_rows did). Outputs are checked against float64 first. Interleaved rounds (each runner a block
 per round, starting at the next runner each round); per block the median pass; the table gives the median over
 rounds, GFLOP/s, % of the measured FMA peak of the same threads (bench/gemm.py's chains) and per round the ratio to
 onnxruntime. 1 thread: the calling thread's CPU time (what each runner does with a core while it has one); 2: wall.
@@ -110,8 +111,10 @@ def base_library(rev: str):
     return lib, sha
 
 
-def ort_runner(x: np.ndarray, ws: list[np.ndarray], bs: list[np.ndarray], activation: str, threads: int):
-    """One onnxruntime session of len(ws) MatMul + Add [+ Gelu] nodes on the one input x."""
+def ort_runner(x: np.ndarray, ws: list[np.ndarray], bs: list[np.ndarray], activation: str, threads: int,
+               spin: bool = True):
+    """One onnxruntime session of len(ws) MatMul + Add [+ Gelu] nodes on the one input x (`spin` False: its
+    workers block between runs instead of spinning)."""
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
@@ -131,6 +134,8 @@ def ort_runner(x: np.ndarray, ws: list[np.ndarray], bs: list[np.ndarray], activa
     model.ir_version = min(model.ir_version, 10)
     options = ort.SessionOptions()
     options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    if not spin:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     feeds = {"x": x}
 
@@ -143,7 +148,7 @@ def ort_runner(x: np.ndarray, ws: list[np.ndarray], bs: list[np.ndarray], activa
     return run
 
 
-def runners(m, k, n, activation, layers, threads, timer, base):
+def runners(m, k, n, activation, layers, threads, timer, base, base_small_m=None, spin=True):
     """{name: (pass function, outputs to check)} for R = `layers` layers of the shape."""
     rng = np.random.default_rng(m * 7 + k * 3 + n)
     x = torch.from_numpy(rng.standard_normal((m, k), dtype=np.float32))
@@ -157,11 +162,20 @@ def runners(m, k, n, activation, layers, threads, timer, base):
         plan, scratch = layer.plan(m)
         plan.src, plan.dst = x.data_ptr(), y.data_ptr()
         plans.append((plan, scratch))
-    libs = [("kiln packed", gemm_native.load())] + ([(f"kiln packed at {base[1]}", base[0])] if base else [])
-    for name, lib in libs:
+    libs = [("kiln packed", gemm_native.load(), plans)]
+    if base:
+        base_plans = plans
+        if base_small_m is not None:  # the base revision's whole-K / K-blocked switch: its own plans
+            base_plans = []
+            for layer, y in zip(packed, ys):
+                plan, scratch = layer.plan(m)
+                plan.src, plan.dst, plan.small_m = x.data_ptr(), y.data_ptr(), min(base_small_m, plan.small_m)
+                base_plans.append((plan, scratch))
+        libs.append((f"kiln packed at {base[1]}", base[0], base_plans))
+    for name, lib, lib_plans in libs:
         fn = ctypes.cast(lib.kiln_gemm, ctypes.c_void_p).value
-        calls = [(fn, ctypes.addressof(p), 0, 0) for p, _ in plans]
-        out[name] = (NativeCalls(timer, calls, [packed, plans, x, ys]), ys)  # packed: the weights the plans read
+        calls = [(fn, ctypes.addressof(p), 0, 0) for p, _ in lib_plans]
+        out[name] = (NativeCalls(timer, calls, [packed, lib_plans, x, ys]), ys)  # packed: the weights the plans read
     if threads > 1 and any(p.threads == 1 for p, _ in plans):  # kiln's rule keeps a small layer on one thread
         forked = []
         for layer, y in zip(packed, ys):
@@ -184,7 +198,7 @@ def runners(m, k, n, activation, layers, threads, timer, base):
         if threads > 1 and all(s is not None for s in serial):
             out["oneDNN inner product, serial form"] = (NativeCalls(timer, [c for s in serial for c in s],
                                                                     [ips, bound, x, zs]), zs)
-    ort = ort_runner(x.numpy(), [w.numpy() for w in ws], [b.numpy() for b in bs], activation, threads)
+    ort = ort_runner(x.numpy(), [w.numpy() for w in ws], [b.numpy() for b in bs], activation, threads, spin)
     out["onnxruntime (MLAS)"] = (ort, None)
     # every runner computes the same thing before it is timed (float64 oracle; exact erf GELU)
     want = [torch.nn.functional.linear(x.double(), w.double(), b.double()) for w, b in zip(ws, bs)]
@@ -206,7 +220,13 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=0, help="passes per block (default: ~20 ms of work)")
     ap.add_argument("--shapes", default="convnext,bert", help=f"of {sorted(SHAPES)}, or MxKxN[:Gelu],...")
     ap.add_argument("--base", default="", help="also kiln's GEMM as gemm.c was at this git revision")
-    ap.add_argument("--realtime", action="store_true", help="time the rounds at SCHED_FIFO priority (root)")
+    ap.add_argument("--base-small-m", type=int, default=None,
+                    help="the base's plans read x in place over the whole K up to this many rows (its gemm_native's "
+                    "small_rows; default: the working tree's)")
+    ap.add_argument("--realtime", action="store_true",
+                    help="time the rounds at SCHED_FIFO priority (root); onnxruntime's workers then block between "
+                    "runs (set OMP_WAIT_POLICY=passive for OpenMP's): a spinning FIFO thread holds its core against "
+                    "every other runner's worker of the same priority")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     shapes = []
@@ -237,7 +257,7 @@ def main() -> None:
     for m, k, n, act in shapes:
         flops = 2 * m * k * n
         layers = max(1, min(32, int(4e6 // flops)))
-        fns = runners(m, k, n, act, layers, args.threads, timer, base)
+        fns = runners(m, k, n, act, layers, args.threads, timer, base, args.base_small_m, not args.realtime)
         passes = args.passes or max(3, min(400, int(0.02 * 50e9 / (flops * layers))))
         names = list(fns)
         per_round: dict[str, list[float]] = {key: [] for key in names}

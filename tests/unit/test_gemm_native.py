@@ -162,6 +162,33 @@ def test_rational_activations_are_within_1e6_of_float64(activation):
             f"{activation}, rows of {width}: {error.max().item():.3g} at x = {grid[error.argmax()].item()}"
 
 
+@pytest.mark.parametrize("kernel", runnable() + runnable(test_kernels=True), ids=lambda k: k.name.replace(" ", "-"))
+@pytest.mark.parametrize("path", ["whole K in place", "K blocks in place", "K blocks packed"])
+def test_gelu_in_the_tiles_matches_float64(kernel, path):
+    """GELU without a residual is applied by the tiles to their sums before the store (gemm.c's KILN_TILE_GELU; at
+    the last K block on the K-blocked paths): every kernel and path, full panels, the 8x48 tile's 16- and 32-column
+    edges and a partial panel (through the tile's buffer), M off the tile's rows, K over several blocks with a short
+    last one, with and without a bias, z spread over GELU's curve and past erf's clamp at |z / √2| = 4."""
+    g = torch.Generator().manual_seed(21)
+    small, pack = {"whole K in place": (1 << 30, 0), "K blocks in place": (0, 1 << 30), "K blocks packed": (0, 0)}[path]
+    # (8, ...) and (15, ...): the narrow tiles of the AVX2 6x16 and the 14x32 (7-8 and 15-16 rows, whole K)
+    for m, k, n in ((9, 300, 100), (17, 129, 80), (8, 130, 64), (15, 70, 40), (3, 64, 7), (70, 257, 96), (1, 1, 1)):
+        x, w, b, _ = data(g, (m,), k, n, bias=n % 2 == 0)
+        w = w * 3  # z of order 3: past the clamp (|z| > 5.7) at a few outputs
+        layer = gemm_native.PackedLinear(w, b, "Gelu", kernel=kernel, small_m=small, pack_m=pack)
+        want, scale = oracle(x, w, b, None, "Gelu", 1)
+        assert_close(layer(x), want, scale)
+
+
+def test_whole_k_rows_follow_the_tile():
+    """x is read in place over the whole K up to 64 row blocks of the 8x48 tile (512 rows) while x fits
+    IN_PLACE_BYTES, up to 8 row blocks of the other tiles (gemm_native.WHOLE_K_ROW_BLOCKS_OF)."""
+    for kernel in gemm_native.kernels(test_kernels=True):
+        blocks = 64 if kernel.name == "avx512 8x48" else 8
+        assert gemm_native.small_rows(kernel, 768) == blocks * kernel.mr
+        assert gemm_native.small_rows(kernel, 3072) == min(blocks * kernel.mr, gemm_native.IN_PLACE_BYTES // (4 * 3072))
+
+
 def test_no_bias_and_an_empty_k():
     g = torch.Generator().manual_seed(1)
     x, w, _, _ = data(g, (9,), 31, 18, bias=False)
@@ -195,7 +222,7 @@ def _random_shapes(seed: int, count: int) -> list[tuple[int, int, int]]:
     """M x K x N drawn at random: M around the tile's whole-K / K-blocked switch (WHOLE_K_ROW_BLOCKS) and up
     to past one M block, K and N off the tile and block multiples (edge rows, a partial panel, a short last K block)."""
     rng = np.random.default_rng(seed)
-    switch = gemm_native.WHOLE_K_ROW_BLOCKS * gemm_native.linear_kernel().mr
+    switch = gemm_native.whole_k_row_blocks(gemm_native.linear_kernel()) * gemm_native.linear_kernel().mr
     rows = [switch - 1, switch, switch + 1, int(rng.integers(60, 300)), int(rng.integers(240, 700))]
     return [(rows[i % len(rows)], int(rng.integers(200, 900)), int(rng.integers(17, 400))) for i in range(count)]
 

@@ -16,8 +16,9 @@
  * a target attribute; "a*b + c" contracts to FMA (GNU C's default -ffp-contract=fast).
  *
  * The epilogue is kiln::FusedGemm's (kiln/ops/fused.py): + bias, the activation, the residual before or
- * after it. The bias is where a tile's sums start (its first K block); the rest is applied to each C tile
- * right after its last K block, while the tile is in L1 (erf-GELU in AVX-512 / AVX2 registers by cpuid). The
+ * after it. The bias is where a tile's sums start (its first K block); erf-GELU without a residual is applied
+ * by the tile to its sums before the store (KILN_TILE_GELU, its last K block); the rest to each C tile right
+ * after its last K block, while the tile is in L1 (erf-GELU in AVX-512 / AVX2 registers by cpuid). The
  * 8x48 tile has edge tiles for a last panel of 16 or 32 columns (tile_for).
  * Threads: kiln_parallel_for (pool.c, compiled in front of this file) over work items (row group, panel
  * chunk) claimed dynamically, so a core slowed by other work takes fewer of them, and a worker descheduled
@@ -56,9 +57,21 @@ typedef struct {
 } kiln_gemm_plan;
 
 /* bias: NULL, or n floats the tile starts its sums from where it does not load C (the bias fused: no pass over C
-   for it afterwards; measured 512 x 16 x 64 on a Zen 4 core: the epilogue's bias pass took 5.5 of 16.5 us) */
+   for it afterwards; measured 512 x 16 x 64 on a Zen 4 core: the epilogue's bias pass took 5.5 of 16.5 us).
+   flags: KILN_TILE_LOAD_C adds C's values to the sums (a K block after the first; recurrent.c's gates: 0 or 1),
+   KILN_TILE_GELU applies erf-GELU to the sums before the store (a layer whose epilogue past the bias is GELU alone,
+   at its last K block): no pass over the tile after it (BERT-base's FFN up, 128 x 768 x 3072 on one Zen 4 core:
+   the pass cost ~4% of the layer; bench/results/packed-2026-12-06.md, section 7). */
 typedef void (*tile_fn)(int m, long k, const float *a, long lda, const float *b, float *c, long ldc, int n,
-                        int load_c, const float *bias);
+                        int flags, const float *bias);
+enum { KILN_TILE_LOAD_C = 1, KILN_TILE_GELU = 2 };
+
+/* erf(x) ≈ x·P(x²)/Q(x²) on [-4, 4], Eigen's / XLA's float32 coefficients (erf_rational, gelu_avx512, the tiles) */
+static const float KILN_ERF_P[7] = {-2.72614225801306e-10f, 2.77068142495902e-08f, -2.10102402082508e-06f,
+                                    -5.69250639462346e-05f, -7.34990630326855e-04f, -2.95459980854025e-03f,
+                                    -1.60960333262415e-02f};
+static const float KILN_ERF_Q[5] = {-1.45660718464996e-05f, -2.13374055278905e-04f, -1.68282697438203e-03f,
+                                    -7.37332916720468e-03f, -1.42647390514189e-02f};
 
 typedef struct {
     const char *name;
@@ -90,16 +103,47 @@ typedef struct {
         }                                                                                                    \
     } while (0)
 
+/* k steps before the end of a tile's K loop at which it prefetches its C lines (for writing): ~1500 cycles ahead on
+   the 8x48 tile, time for a line from L3, where at the loop's start a whole-K tile's lines would sit in L1 through
+   its 768 steps at K = 768 as the W panel streams past (measured level with this). Not prefetched where the tile
+   does not load C (as before), each first store of a line waited for it: 128 x 768 x 2304 on one Zen 4 core 2-3%
+   slower, whole K or K-blocked. */
+#define KILN_C_AHEAD 64
+#define KILN_PREFETCH_C(W, NV, M)                                                                            \
+    KILN_UNROLL for (int i = 0; i < (M); ++i) {                                                              \
+        KILN_UNROLL for (int o = 0; o < (W) * (NV); o += 16) __builtin_prefetch(c + i * ldc + o, 1, 3);      \
+        __builtin_prefetch(c + i * ldc + (W) * (NV) - 1, 1, 3);                                              \
+    }
+
+/* erf-GELU of a vector of sums, gelu_avx512's arithmetic (the same coefficients, clamps and order) in GCC vector
+   code, so that every ISA's tiles apply it in registers: ½v(1 + erf(v/√2)) as h + h·erf, h = ½v. */
+#define KILN_DEFINE_GELU(NAME, TARGET, W)                                                                    \
+    typedef int NAME##_ivec __attribute__((vector_size((W) * 4)));                                           \
+    static inline __attribute__((always_inline)) TARGET NAME##_vec NAME##_clamp(NAME##_vec v, float lo,      \
+                                                                               float hi) {                   \
+        const NAME##_vec low = (NAME##_vec){0} + lo, high = (NAME##_vec){0} + hi;                            \
+        NAME##_ivec m = v < low;                                                                             \
+        v = (NAME##_vec)(((NAME##_ivec)v & ~m) | ((NAME##_ivec)low & m));                                    \
+        m = v > high;                                                                                        \
+        return (NAME##_vec)(((NAME##_ivec)v & ~m) | ((NAME##_ivec)high & m));                                \
+    }                                                                                                        \
+    static inline __attribute__((always_inline)) TARGET NAME##_vec NAME##_gelu(NAME##_vec v) {               \
+        const NAME##_vec x = NAME##_clamp(v * 0.70710678118654752f, -4.0f, 4.0f), x2 = x * x;                \
+        NAME##_vec p = (NAME##_vec){0} + KILN_ERF_P[0], q = (NAME##_vec){0} + KILN_ERF_Q[0];                 \
+        KILN_UNROLL for (int t = 1; t < 7; ++t) p = p * x2 + KILN_ERF_P[t];                                  \
+        KILN_UNROLL for (int t = 1; t < 5; ++t) q = q * x2 + KILN_ERF_Q[t];                                  \
+        const NAME##_vec r = NAME##_clamp(x * p / q, -1.0f, 1.0f), h = v * 0.5f;                             \
+        return h * r + h;                                                                                    \
+    }
+
 #define KILN_DEFINE_KERNEL(NAME, TARGET, W, NV, MR, BS)                                                      \
     typedef float NAME##_vec __attribute__((vector_size((W) * 4)));                                          \
+    KILN_DEFINE_GELU(NAME, TARGET, W)                                                                        \
     static inline __attribute__((always_inline)) TARGET void NAME##_rows(                                    \
         const int M, long k, const float *a, const long rs, const long cs, const float *b, float *c, long ldc, \
-        int load_c, const float *bias) {                                                                     \
+        int flags, const float *bias) {                                                                      \
         NAME##_vec acc[MR][NV], odd[MR][NV], start[NV];                                                      \
-        if (load_c) KILN_UNROLL for (int i = 0; i < M; ++i) {                                                \
-            __builtin_prefetch(c + i * ldc, 1, 3);                                                           \
-            __builtin_prefetch(c + i * ldc + (W) * (NV) - 1, 1, 3);                                          \
-        }                                                                                                    \
+        const int load_c = flags & KILN_TILE_LOAD_C;                                                         \
         KILN_UNROLL for (int j = 0; j < NV; ++j) {                                                           \
             start[j] = (NAME##_vec){0};                                                                      \
             if (bias && !load_c) memcpy(&start[j], bias + j * (W), sizeof(NAME##_vec));                      \
@@ -111,10 +155,19 @@ typedef struct {
         /* A short tile has fewer FMA chains than 2 ports x 4 cycles of latency keep busy: it alternates k   \
            between two sets of accumulators (the 2-row rest of an 8-row batch ran at half the 6-row speed). */\
         const int split = (M) * (NV) <= 6;                                                                   \
+        /* C's lines: KILN_C_AHEAD steps before the end (a short tile: at once), unless it neither loads C nor   \
+           runs long enough for a line to come before its store */                                           \
+        const int prefetch_c = load_c || k > KILN_C_AHEAD;                                                   \
         long p = 0;                                                                                          \
-        if (split) for (; p + 1 < k; p += 2) {                                                               \
-            KILN_FMA_STEP(NAME, W, NV, BS, M, acc, p);                                                       \
-            KILN_FMA_STEP(NAME, W, NV, BS, M, odd, p + 1);                                                   \
+        if (split) {                                                                                         \
+            if (prefetch_c) KILN_PREFETCH_C(W, NV, M);                                                       \
+            for (; p + 1 < k; p += 2) {                                                                      \
+                KILN_FMA_STEP(NAME, W, NV, BS, M, acc, p);                                                   \
+                KILN_FMA_STEP(NAME, W, NV, BS, M, odd, p + 1);                                               \
+            }                                                                                                \
+        } else {                                                                                             \
+            for (; p + KILN_C_AHEAD < k; ++p) KILN_FMA_STEP(NAME, W, NV, BS, M, acc, p);                     \
+            if (prefetch_c) KILN_PREFETCH_C(W, NV, M);                                                       \
         }                                                                                                    \
         for (; p < k; ++p) KILN_FMA_STEP(NAME, W, NV, BS, M, acc, p);                                        \
         if (split) KILN_UNROLL for (int i = 0; i < M; ++i) KILN_UNROLL for (int j = 0; j < NV; ++j)          \
@@ -125,32 +178,34 @@ typedef struct {
                 memcpy(&old, c + i * ldc + j * (W), sizeof(NAME##_vec));                                     \
                 acc[i][j] += old;                                                                            \
             }                                                                                                \
+            if (flags & KILN_TILE_GELU) acc[i][j] = NAME##_gelu(acc[i][j]);                                  \
             memcpy(c + i * ldc + j * (W), &acc[i][j], sizeof(NAME##_vec));                                  \
         }                                                                                                    \
     }                                                                                                        \
     KILN_BODIES(NAME, TARGET, MR)                                                                            \
     static inline __attribute__((always_inline)) TARGET void NAME##_run(int m, long k, const float *a, long rs, \
-                                  int packed, const float *b, float *c, long ldc, int n, int load_c,        \
+                                  int packed, const float *b, float *c, long ldc, int n, int flags,          \
                                   const float *bias) {                                                       \
         if (n == (W) * (NV)) {                                                                               \
-            KILN_DISPATCH(NAME, m, (k, a, rs, b, c, ldc, load_c, bias));                                     \
+            KILN_DISPATCH(NAME, m, (k, a, rs, b, c, ldc, flags, bias));                                      \
             return;                                                                                          \
         }                                                                                                    \
         float tile[(MR) * (W) * (NV)] __attribute__((aligned(64))), padded[(W) * (NV)];                      \
         for (int i = 0; i < m; ++i)                                                                          \
-            for (int j = 0; j < (W) * (NV); ++j) tile[i * (W) * (NV) + j] = load_c && j < n ? c[i * ldc + j] : 0.0f; \
+            for (int j = 0; j < (W) * (NV); ++j)                                                             \
+                tile[i * (W) * (NV) + j] = (flags & KILN_TILE_LOAD_C) && j < n ? c[i * ldc + j] : 0.0f;      \
         if (bias) for (int j = 0; j < (W) * (NV); ++j) padded[j] = j < n ? bias[j] : 0.0f;                   \
-        KILN_DISPATCH(NAME, m, (k, a, rs, b, tile, (W) * (NV), load_c, bias ? padded : NULL));               \
+        KILN_DISPATCH(NAME, m, (k, a, rs, b, tile, (W) * (NV), flags, bias ? padded : NULL));                \
         for (int i = 0; i < m; ++i) memcpy(c + i * ldc, tile + i * (W) * (NV), (size_t)n * sizeof(float));  \
     }                                                                                                        \
     static __attribute__((unused)) TARGET void NAME##_packed(int m, long k, const float *a, long lda, const float *b, float *c, long ldc, \
-                              int n, int load_c, const float *bias) {                                        \
+                              int n, int flags, const float *bias) {                                         \
         (void)lda;                                                                                           \
-        NAME##_run(m, k, a, 0, 1, b, c, ldc, n, load_c, bias);                                               \
+        NAME##_run(m, k, a, 0, 1, b, c, ldc, n, flags, bias);                                                \
     }                                                                                                        \
     static TARGET void NAME##_direct(int m, long k, const float *a, long lda, const float *b, float *c, long ldc,   \
-                              int n, int load_c, const float *bias) {                                        \
-        NAME##_run(m, k, a, lda, 0, b, c, ldc, n, load_c, bias);                                             \
+                              int n, int flags, const float *bias) {                                         \
+        NAME##_run(m, k, a, lda, 0, b, c, ldc, n, flags, bias);                                              \
     }
 
 /* One function per row count M (<= MR; larger ones are never called) and A layout, each compiled on its
@@ -158,13 +213,13 @@ typedef struct {
    where each alone runs at 102). NAME_pM reads A packed ([k][MR]), NAME_dM in place (row stride rs). */
 #define KILN_BODY(NAME, TARGET, MR, M)                                                                       \
     static __attribute__((noinline)) TARGET void NAME##_p##M(long k, const float *a, long rs, const float *b, \
-                                                           float *c, long ldc, int load_c, const float *bias) { \
+                                                           float *c, long ldc, int flags, const float *bias) { \
         (void)rs;                                                                                            \
-        NAME##_rows((M) <= (MR) ? (M) : 1, k, a, 1, MR, b, c, ldc, load_c, bias);                            \
+        NAME##_rows((M) <= (MR) ? (M) : 1, k, a, 1, MR, b, c, ldc, flags, bias);                             \
     }                                                                                                        \
     static __attribute__((noinline)) TARGET void NAME##_d##M(long k, const float *a, long rs, const float *b, \
-                                                           float *c, long ldc, int load_c, const float *bias) { \
-        NAME##_rows((M) <= (MR) ? (M) : 1, k, a, rs, 1, b, c, ldc, load_c, bias);                            \
+                                                           float *c, long ldc, int flags, const float *bias) { \
+        NAME##_rows((M) <= (MR) ? (M) : 1, k, a, rs, 1, b, c, ldc, flags, bias);                             \
     }
 #define KILN_BODIES(NAME, TARGET, MR)                                                                        \
     KILN_BODY(NAME, TARGET, MR, 1) KILN_BODY(NAME, TARGET, MR, 2) KILN_BODY(NAME, TARGET, MR, 3)             \
@@ -328,12 +383,7 @@ static inline float tanh_rational(float x) {
    in rows of 16 / 32 / 64: 20.5 / 18.0 / 17.3 us against 15.2 / 12.1 / 11.3, thread CPU time): the epilogue of
    ConvNeXt's 512 x 16 x 64 GELU GEMM was twice its multiply-adds. The tail of a row: masked (AVX-512), scalar
    (AVX2). ½x(1 + erf) as h + h·erf, h = ½x. */
-#define KILN_GELU_COEFFICIENTS                                                                                  \
-    static const float P[7] = {-2.72614225801306e-10f, 2.77068142495902e-08f, -2.10102402082508e-06f,          \
-                               -5.69250639462346e-05f, -7.34990630326855e-04f, -2.95459980854025e-03f,         \
-                               -1.60960333262415e-02f};                                                        \
-    static const float Q[5] = {-1.45660718464996e-05f, -2.13374055278905e-04f, -1.68282697438203e-03f,          \
-                               -7.37332916720468e-03f, -1.42647390514189e-02f};
+#define KILN_GELU_COEFFICIENTS const float *P = KILN_ERF_P, *Q = KILN_ERF_Q;
 KILN_AVX512 static void gelu_avx512(float *c, int n) {
     KILN_GELU_COEFFICIENTS
     for (int j = 0; j < n; j += 16) {
@@ -440,10 +490,15 @@ static void activate(float *c, int n, int activation, float alpha, float beta) {
 
 #pragma GCC pop_options
 
-/* Whether a tile needs the epilogue pass: the tiles start their sums from the bias (tile_bias), so only an activation
-   or a residual is left for it. */
+/* KILN_TILE_GELU where the tiles apply the whole epilogue past the bias in registers (GELU, no residual), else 0. */
+static int tile_gelu(const kiln_gemm_plan *p, const float *res) {
+    return p->activation == ACT_GELU && res == NULL ? KILN_TILE_GELU : 0;
+}
+
+/* Whether a tile needs the epilogue pass: the tiles start their sums from the bias (tile_bias) and apply GELU alone
+   (tile_gelu), so an activation or a residual is left for it otherwise. */
 static int has_epilogue(const kiln_gemm_plan *p, const float *res) {
-    return res != NULL || p->activation != ACT_NONE;
+    return res != NULL || (p->activation != ACT_NONE && !tile_gelu(p, res));
 }
 
 /* The bias the tile at columns [col0, ...) starts from: at the first K block (later ones add to C), not for SwiGLU
@@ -550,7 +605,7 @@ typedef struct {
     const float *x;
     float *y;
     const float *res;
-    int epi, swiglu;
+    int epi, swiglu, gelu;  /* gelu: tile_gelu's flag */
     long chunk, chunks, group_blocks;
 } small_loop;
 
@@ -568,7 +623,7 @@ static void run_small(const kiln_gemm_plan *p, const kernel_desc *kd, const floa
        or fewer the wide tile does more FMAs per load and wins) */
     if (kd->narrow != NULL && M > kd->mr && M <= kd->narrow_mr) {
         const long chunk = panel_chunk(panels, 1, threads), chunks = ceil_div(panels, chunk);
-        small_loop l = {p, kd, x, y, res, epi, swiglu, chunk, chunks, 0};
+        small_loop l = {p, kd, x, y, res, epi, swiglu, tile_gelu(p, res), chunk, chunks, 0};
         kiln_parallel_for(chunks, threads, narrow_item, &l);
         return;
     }
@@ -577,7 +632,7 @@ static void run_small(const kiln_gemm_plan *p, const kernel_desc *kd, const floa
     groups = groups > row_blocks ? row_blocks : groups;
     const long group_blocks = ceil_div(row_blocks, groups);
     const long chunk = panel_chunk(panels, groups, threads), chunks = ceil_div(panels, chunk);
-    small_loop l = {p, kd, x, y, res, epi, swiglu, chunk, chunks, group_blocks};
+    small_loop l = {p, kd, x, y, res, epi, swiglu, tile_gelu(p, res), chunk, chunks, group_blocks};
     kiln_parallel_for(groups * chunks, threads, small_item, &l);
 }
 
@@ -595,7 +650,7 @@ static void narrow_item(void *loop, long c) {
                 l->kd->narrow((int)M, K, l->x, K, w, tile + (col0 - q * nr), nr, n, 0, NULL);
                 continue;
             }
-            l->kd->narrow((int)M, K, l->x, K, w, l->y + col0, N, n, 0, tile_bias(p, col0, 0));
+            l->kd->narrow((int)M, K, l->x, K, w, l->y + col0, N, n, l->gelu, tile_bias(p, col0, 0));
             if (l->epi) epilogue(p, l->y, l->res, 0, col0, (int)M, n, 0);
         }
         if (l->swiglu) swiglu_epilogue(p, nr, tile, nr, l->y, l->res, 0, q, (int)M);
@@ -622,7 +677,7 @@ static void small_item(void *loop, long it) {
                 continue;
             }
             tile_for(l->kd, n, 0)((int)m, K, l->x + row0 * K, K, p->packed_w + q * K * nr, l->y + row0 * N + col0, N, n,
-                                  0, tile_bias(p, col0, 0));
+                                  l->gelu, tile_bias(p, col0, 0));
             if (l->epi) epilogue(p, l->y, l->res, row0, col0, (int)m, n, 0);
         }
     }
@@ -661,6 +716,7 @@ static void blocked_item(const kiln_gemm_plan *p, const kernel_desc *kd, const f
                          const float *res, const float *a_packed, long row_blocks, long b0, long q0, long q1,
                          long p0, long p1, int epi) {
     const long M = p->M, K = p->K, N = p->N, mr = kd->mr, nr = kd->nr, kc = kd->kc;
+    const int gelu = tile_gelu(p, res);
     for (long k0 = 0; k0 < K; k0 += kc) {
         const long kb = K - k0 < kc ? K - k0 : kc;
         const int last = k0 + kb == K;
@@ -681,7 +737,8 @@ static void blocked_item(const kiln_gemm_plan *p, const kernel_desc *kd, const f
                 row_block(M, row_blocks, b0 + q, &row0, &m);
                 prefetch_slice(next, next_kb * nr, q - q0, q1 - q0);
                 const float *a = a_packed ? a_packed + q * mr * K + k0 * mr : x + row0 * K + k0;
-                tile_for(kd, n, a_packed != NULL)((int)m, kb, a, K, b, y + row0 * N + col0, N, n, k0 > 0,
+                tile_for(kd, n, a_packed != NULL)((int)m, kb, a, K, b, y + row0 * N + col0, N, n,
+                                                  (k0 > 0 ? KILN_TILE_LOAD_C : 0) | (last ? gelu : 0),
                                                   tile_bias(p, col0, k0));
                 if (last && p->activation == ACT_SWIGLU)
                     swiglu_epilogue(p, nr, y + row0 * N + col0, N, out, res, row0, pn, (int)m);

@@ -183,9 +183,19 @@ NEVER = 1 << 62
 PARALLEL_MACS = 4 << 20
 
 
-# The whole-K path up to this many row blocks of the tile (AVX2 6x16: 48 rows, AVX-512 8x48: 64); past it,
-# the K-blocked loop.
+# The whole-K path up to this many row blocks of the tile (AVX2 6x16: 48 rows); past it, the K-blocked loop.
 WHOLE_K_ROW_BLOCKS = 8
+# The AVX-512 8x48 tile's: 64 row blocks (512 rows). Its K-blocked loop revisits C per K block of 128 (6 times at
+# K = 768) and on BERT-base's QKV (128 x 768 x 2304) ran at 86-89% of a Zen 4 core's FMA peak; whole K, each tile
+# keeps its sums in registers over the K x 48 W panel (147 KB at K = 768: L2) and writes C once: 92-96% at 128-512
+# rows of K = 768 and 3072, 4-8% faster at every one of BERT-base's shapes (one core, thread CPU time, interleaved;
+# bench/results/packed-2026-12-06.md, section 7). Where x passes IN_PLACE_BYTES the K-blocked loop still takes over.
+WHOLE_K_ROW_BLOCKS_OF = {"avx512 8x48": 64}
+
+
+def whole_k_row_blocks(kernel: Kernel) -> int:
+    """Row blocks of `kernel`'s tile up to which x is read in place over the whole K (at most; small_rows)."""
+    return WHOLE_K_ROW_BLOCKS_OF.get(kernel.name, WHOLE_K_ROW_BLOCKS)
 
 
 def small_rows(kernel: Kernel, k: int) -> int:
@@ -195,15 +205,16 @@ def small_rows(kernel: Kernel, k: int) -> int:
     3072, one thread, CPU time): as fast as the K-blocked paths, packed or not, within the noise (~85 GFLOP/s
     of a ~98 GFLOP/s core). Past a few MB of x, re-reading it per panel would leave the caches.
 
-    Both tiles stop at WHOLE_K_ROW_BLOCKS row blocks: since the K-blocked loop prefetches the next W
+    The 6x16 and 14x32 tiles stop at WHOLE_K_ROW_BLOCKS row blocks: since the K-blocked loop prefetches the next W
     micro-panel and adds C after the K loop (gemm.c), it keeps its kc x NR micro-panel of W in L1 down the
     rows, where the whole-K panel (K x NR floats, 32-384 KB) comes from L2 for every tile. AVX2 6x16 (Xeon
     capped to AVX2, bench/results/avx2-gemm-2026-12-04d.md): crossover between 32 rows (whole K 81-85% of
     the peak, K-blocked 78-81%) and 64 (81-87% against 89%). AVX-512 14x32 (bench/results/gemm-2026-12-05d.md):
     at 128 rows the K-blocked loop ran BERT-base's FFN GEMMs 10-18% faster and T5-small's level or faster;
-    at 56-96 rows the whole-K path was level or up to 10% faster. The 8x48 tile takes the same rule."""
+    at 56-96 rows the whole-K path was level or up to 10% faster. The 8x48 tile goes further (64 row blocks:
+    WHOLE_K_ROW_BLOCKS_OF says why)."""
     rows = max(2 * kernel.mr, IN_PLACE_BYTES // max(4 * k, 1))
-    return min(rows, WHOLE_K_ROW_BLOCKS * kernel.mr)
+    return min(rows, whole_k_row_blocks(kernel) * kernel.mr)
 
 
 def swiglu_panels(w: torch.Tensor, b: torch.Tensor | None, nr: int) -> tuple[torch.Tensor, torch.Tensor | None]:
