@@ -6,7 +6,8 @@
 One engine per model with a dynamic batch profile (1, --opt, --max; tuned at --opt) and, per measured batch, one built
 for that batch alone (profile b, b, b): the "build at that batch" a dynamic engine's steady state is held against.
 Rows, per model and batch (ms of thread CPU time, 1 thread: a loaded machine's preemption left out; median of --reps
-interleaved rounds of the three):
+interleaved rounds, each round in another rotation of the order: the engine called after onnxruntime finds kiln's code
+and data colder than the one called after another kiln engine):
   dynamic       the dynamic engine at this batch in its steady state: after the calls that make a batch met often
                 bound exactly on the background thread and the trial that keeps it or the runs
                 (kiln/runtime/native_batches.py call_batch); `kept` says which each image segment kept
@@ -158,8 +159,10 @@ def main() -> None:
             for run in runs.values():
                 run()
             times: dict[str, list[float]] = {k: [] for k in runs}
-            for _ in range(args.reps):
-                for key, run in runs.items():
+            order = list(runs)
+            for r in range(args.reps):
+                for key in order[r % len(order):] + order[:r % len(order)]:  # each first as often: no order bias
+                    run = runs[key]
                     start = time.thread_time()  # 1 thread: the work, without a loaded machine's preemption
                     run()
                     times[key].append((time.thread_time() - start) * 1e3)
