@@ -28,7 +28,8 @@ over (_PlanRewrite: no per-member Python objects). Views are kept (VIEWS per seg
 out); a segment without the compiled loop binds a segment of its own per size (RESIZED); a size a layer cannot
 bind runs through the layers' own launch functions, as without segments. An image segment's oneDNN layers at a new
 batch run their tuned primitives in chunks of its batch (kiln/kernels/cpu/onednn_chunks.py): its views bind no
-primitive.
+primitive. Another batch of an image segment's images runs as runs of the segment itself (native_batches.py); a
+batch met often is bound exactly on a background thread and swapped in where a trial measures it faster.
 
 The parts: this module's Segment plans its arena, binds its members and runs them, and picks how a size runs;
 native_members.py says what each member reads and writes and binds its call; native_views.py makes the views at
