@@ -6,8 +6,9 @@
 One engine per model with a dynamic batch profile (1, --opt, --max; tuned at --opt) and, per measured batch, one built
 for that batch alone (profile b, b, b): the "build at that batch" a dynamic engine's steady state is held against.
 Rows, per model and batch (ms of thread CPU time, 1 thread: a loaded machine's preemption left out; median of --reps
-interleaved rounds, each round in another rotation of the order: the engine called after onnxruntime finds kiln's code
-and data colder than the one called after another kiln engine):
+interleaved rounds, each in a shuffled order: an engine always called after onnxruntime finds kiln's code and data
+colder than one always called after another kiln engine, 10-30% on these tiny calls; a rotation keeps who goes before
+whom):
   dynamic       the dynamic engine at this batch in its steady state: after the calls that make a batch met often
                 bound exactly on the background thread and the trial that keeps it or the runs
                 (kiln/runtime/native_batches.py call_batch); `kept` says which each image segment kept
@@ -159,9 +160,8 @@ def main() -> None:
             for run in runs.values():
                 run()
             times: dict[str, list[float]] = {k: [] for k in runs}
-            order = list(runs)
-            for r in range(args.reps):
-                for key in order[r % len(order):] + order[:r % len(order)]:  # each first as often: no order bias
+            for _ in range(args.reps):
+                for key in rng.permutation(list(runs)):  # each engine after each other one alike (no order bias)
                     run = runs[key]
                     start = time.thread_time()  # 1 thread: the work, without a loaded machine's preemption
                     run()
