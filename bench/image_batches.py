@@ -6,8 +6,13 @@
 One engine per model with a dynamic batch profile (1, --opt, --max; tuned at --opt) and, per measured batch, one built
 for that batch alone (profile b, b, b): the "build at that batch" a dynamic engine's steady state is held against.
 Rows, per model and batch (ms of thread CPU time, 1 thread: a loaded machine's preemption left out; median of --reps
-interleaved rounds of the three):
-  dynamic       the dynamic engine at this batch (after a first call)
+interleaved rounds, each in a shuffled order: an engine always called after onnxruntime finds kiln's code and data
+colder than one always called after another kiln engine, 10-30% on these tiny calls; a rotation keeps who goes before
+whom):
+  dynamic       the dynamic engine at this batch in its steady state: after the calls that make a batch met often
+                bound exactly on the background thread and the trial that keeps it or the runs
+                (kiln/runtime/native_batches.py call_batch); `kept` says which each image segment kept
+  runs only     a second load of the dynamic engine whose batches stay in runs (no exact bind: h-imgview's)
   built at b    the engine built for this batch
   onnxruntime   its session (intra-op threads 1), same input
   first - rep.  the dynamic engine's first call at this batch minus its repeat, thread CPU time (what a new batch
@@ -35,6 +40,7 @@ import onnxruntime as ort  # noqa: E402
 import torch  # noqa: E402
 
 from kiln import zoo  # noqa: E402
+from kiln.runtime import native_batches  # noqa: E402
 from kiln.runtime.first_calls import primitives_made  # noqa: E402
 
 MODELS = {"resnet_tiny": (3, 64, 64), "convnext_tiny": (3, 64, 64), "swin_tiny": (3, 32, 32),
@@ -65,6 +71,7 @@ def _first_calls(context, session, image: tuple[int, ...], stream: list[int], rn
     """(kiln's first - repeat, onnxruntime's first - repeat) in ms of thread CPU time, per batch of `stream`."""
     ours, theirs = [], []
     for batch in stream:
+        native_batches.BINDS.wait(120)  # an earlier batch's exact bind done: the first call alone on the machine
         x = rng.standard_normal((batch, *image), dtype=np.float32)
         for run, found in ((lambda: context.run({"pixel_values": x}), ours),
                            (lambda: session.run(None, {"pixel_values": x}), theirs)):
@@ -78,6 +85,33 @@ def _first_calls(context, session, image: tuple[int, ...], stream: list[int], rn
                 repeats.append(time.thread_time() - start)
             found.append((first - min(repeats)) * 1e3)
     return ours, theirs
+
+
+def _plans(context, batch: int) -> list:
+    """The BatchPlans of `context`'s segments at `batch` images."""
+    return [plan for segment in context.program.segments for key, plan in segment._batch_plans.items()
+            if segment._planned_batch and key[0][0] * segment._planned_batch // segment._planned_key[0][0] == batch]
+
+
+def _settle(context, x: dict, batch: int) -> str:
+    """Call until every plan at this batch left its exact bind's trial (bound kept, runs kept or failed); the states."""
+    for _ in range(native_batches.BIND_AFTER):
+        context.run(x)
+    native_batches.BINDS.wait(120)
+    for _ in range(4 * native_batches.TRIAL):
+        if all(p.state not in ("binding", "trial") for p in _plans(context, batch)):
+            break
+        context.run(x)
+    states = [p.state for p in _plans(context, batch)]
+    return ",".join(f"{states.count(s)} {s}" for s in dict.fromkeys(states)) or "planned"
+
+
+def _runs_only(context, x: dict, batch: int) -> None:
+    """A first call, then its plans held in runs (as h-imgview ran every batch)."""
+    context.run(x)
+    for plan in _plans(context, batch):
+        if plan.state == "runs":
+            plan.state = "runs kept"
 
 
 def main() -> None:
@@ -107,6 +141,7 @@ def main() -> None:
         session = ort.InferenceSession(str(zoo.export(name, dynamic=True).path), options,
                                        providers=["CPUExecutionProvider"])
         dynamic = kiln.load(folder / f"{name}-dynamic.kiln").create_execution_context(pad_first_calls=False)
+        runs_only = kiln.load(folder / f"{name}-dynamic.kiln").create_execution_context(pad_first_calls=False)
         primitives_made(120)  # what the engine makes ahead on its background thread (before timing anything)
         dynamic.run({"pixel_values": rng.standard_normal((args.opt, *image), dtype=np.float32)})
         stream = [b for b in range(1, args.max + 1) if b != args.opt and b not in batches]
@@ -114,32 +149,37 @@ def main() -> None:
         warm = [b for b in (3, 1) if b not in batches]  # one-time costs (the one-image view) before the stream
         _first_calls(dynamic, session, image, warm, rng)
         ours, theirs = _first_calls(dynamic, session, image, stream[:args.stream], rng)
-        rows.append((name, "first - repeat, new batches", statistics.median(ours), None, statistics.median(theirs)))
+        rows.append((name, "first - repeat, new batches", statistics.median(ours), None, None,
+                     statistics.median(theirs)))
         for batch in batches:
             built = kiln.load(folder / f"{name}-b{batch}.kiln").create_execution_context()
             x = {"pixel_values": rng.standard_normal((batch, *image), dtype=np.float32)}
-            runs = {"dynamic": lambda: dynamic.run(x), "built": lambda: built.run(x),
-                    "onnxruntime": lambda: session.run(None, x)}
+            runs = {"dynamic": lambda: dynamic.run(x), "runs only": lambda: runs_only.run(x),
+                    "built": lambda: built.run(x), "onnxruntime": lambda: session.run(None, x)}
+            kept = _settle(dynamic, x, batch)
+            _runs_only(runs_only, x, batch)
             for run in runs.values():
                 run()
             times: dict[str, list[float]] = {k: [] for k in runs}
             for _ in range(args.reps):
-                for key, run in runs.items():
+                for key in rng.permutation(list(runs)):  # each engine after each other one alike (no order bias)
+                    run = runs[key]
                     start = time.thread_time()  # 1 thread: the work, without a loaded machine's preemption
                     run()
                     times[key].append((time.thread_time() - start) * 1e3)
-            rows.append((name, f"batch {batch}", *(statistics.median(times[k]) for k in runs)))
+            rows.append((name, f"batch {batch} ({kept})", *(statistics.median(times[k]) for k in runs)))
             del built
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     print(f"# {cpu}, 1 thread, load average {os.getloadavg()[0]:.1f} (end), opt {args.opt}, ms of thread CPU time")
-    print("| model | rows | dynamic | built at b | onnxruntime | dynamic / built | dynamic / ort |")
-    print("|---|---|---|---|---|---|---|")
-    for name, what, ours, built, theirs in rows:
+    print("| model | rows | dynamic | runs only | built at b | onnxruntime | dynamic / built | runs only / built | "
+          "dynamic / ort |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, what, ours, runs, built, theirs in rows:
         if built is None:
-            print(f"| {name} | {what} | {ours:.2f} | | {theirs:.2f} | | |")
+            print(f"| {name} | {what} | {ours:.2f} | | | {theirs:.2f} | | | |")
         else:
-            print(f"| {name} | {what} | {ours:.2f} | {built:.2f} | {theirs:.2f} | {ours / built:.2f} | "
-                  f"{ours / theirs:.2f} |")
+            print(f"| {name} | {what} | {ours:.2f} | {runs:.2f} | {built:.2f} | {theirs:.2f} | {ours / built:.2f} | "
+                  f"{runs / built:.2f} | {ours / theirs:.2f} |")
 
 
 if __name__ == "__main__":

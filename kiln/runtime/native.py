@@ -28,7 +28,8 @@ over (_PlanRewrite: no per-member Python objects). Views are kept (VIEWS per seg
 out); a segment without the compiled loop binds a segment of its own per size (RESIZED); a size a layer cannot
 bind runs through the layers' own launch functions, as without segments. An image segment's oneDNN layers at a new
 batch run their tuned primitives in chunks of its batch (kiln/kernels/cpu/onednn_chunks.py): its views bind no
-primitive.
+primitive. Another batch of an image segment's images runs as runs of the segment itself (native_batches.py); a
+batch met often is bound exactly on a background thread and swapped in where a trial measures it faster.
 
 The parts: this module's Segment plans its arena, binds its members and runs them, and picks how a size runs;
 native_members.py says what each member reads and writes and binds its call; native_views.py makes the views at
@@ -54,8 +55,8 @@ from kiln.kernels.cpu import hugepages, native_loop, onednn
 from kiln.kernels.cpu.form_choice import PARALLEL, SERIAL, FormChooser
 from kiln.plan.memory import Interval, place
 from kiln.runtime.native_arena import SharedArena
-from kiln.runtime.native_batches import (PLANS, BatchPlan, batch_plan, computes_each_image_alone, planned_batch,
-                                         run_batches)
+from kiln.runtime.native_batches import (PLANS, BatchPlan, batch_plan, call_batch, computes_each_image_alone,
+                                         forget, planned_batch)
 from kiln.runtime.native_members import (_bind_member, _entry_forms, _form, _forms, _run_loop, reads_of, serial_calls,
                                          writes_of)
 from kiln.runtime.native_views import _PlanRewrite, _Resized
@@ -268,6 +269,7 @@ class Segment:
         self._batch_plans: OrderedDict[tuple, BatchPlan] = OrderedDict()
         self._left_reorders: dict[int, tuple] = {}
         self._per_image: bool | None = None
+        self._bound_batches: dict[tuple, BatchPlan] = {}  # batches bound exactly, kept (native_batches.call_batch)
 
     def on_arena(self, arena: SharedArena | None) -> Segment:
         """These layers bound anew over `arena` (another execution context's: SharedArena.sibling): the same memory
@@ -491,8 +493,8 @@ class Segment:
             if key == self._planned_key:
                 return self._run_bound(values)
             plan = self._batch_runs(key)
-            if plan is not None:  # another batch of its images: runs of this segment (native_batches.py)
-                return run_batches(self, values, plan)
+            if plan is not None:  # another batch of its images: runs of this segment, or that batch bound exactly
+                return call_batch(self, key, values, plan)  # once met often (native_batches.py)
             with self._resize_lock:  # contexts of one engine share its segments
                 other = self._bind_sizes(key)
             if other is not None:
@@ -512,7 +514,7 @@ class Segment:
                 if plan is not None:
                     self._batch_plans[key] = plan
                     while len(self._batch_plans) > PLANS:
-                        self._batch_plans.popitem(last=False)
+                        forget(self, *self._batch_plans.popitem(last=False))
         return plan
 
     def _computes_each_image_alone(self) -> bool:

@@ -7,6 +7,7 @@ from time."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections import OrderedDict
 
 import numpy as np
@@ -17,7 +18,7 @@ import torch
 import kiln
 from kiln import zoo
 from kiln.kernels.cpu import native_loop, onednn, onednn_chunks, onednn_primitives
-from kiln.runtime import native
+from kiln.runtime import native, native_batches
 from kiln.runtime.native import Segment
 from kiln.tactics.tactic import NativeStep
 
@@ -46,11 +47,13 @@ def test_new_batches_run_the_planned_segment_and_bind_nothing(resnet, monkeypatc
     engine, session = resnet
     segment = _image_segment(engine)
     assert segment._planned_batch == 2  # the profile's opt
+    assert native_batches.BINDS.wait(60)  # no exact bind of another test's still making primitives
+    monkeypatch.setattr(native_batches, "BIND_AFTER", 1 << 20)  # runs only (the exact binds: tests below)
     context = engine.create_execution_context(pad_first_calls=False)  # every batch runs as given (none padded)
     rng = np.random.default_rng()
     context.run({"pixel_values": rng.standard_normal((1, 3, 64, 64), dtype=np.float32)})  # the one-image view
     made, batch_runs = [], []
-    real_init, real_runs = onednn_primitives.Conv2d.__init__, native.run_batches
+    real_init, real_runs = onednn_primitives.Conv2d.__init__, native_batches.run_batches
 
     def counting_init(self, w, b, input_size, *args, **kwargs):
         made.append(tuple(input_size))
@@ -61,7 +64,7 @@ def test_new_batches_run_the_planned_segment_and_bind_nothing(resnet, monkeypatc
         return real_runs(seg, values, plan)
 
     monkeypatch.setattr(onednn_primitives.Conv2d, "__init__", counting_init)
-    monkeypatch.setattr(native, "run_batches", counting_runs)
+    monkeypatch.setattr(native_batches, "run_batches", counting_runs)
     views = dict(segment.resized)
     batches = [3, 12, *rng.choice(np.arange(4, 12), 3, replace=False).tolist()]
     for batch in batches:
@@ -118,6 +121,130 @@ def test_a_member_along_the_first_dim_refuses_batch_runs(resnet, monkeypatch, op
     assert segment._computes_each_image_alone() is False
     monkeypatch.undo()
     assert segment._computes_each_image_alone() is True
+
+
+def _fresh_plans(segment, monkeypatch) -> None:
+    """The segment without an earlier test's batch plans or bound batches (the module's engine is shared)."""
+    monkeypatch.setattr(segment, "_batch_plans", OrderedDict())
+    monkeypatch.setattr(segment, "_bound_batches", {})
+
+
+def _check(context, session, rng, batch: int) -> None:
+    x = rng.standard_normal((batch, 3, 64, 64), dtype=np.float32)
+    np.testing.assert_allclose(next(iter(context.run({"pixel_values": x}).values())),
+                               session.run(None, {"pixel_values": x})[0], rtol=RTOL, atol=ATOL,
+                               err_msg=f"batch {batch}")
+
+
+@pytest.mark.parametrize("keep_bound_at, kept", [(1.0, "bound"), (0.5, "runs kept")])
+def test_a_batch_met_often_is_bound_exactly_and_swapped_in(resnet, monkeypatch, keep_bound_at, kept):
+    """After BIND_AFTER calls in runs, a batch is bound on the background thread with primitives made for it, swapped
+    into its plan, timed against the runs (a fake clock: every call 1 s, so the tie keeps the bound batch, and a
+    ratio of 0.5 keeps the runs) and then served by whichever stayed; outputs against onnxruntime throughout."""
+    engine, session = resnet
+    segment = _image_segment(engine)
+    _fresh_plans(segment, monkeypatch)
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(native_batches, "_clock", lambda: float(next(ticks)))
+    monkeypatch.setattr(native_batches, "KEEP_BOUND_AT", keep_bound_at)
+    context = engine.create_execution_context(pad_first_calls=False)
+    rng = np.random.default_rng()
+    made = []
+    real_init = onednn_primitives.Conv2d.__init__
+
+    def counting_init(self, w, b, input_size, *args, **kwargs):
+        made.append(tuple(input_size))
+        real_init(self, w, b, input_size, *args, **kwargs)
+
+    monkeypatch.setattr(onednn_primitives.Conv2d, "__init__", counting_init)
+    batch, key = 5, ((5, 3, 64, 64),)
+    for _ in range(native_batches.BIND_AFTER):
+        _check(context, session, rng, batch)
+    plan = segment._batch_plans[key]
+    assert plan.state in ("binding", "trial")
+    assert native_batches.BINDS.wait(60)
+    assert plan.state == "trial" and isinstance(plan.bound, Segment)
+    assert plan.bound._planned_key == key and plan.bound._planned_batch == 5
+    # its oneDNN layers on primitives made for 5 images, none in chunks of the tuned one (the runs' views' form)
+    assert not any(isinstance(b, onednn_chunks.ChunksBound) for b in plan.bound.bound)
+    assert {size[0] for size in made} <= {1, 5}, made  # (1: the one-image view of the runs, where not made yet)
+    assert segment._bound_batches == {key: plan}
+    for _ in range(2 * native_batches.TRIAL):
+        _check(context, session, rng, batch)
+    assert plan.state == kept
+    assert (plan.bound is not None) == (kept == "bound")
+    assert (key in segment._bound_batches) == (kept == "bound")
+    served = []
+    real_bound, real_runs = Segment._run_bound, native_batches.run_batches
+    monkeypatch.setattr(Segment, "_run_bound", lambda self, values: served.append("bound") or real_bound(self, values))
+    monkeypatch.setattr(native_batches, "run_batches",
+                        lambda seg, values, p: served.append("runs") or real_runs(seg, values, p))
+    _check(context, session, rng, batch)
+    assert served == (["bound"] if kept == "bound" else ["runs"])
+
+
+def test_bound_batches_are_bounded_least_recently_used_out(resnet, monkeypatch):
+    """At most BOUND_BATCHES bound batches per segment: a fresh one lets the least recently used go (its plan counts
+    again, to bind after twice as many calls); a byte bound below one batch's arena keeps none."""
+    engine, session = resnet
+    segment = _image_segment(engine)
+    _fresh_plans(segment, monkeypatch)
+    monkeypatch.setattr(native_batches, "BOUND_BATCHES", 2)
+    monkeypatch.setattr(native_batches, "BIND_AFTER", 1)
+    context = engine.create_execution_context(pad_first_calls=False)
+    rng = np.random.default_rng()
+    for batch in (3, 4, 5):
+        _check(context, session, rng, batch)
+        assert native_batches.BINDS.wait(60)
+    plans = {k[0][0]: p for k, p in segment._batch_plans.items()}
+    assert sorted(k[0][0] for k in segment._bound_batches) == [4, 5]
+    assert plans[3].state == "evicted" and plans[3].bound is None and plans[3].evictions == 1
+    assert plans[4].state == plans[5].state == "trial"
+    _check(context, session, rng, 3)  # 1 call of 2 needed now: not bound again yet
+    assert plans[3].state == "evicted"
+    monkeypatch.setattr(native_batches, "BOUND_BYTES", 1)
+    _check(context, session, rng, 3)
+    assert native_batches.BINDS.wait(60)
+    assert segment._bound_batches == {} and all(p.bound is None for p in plans.values())
+    _check(context, session, rng, 4)
+
+
+def test_two_threads_call_while_the_batch_is_swapped_in(resnet, monkeypatch):
+    """Two contexts of one engine call batches 3 and 5 from two threads while their exact binds are made and swapped
+    in: every output matches onnxruntime, and the background thread stops by itself once nothing is queued."""
+    engine, session = resnet
+    segment = _image_segment(engine)
+    _fresh_plans(segment, monkeypatch)
+    monkeypatch.setattr(native_batches, "BIND_AFTER", 1)
+    rng = np.random.default_rng()
+    inputs = {b: rng.standard_normal((b, 3, 64, 64), dtype=np.float32) for b in (3, 5)}
+    expected = {b: session.run(None, {"pixel_values": x})[0] for b, x in inputs.items()}
+    errors = []
+    contexts = [engine.create_execution_context(pad_first_calls=False) for _ in range(2)]
+    segments = [_image_segment(c) for c in contexts]  # a second context's program may bind its segments anew
+    for s in segments:
+        _fresh_plans(s, monkeypatch)
+
+    def calls(batch: int) -> None:
+        context = contexts[batch == 5]
+        try:
+            for _ in range(12):
+                for b in (batch, 8 - batch):
+                    got = next(iter(context.run({"pixel_values": inputs[b]}).values()))
+                    np.testing.assert_allclose(got, expected[b], rtol=RTOL, atol=ATOL)
+        except Exception as e:  # noqa: BLE001  reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=calls, args=(b,)) for b in (3, 5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[0]
+    assert native_batches.BINDS.wait(60)
+    assert native_batches.BINDS._thread is None  # stopped by itself
+    states = [p.state for s in set(segments) for p in s._batch_plans.values()]
+    assert len(states) >= 2 and all(s in ("trial", "bound", "runs kept") for s in states), states
 
 
 def _conv(n: int, w: torch.Tensor, b: torch.Tensor, residual: bool, in_place: bool = False,

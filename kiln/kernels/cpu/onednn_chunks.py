@@ -21,8 +21,11 @@ adds oneDNN's fixed cost of an execution (a few µs), which shows only on tiny l
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 from kiln.kernels.cpu import native_loop, onednn
@@ -42,6 +45,28 @@ class _ChunkPlan(ctypes.Structure):  # chunk_plan in segment_loop.c
 
 def available() -> bool:
     return onednn.available() and native_loop.load() is not None
+
+
+_EXACT = threading.local()
+
+
+@contextlib.contextmanager
+def exact_batches() -> Iterator[None]:
+    """Inside, on this thread, a layer at another batch binds a primitive made for that batch, not chunks of its
+    tuned one: kiln/runtime/native_batches.py's exact bind of a batch met often, made on a background thread (a
+    tiny image layer's runs repeat oneDNN's fixed cost of an execution per run; a primitive for the whole batch
+    pays it once)."""
+    outer = getattr(_EXACT, "on", False)
+    _EXACT.on = True
+    try:
+        yield
+    finally:
+        _EXACT.on = outer
+
+
+def exact() -> bool:
+    """Whether this thread is inside exact_batches()."""
+    return getattr(_EXACT, "on", False)
 
 
 class BatchChunks:

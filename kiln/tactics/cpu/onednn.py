@@ -79,9 +79,10 @@ def _built(primitives: dict, key, build, tuned: Callable[[Any], bool]):
 
 def _in_chunks(size: tuple[int, ...], tuned: tuple[int, ...]) -> bool:
     """Whether a segment runs this layer at `size` as chunks of its tuned primitive (onednn_chunks.py): another
-    batch of images of the tuned size."""
+    batch of images of the tuned size, unless an exact bind of that batch asks for its own primitive
+    (onednn_chunks.exact_batches)."""
     return (len(size) == 4 and size[0] != tuned[0] and size[0] > 0 and tuple(size[1:]) == tuple(tuned[1:])
-            and onednn_chunks.available())
+            and onednn_chunks.available() and not onednn_chunks.exact())
 
 
 _DEPTHWISE_KERNEL = "jit_dw:"  # any ISA's
