@@ -7,6 +7,10 @@ the op's registered implementation, as the autotuner checks it. Tolerances: floa
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -566,3 +570,24 @@ def test_rms_norm_matches_float64(affine):
         want = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + eps) * (scale if scale is not None else 1.0)
         np.testing.assert_allclose(got.numpy(), want, atol=ATOL * 4, rtol=RTOL, err_msg=f"n={n}")
         np.testing.assert_allclose(got.numpy(), op(ctx, *inputs, epsilon=eps).numpy(), atol=ATOL * 4, rtol=RTOL)
+
+
+def test_the_attention_tests_pass_under_the_avx2_cap():
+    """This file's attention tests again in a process under KILN_CPU_ISA=avx2: the kernels compiled for x86-64-v3,
+    so the AVX2 tiles run (pv_tile's six-row tile, pack_keys' 8x8 transposes) where the AVX-512 build takes its
+    32-wide ones. The process is told apart by the cap itself, so it does not start another."""
+    from kiln.kernels.cpu import cpu_features, native_loop
+
+    if cpu_features.isa_cap() == "avx2":
+        pytest.skip("already under the cap (this is the capped run)")
+    if cpu_features.isa() not in ("avx2", "avx512") or native_loop.find_compiler() is None:
+        pytest.skip("needs an x86 CPU with AVX2 and a C compiler")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "KILN_CPU_ISA": "avx2", "PYTHONPATH": str(root)}
+    for name in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY"):
+        env.pop(name, None)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider",
+                           str(Path(__file__)), "-k", "attention and not avx2_cap"], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=root)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and " failed" not in done.stdout, done.stdout[-2000:]
