@@ -85,6 +85,9 @@ def main() -> None:
     parser.add_argument("--draws", type=int, default=4)
     parser.add_argument("--images", type=int, default=2, help="per-layer tables for this many differing images")
     parser.add_argument("--no-gptq", action="store_true")
+    parser.add_argument("--plan", nargs=2, action="append", default=[], metavar=("FLOAT", "WEIGHT_ONLY"),
+                        help="also a build with these comma-separated layers pinned fp32 and weight-only (no target; "
+                             "'-' for none); repeatable")
     args = parser.parse_args()
     torch.set_num_threads(1)
     images = photo_variants()
@@ -103,10 +106,16 @@ def main() -> None:
 
     print(f"{cpu_name()}, 1 thread, torch {torch.__version__}, load {os.getloadavg()[0]:.1f}", flush=True)
     rows = []
-    for target in args.targets:
+    plans = [(target, {}) for target in args.targets]
+    for floats, weight_only in args.plan:
+        pins = {name: "fp32" for name in floats.split(",") if name != "-"}
+        pins.update({name: "weight_only" for name in weight_only.split(",") if name != "-"})
+        plans.append((None, pins))
+    for target, pins in plans:
         start = time.perf_counter()
         config = BuildConfig(precision="int8", calibration=calibration, calibrator="percentile",
-                             gptq=not args.no_gptq, accuracy_target=target, accuracy_metric="top1")
+                             gptq=not args.no_gptq, accuracy_target=target, accuracy_metric="top1",
+                             layer_precision=pins)
         quantized, info = quantize(onnx_frontend.load(path), config, lambda _m: None)
         kept = len(info.get("kept_float") or {})
         proto = ir.to_proto(quantized)
@@ -129,7 +138,9 @@ def main() -> None:
         for draw in draws:
             counts["reference"].append(sum(int(run_reference(v).argmax() == t) for v, t in zip(draw, top1)))
             counts["engine"].append(sum(int(run_engine(v).argmax() == t) for v, t in zip(draw, top1)))
-        row = {"target": target, "kept_float": kept, "expected": (info.get("accuracy") or {}).get("top1"),
+        row = {"target": target if target is not None else f"pinned ({len(pins)})", "kept_float": kept,
+               "weight_only": len(info.get("weight_only") or {}),
+               "expected": (info.get("accuracy") or {}).get("top1") or float("nan"),
                "counts": counts, "seconds": round(time.perf_counter() - start),
                "relerr": {k: float(np.mean([relerr(o, w) for o, w in zip(outs, want)])) for k, outs in out.items()},
                "engine_vs_reference": float(np.mean([relerr(e, r) for e, r in zip(out["engine"], out["reference"])]))}
@@ -142,12 +153,12 @@ def main() -> None:
             print("\n".join(per_layer(reference, engine, held[i])), flush=True)
     print(f"\n{cpu_name()}, 1 thread, load {os.getloadavg()[0]:.1f}, {len(held)} held-out images, "
           f"{args.draws} redraws (inputs x (1 + 1e-6 N(0,1)))")
-    print("| target | layers float | expected top-1 | reference (as is; redraws) | engine (as is; redraws) | "
+    print("| target | layers float, weight-only | expected top-1 | reference (as is; redraws) | engine (as is; redraws) | "
           "relerr ref / engine / engine-ref |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         c = r["counts"]
-        print(f"| {r['target']} | {r['kept_float']} | {r['expected']:.4f} | {c['reference'][0]}; "
+        print(f"| {r['target']} | {r['kept_float']}, {r['weight_only']} | {r['expected']:.4f} | {c['reference'][0]}; "
               f"{', '.join(map(str, c['reference'][1:]))} | {c['engine'][0]}; {', '.join(map(str, c['engine'][1:]))} "
               f"| {r['relerr']['reference']:.4f} / {r['relerr']['engine']:.4f} / {r['engine_vs_reference']:.4f} |")
 
