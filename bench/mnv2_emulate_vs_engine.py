@@ -81,7 +81,7 @@ def per_layer(reference: Program, engine, image: np.ndarray) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--targets", type=float, nargs="+", default=[0.97])
+    parser.add_argument("--targets", type=float, nargs="*", default=[0.97])
     parser.add_argument("--draws", type=int, default=4)
     parser.add_argument("--images", type=int, default=2, help="per-layer tables for this many differing images")
     parser.add_argument("--no-gptq", action="store_true")
@@ -153,7 +153,8 @@ def main() -> None:
             print("\n".join(per_layer(reference, engine, held[i])), flush=True)
     print(f"\n{cpu_name()}, 1 thread, load {os.getloadavg()[0]:.1f}, {len(held)} held-out images, "
           f"{args.draws} redraws (inputs x (1 + 1e-6 N(0,1)))")
-    print("| target | layers float, weight-only | expected top-1 | reference (as is; redraws) | engine (as is; redraws) | "
+    print("| target | layers float, weight-only | expected top-1 | reference (as is; redraws) | "
+          "engine (as is; redraws) | "
           "relerr ref / engine / engine-ref |")
     print("|---|---|---|---|---|---|")
     for r in rows:

@@ -13,9 +13,9 @@ interleaved rounds, medians:
 
     fp32     torch's channels-last float convolution (oneDNN, as kiln's cpu.conv.onednn_direct), f32 in and out
     int8     kiln's QConv2d: u8 in, f32 out (the float-output form)
-    w8a16    the two int8 convolutions (f32 out) and their sum; `split` apart: f32 -> hi, lo bytes (torch ops, an
-             upper bound on a one-pass native split; 2x a one-byte oneDNN quantizing reorder is printed beside it
-             as the one-pass estimate)
+    w8a16    kiln's W8A16Conv2d (kiln/kernels/cpu/onednn_int8.py): the two int8 convolutions, the low byte's
+             added by a sum post-op; `split` apart: f32 -> hi, lo bytes (torch ops, an upper bound on a one-pass
+             native split; 2x a one-byte oneDNN quantizing reorder is printed beside it as the one-pass estimate)
 
 --layers float: the 16 layers the 0.97 target keeps float (stem, b1, b2.expand, ...: bench/results/quantacc4);
 all: the 52 convolutions.
@@ -63,34 +63,12 @@ def conv_layers(path: str) -> list[dict]:
             continue
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         src = producer.get(node.input[0])
-        layers.append({"name": node.name, "w": init[node.input[1]], "b": init.get(node.input[2]) if len(node.input) > 2
-                       else None, "stride": list(attrs.get("strides", [1, 1])), "pads": list(attrs.get("pads", [0] * 4)),
+        bias = init.get(node.input[2]) if len(node.input) > 2 else None
+        layers.append({"name": node.name, "w": init[node.input[1]], "b": bias,
+                       "stride": list(attrs.get("strides", [1, 1])), "pads": list(attrs.get("pads", [0] * 4)),
                        "group": int(attrs.get("group", 1)), "shape": shapes[node.input[0]],
                        "unsigned": src is not None and src.op_type in ("Clip", "Relu")})
     return layers
-
-
-class W8A16Conv:
-    """conv(x, w) for x at 16 bits (scale s; unsigned, or signed as q + 32768) and int8 per-channel w, as two oneDNN
-    int8 convolutions (module docstring)."""
-
-    def __init__(self, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, shape: list[int],
-                 stride: list[int], pads: list[int], group: int, s: float, unsigned: bool):
-        self.s, self.unsigned = s, unsigned
-        args = dict(stride=stride, pads=pads, dilation=[1, 1], groups=group, x_dtype=torch.uint8, y=None)
-        bias_q = None if bias is None else torch.round(bias.double() / (s * w_scale.double())).to(torch.int32)
-        self.hi = onednn_int8.QConv2d(w_q, w_scale, None, shape, x_scale=256 * s, x_zero=0 if unsigned else 128,
-                                      **args)
-        self.lo = onednn_int8.QConv2d(w_q, w_scale, bias_q, shape, x_scale=s, x_zero=0, **args)
-
-    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        q = torch.round(x / self.s)
-        q = q.clamp(0, 65535) if self.unsigned else q.clamp(-32767, 32767) + 32768
-        q = q.to(torch.int32)
-        return (q >> 8).to(torch.uint8), (q & 255).to(torch.uint8)
-
-    def __call__(self, hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
-        return self.hi(hi).add_(self.lo(lo))
 
 
 def runners_of(layer, x, wf, b, pads, int8, x8, conv, hi, lo, one_byte) -> dict:
@@ -127,15 +105,14 @@ def main() -> None:
         x = x.contiguous(memory_format=torch.channels_last)
         amax = float(x.abs().max())
         s = amax / (65535 if layer["unsigned"] else 32767)
-        conv = W8A16Conv(w_q, w_scale, b, layer["shape"], layer["stride"], layer["pads"], layer["group"], s,
-                         layer["unsigned"])
+        conv = onednn_int8.W8A16Conv2d(w_q, w_scale, b, layer["shape"], layer["stride"], layer["pads"], [1, 1],
+                                       layer["group"], s, signed=not layer["unsigned"])
         hi, lo = conv.split(x)
         hi, lo = (t.contiguous(memory_format=torch.channels_last) for t in (hi, lo))
         got = conv(hi, lo)
         # float64 oracle: the 16-bit q the split made (256·hi + lo, less 32768 if signed), the int8-grid weights
         q = 256 * hi.double() + lo.double() - (0 if layer["unsigned"] else 32768)
-        bias_q = None if b is None else torch.round(b.double() / (s * w_scale.double())) * (s * w_scale.double())
-        want = torch.nn.functional.conv2d(q * s, w_deq.double(), bias_q, layer["stride"],
+        want = torch.nn.functional.conv2d(q * s, w_deq.double(), None if b is None else b.double(), layer["stride"],
                                           [layer["pads"][0], layer["pads"][1]], 1, layer["group"])
         err = float((got.double() - want).abs().max() / want.abs().max())
         x8 = torch.round(x / (amax / 255)).clamp(0, 255).to(torch.uint8).contiguous(memory_format=torch.channels_last) \

@@ -78,7 +78,8 @@ def test_mobilenet_v2_engine_steps_equal_the_emulation_alone():
                     apart = np.abs(got - ref)
                     # one step on near-ties only: oneDNN rounds r·(1/s) in float32 where the reference divides
                     assert apart.max() <= 1 and (apart > 0).sum() <= max(3, 1e-4 * apart.size), \
-                        f"{step.name} ({step.tactic}): {int((apart > 0).sum())} of {apart.size} apart, max {apart.max()}"
+                        f"{step.name} ({step.tactic}): {int((apart > 0).sum())} of {apart.size} apart, " \
+                        f"max {apart.max()}"
                 else:
                     err = np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30)
                     assert err <= 2e-5, f"{step.name} ({step.tactic}): max error {err:.3g} of max |reference|"
