@@ -271,7 +271,8 @@ class W8A16Conv2d:
     applied after: act(r) to float32 rounding of the float64 result. The accuracy of a float input (2^-16 of the
     range per step where int8 has 2^-8) at about twice an int8 layer's time: what the accuracy target's weight-only
     layers would run on an int8 CPU (bench/w8a16_conv.py: per MobileNetV2 layer against fp32 and int8).
-    Writes float32, NHWC."""
+    Writes float32, NHWC. Both bytes are u8 sources like any QConv2d's: on a CPU without VNNI the same weight rule
+    holds (pair_overflow_possible; kiln's 7-bit weights there)."""
 
     def __init__(self, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, input_size: list[int],
                  stride: list[int], pads: list[int], dilation: list[int], groups: int, x_scale: float, signed: bool,
