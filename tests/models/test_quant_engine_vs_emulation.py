@@ -89,12 +89,12 @@ def test_mobilenet_v2_engine_steps_equal_the_emulation_alone():
         assert {s.name for s in judged} <= compared, sorted({s.name for s in judged} - compared)
 
 
-@pytest.mark.slow  # 20+ min at load 7-9 on 2 cores: the target's search, the CPU build, 202 images
+@pytest.mark.slow  # 10 min at load 4-7 on 2 cores: the target's search, the CPU build, 202 images
 @pytest.mark.skipif(not onednn.available(), reason="needs oneDNN")
 def test_mobilenet_v2_int8_target_on_the_real_cpu_engine(capsys):
     """The CPU engine built with --accuracy-target 0.97 (percentile, GPTQ, top-1 metric), judged on the 202
-    held-out images of bench/results/quantacc4: 193/202 at c. 0.8-0.9x FP32's latency (the issue's 97% would be
-    196). Its logits' mean error to fp32 must stay the emulation's (0.0384 both, bench/mnv2_emulate_vs_engine.py):
+    held-out images of bench/results/quantacc4: 193-196/202 at c. 0.8-0.9x FP32's latency (the issue's 97% is 196,
+    met on average only at the 0.98 target). Its logits' mean error to fp32 must stay the emulation's (0.0384 both, bench/mnv2_emulate_vs_engine.py):
     the draw of which images flip may differ, the accuracy may not."""
     import kiln
 
@@ -119,6 +119,7 @@ def test_mobilenet_v2_int8_target_on_the_real_cpu_engine(capsys):
     with capsys.disabled():
         print(f"\nMobileNetV2 int8, target 0.97, real CPU engine: {agree}/{len(held)} held-out images keep fp32's "
               f"top-1 ({len(record['kept_float'])} layers float), relerr {relerr(got):.4f}")
-    # measured 193 (redraws of the inputs: 193-197, bench/mnv2_emulate_vs_engine.py); below 196: not yet 97%
+    # measured 193 and, in a later build of the same (its tactics timed anew), 196 (redraws of the inputs: 193-197,
+    # bench/mnv2_emulate_vs_engine.py; mean 194.8): 97% = 196 is not reliably met at this target
     assert agree >= 191
     assert relerr(got) <= 0.045  # 0.0384 measured (the emulation: 0.0384)
