@@ -113,7 +113,8 @@ class _Quantized:
     constant memories (scales, zero points, weight, bias) an execution passes."""
 
     def _attr(self, scales: torch.Tensor, weight_mask: int, x_zero: int, y: tuple | None,
-              eltwise: Eltwise | None) -> _Handle:
+              eltwise: Eltwise | None, accumulate: bool = False) -> _Handle:
+        """accumulate: a sum post-op first (dst += the layer's result, before the eltwise): W8A16Conv2d's low byte."""
         lib = _lib()
         attr = ctypes.c_void_p()
         _check(lib.lib.dnnl_primitive_attr_create(ctypes.byref(attr)), "attr")
@@ -132,12 +133,15 @@ class _Quantized:
                 _check(lib.lib.dnnl_primitive_attr_set_zero_points_mask(attr, ARG_DST, 0), "dst zero point")
                 self._constants.append((ARG_ATTR_ZERO_POINTS | ARG_DST, torch.tensor([y_zero], dtype=torch.int32),
                                         S32))
-        if eltwise is not None:
+        if eltwise is not None or accumulate:
             post = ctypes.c_void_p()
             _check(lib.lib.dnnl_post_ops_create(ctypes.byref(post)), "post ops")
             post_h = _Handle(post, "dnnl_post_ops_destroy")
-            _check(lib.lib.dnnl_post_ops_append_eltwise(post, ELTWISE[eltwise.alg], eltwise.alpha, eltwise.beta),
-                   f"eltwise post-op {eltwise}")
+            if accumulate:
+                _check(lib.lib.dnnl_post_ops_append_sum(post, 1.0, 0, 0), "sum post-op")
+            if eltwise is not None:
+                _check(lib.lib.dnnl_post_ops_append_eltwise(post, ELTWISE[eltwise.alg], eltwise.alpha, eltwise.beta),
+                       f"eltwise post-op {eltwise}")
             _check(lib.lib.dnnl_primitive_attr_set_post_ops(attr, post), "set post ops")
             del post_h
         return attr_h
@@ -204,10 +208,14 @@ class QConv2d(_Quantized):
     def __init__(self, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, input_size: list[int],
                  stride: list[int], pads: list[int], dilation: list[int], groups: int, x_dtype: torch.dtype,
                  x_scale: float, x_zero: int, y: tuple[torch.dtype, float, int] | None,
-                 activation: str = "", alpha: float = 0.0, beta: float = 0.0):
-        """bias: int32 at x_scale·w_scale (the contract's), or None; y: (dtype, scale, zero point) of a
-        quantized output, None for float32."""
+                 activation: str = "", alpha: float = 0.0, beta: float = 0.0, accumulate: bool = False,
+                 real_bias: torch.Tensor | None = None):
+        """bias: int32 at x_scale·w_scale (the contract's), or None; real_bias instead: the bias as a real
+        (float) value; y: (dtype, scale, zero point) of a quantized output, None for float32. accumulate (float32
+        output): the result is added to what the output holds (`__call__(x, out)`), before the activation."""
         lib = _lib()
+        if accumulate and y is not None:
+            raise OneDNNError("an accumulating int8 convolution writes float32 (y None)")
         n, c, h, wd = input_size
         o, i_per_group, kh, kw = w.shape
         if c != i_per_group * groups:
@@ -225,10 +233,11 @@ class QConv2d(_Quantized):
         w_any = memory_desc(w_dims, torch.int8, TAG_ANY)
         w_user = memory_desc(w_dims, torch.int8, w_tag)
         scales = _scales(x_scale, w_scale)
-        real_bias = None if bias is None else bias.to(torch.float64) * scales.to(torch.float64)
-        b_md = memory_desc([o], torch.float32, TAG_A) if bias is not None else None
+        if real_bias is None and bias is not None:
+            real_bias = bias.to(torch.float64) * scales.to(torch.float64)
+        b_md = memory_desc([o], torch.float32, TAG_A) if real_bias is not None else None
         attr = self._attr(scales.expand(o).contiguous() if scales.numel() > 1 else scales, mask, x_zero,
-                          None if y is None else (y[1], y[2]), _eltwise(activation, alpha, beta))
+                          None if y is None else (y[1], y[2]), _eltwise(activation, alpha, beta), accumulate)
         pd = ctypes.c_void_p()
         _check(lib.lib.dnnl_convolution_forward_primitive_desc_create(
             ctypes.byref(pd), lib.engine, FORWARD_INFERENCE, CONVOLUTION_DIRECT, self._src_md.value, w_any.value,
@@ -241,10 +250,55 @@ class QConv2d(_Quantized):
         self._out_strides = (oh * ow * o, 1, ow * o, o)  # NHWC in memory, NCHW in shape
         self._per_call = self.bind(0, 0)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, C, H, W] channels-last of the built size and dtype -> y [N, O, H', W'] channels-last."""
-        y = torch.empty_strided(self.output_size, self._out_strides, dtype=self.out_dtype)
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, C, H, W] channels-last of the built size and dtype -> y [N, O, H', W'] channels-last (`out`, when
+        given: of that size, dtype and layout; an accumulating convolution adds to what it holds)."""
+        y = torch.empty_strided(self.output_size, self._out_strides, dtype=self.out_dtype) if out is None else out
         return self._execute(x, y)
+
+
+class W8A16Conv2d:
+    """A convolution of a 16-bit activation with int8 weights, exact on int8 kernels: two int8 convolutions.
+
+    q, the activation at 16 bits (x ≈ x_scale·(q - z)): uint16 with z = 0 (a ReLU6's output), or int16 stored as
+    q + 32768 with z = 32768. q = 256·hi + lo (hi, lo its bytes, uint8), so
+
+        Σ (q - z)·w = 256·Σ (hi - z/256)·w + Σ lo·w
+
+    each sum an int8 convolution on VNNI's u8·s8 dot products, exact in its int32 accumulator (the 16-bit sum itself
+    can pass 2^31: 960 channels x 65535 x 127), each scaled by oneDNN to float32 (hi at 256·x_scale with source zero
+    point z/256, lo at x_scale with the bias), the second added to the first by a sum post-op and the activation
+    applied after: act(r) to float32 rounding of the float64 result. The accuracy of a float input (2^-16 of the
+    range per step where int8 has 2^-8) at about twice an int8 layer's time: what the accuracy target's weight-only
+    layers would run on an int8 CPU (bench/w8a16_conv.py: per MobileNetV2 layer against fp32 and int8).
+    Writes float32, NHWC. Both bytes are u8 sources like any QConv2d's: on a CPU without VNNI the same weight rule
+    holds (pair_overflow_possible; kiln's 7-bit weights there)."""
+
+    def __init__(self, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, input_size: list[int],
+                 stride: list[int], pads: list[int], dilation: list[int], groups: int, x_scale: float, signed: bool,
+                 activation: str = "", alpha: float = 0.0, beta: float = 0.0):
+        """w: int8 [O, C/groups, kh, kw], symmetric, w_scale one per output channel (or one); bias: float32 [O]
+        (real values) or None; signed: the activation is int16 (stored as q + 32768), else uint16."""
+        self.x_scale, self.signed = float(x_scale), signed
+        common = dict(stride=stride, pads=pads, dilation=dilation, groups=groups, x_dtype=torch.uint8, y=None)
+        self.hi = QConv2d(w, w_scale, None, input_size, x_scale=256.0 * self.x_scale, x_zero=128 if signed else 0,
+                          **common)
+        self.lo = QConv2d(w, w_scale, None, input_size, x_scale=self.x_scale, x_zero=0, activation=activation,
+                          alpha=alpha, beta=beta, accumulate=True,
+                          real_bias=None if bias is None else bias.detach().to(torch.float64).reshape(-1), **common)
+        self.input_size, self.output_size = self.hi.input_size, self.hi.output_size
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float x [N, C, H, W] -> its high and low bytes (uint8, channels-last): q = round(x / x_scale) half to
+        even, saturated to int16 / uint16 (ONNX QuantizeLinear's), + 32768 if signed. torch ops, several passes."""
+        q = torch.round(x.float() / torch.tensor(self.x_scale, dtype=torch.float32))
+        q = q.clamp(-32768, 32767).add_(32768) if self.signed else q.clamp(0, 65535)
+        q = q.to(torch.int32).contiguous(memory_format=torch.channels_last)
+        return (q >> 8).to(torch.uint8), (q & 255).to(torch.uint8)
+
+    def __call__(self, hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+        """hi, lo [N, C, H, W] uint8 channels-last (split's) -> act(conv) [N, O, H', W'] float32 channels-last."""
+        return self.lo(lo, out=self.hi(hi))
 
 
 class QMatMul(_Quantized):
