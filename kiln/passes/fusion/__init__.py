@@ -98,7 +98,7 @@ CUDA_RULES = {"fuse_quantized_residual", "fuse_quantized_residual_fp8", "fuse_la
               "fuse_elementwise_into_qgemm", "fuse_dequantize_into_layer_norm_quantize",
               "fuse_quantize_through_layout_into_qgemm", "absorb_attention_reshapes_after_epilogue"}
 # Rules tried from opt_level 3 only: their fused layers are not yet measured on a GPU (default builds unchanged)
-# (left it on 2026-12-06, H100, FP8 QDQ BERT-base 64 x 384, bench/results/gpu-s22-2026-12-06.md: the E4M3 Q/DQ
-# elementwise rules 17.53 -> 12.47 ms (bench/gpu_qadd.sh); the chain in the QGemm's epilogue, the norm reading an
-# E4M3 residual, the key's quantize through its head layout 12.51 -> 9.86 ms (bench/gpu_fp8gemm.sh))
+# (moved to opt_level 2 once timed, 2026-12-06, H100, FP8 QDQ BERT-base 64 x 384, bench/results/gpu-s22-2026-12-06.md:
+# the E4M3 Q/DQ elementwise rules 17.53 -> 12.47 ms (bench/gpu_qadd.sh); the chain in the QGemm's epilogue, the norm
+# reading an E4M3 residual, the key's quantize through its head layout 12.51 -> 9.86 ms (bench/gpu_fp8gemm.sh))
 LEVEL3_RULES = {"fuse_quantized_residual_fp8"}
