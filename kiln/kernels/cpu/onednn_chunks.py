@@ -14,9 +14,10 @@ Exact: each image is computed alone either way, by the kernel oneDNN picks for b
 convolution sums over one output pixel's channels and window whatever the batch, so results agree with the primitive
 made for N to float32 rounding (tests/unit/test_image_batches.py: with torch and with that primitive, on fresh data).
 
-Speed: per layer, interleaved, 1 thread, Zen 4 (bench/results/image-batches-2026-12-06.md): runs of the tuned
-primitive within ~0-10% of the primitive made for the whole batch (ResNet-50's layer shapes at 28-112 px); each run
-adds oneDNN's fixed cost of an execution (a few µs), which shows only on tiny layers.
+Speed: per layer, interleaved, 1 thread, Zen 4 (bench/batch_chunks_layers.py,
+bench/results/image-batches-2026-12-06.md): runs of the tuned primitive 0.98-1.04x the time of the primitive made for
+the whole batch (ResNet-50's layer kinds at 3-112 px; one 1.14x, a 512->512 3x3 at 3 px in runs of one image); each
+run adds oneDNN's fixed cost of an execution (a few µs), which shows only on tiny layers.
 """
 
 from __future__ import annotations
