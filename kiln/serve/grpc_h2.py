@@ -227,21 +227,29 @@ class GrpcConnection(H2Connection):
             call.code, call.details = grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}"
         self._end(call)
 
-    def _answer_whole(self, call: Call, body: bytes) -> bool:
-        """The common unary answer (status OK, no trailing metadata, uncompressed) whose message fits the send
-        windows and one frame: its headers, message and trailers written at once, what _send_message, _send, _end
-        and _trailers would write, in a fraction of the calls. False (nothing written): the general path."""
-        size = len(body) + MESSAGE_PREFIX.size
+    def _claim_whole(self, call: Call, size: int) -> bool:
+        """Whether a unary answer of `size` bytes (message and prefix) can leave at once, with its headers and
+        trailers (status OK, no details or trailing metadata, nothing sent or queued yet, both send windows hold
+        it); if so, the windows taken and the call marked answered, for _answer_whole and _answer_parts to write."""
         if call.code is not grpc.StatusCode.OK or call.details or call.trailing or call.headers_sent or call.outbox \
-                or size > call.send_window or size > self.send_window or size > self.peer_frame_size:
+                or size > call.send_window or size > self.send_window:
             return False
-        stream = call.id
         call.send_window -= size
         self.send_window -= size
         self.keepalive.data_sent()
         call.headers_sent = call.finished = True
         if call.timer is not None:
             call.timer.cancel()
+        return True
+
+    def _answer_whole(self, call: Call, body: bytes) -> bool:
+        """The common unary answer (status OK, no trailing metadata, uncompressed) whose message fits the send
+        windows and one frame: its headers, message and trailers written at once, what _send_message, _send, _end
+        and _trailers would write, in a fraction of the calls. False (nothing written): the general path."""
+        size = len(body) + MESSAGE_PREFIX.size
+        if size > self.peer_frame_size or not self._claim_whole(call, size):
+            return False
+        stream = call.id
         self.write(b"".join((frame(HEADERS, END_HEADERS, stream, RESPONSE_HEADERS),
                              FRAME.pack(size >> 8, size & 0xFF, DATA, 0, stream), MESSAGE_PREFIX.pack(0, len(body)), body,
                              frame(HEADERS, END_HEADERS | END_STREAM, stream, OK_TRAILERS))))
@@ -256,16 +264,9 @@ class GrpcConnection(H2Connection):
         in one writelines (H2Connection.write_views). False (nothing written) where the send windows do not hold the
         whole message: the general path then sends it joined, as the windows open."""
         size = parts.size + MESSAGE_PREFIX.size
-        if call.code is not grpc.StatusCode.OK or call.details or call.trailing or call.headers_sent or call.outbox \
-                or size > call.send_window or size > self.send_window:
+        if not self._claim_whole(call, size):
             return False
         stream = call.id
-        call.send_window -= size
-        self.send_window -= size
-        self.keepalive.data_sent()
-        call.headers_sent = call.finished = True
-        if call.timer is not None:
-            call.timer.cancel()
         out = [frame(HEADERS, END_HEADERS, stream, RESPONSE_HEADERS)]
         pieces = iter([MESSAGE_PREFIX.pack(0, parts.size), *parts])
         piece, at = memoryview(next(pieces)), 0
