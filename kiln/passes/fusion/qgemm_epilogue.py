@@ -37,6 +37,7 @@ from kiln.passes._rewrite import (
     PassReport,
     attr,
     const,
+    const_scalar,
     consumers,
     dtype_of,
     new_initializer,
@@ -76,15 +77,13 @@ class _Chain:
                 self.activation = ACTIVATIONS[op]
                 stage = 2
             elif op == "Mul" and stage <= 2 and len(others) == 1:
-                value = self._input(node, others[0])
-                self.multiplier = float(value.reshape(-1)[0]) if value is not None and value.size == 1 else None
+                self.multiplier = const_scalar(self._value(node, others[0]))
                 if self.multiplier is None:
                     self.refusal = f"line {k} {line!r}: the multiplier is not a constant scalar"
                     return
                 stage = 3
             elif op == "Quantize" and k == len(code) - 1 and len(others) == 1:
-                value = self._input(node, others[0])
-                if value is None or value.size != 1:
+                if const_scalar(self._value(node, others[0])) is None:
                     self.refusal = f"line {k} {line!r}: the output scale is not a constant scalar"
                     return
                 self.output_scale = node.inputs[int(others[0][1:])]
@@ -95,13 +94,12 @@ class _Chain:
             if self.refusal:
                 return
 
-    def _input(self, node: ir.Node, operand: str) -> np.ndarray | None:
-        if not operand.startswith("i"):
-            return None
-        return const(node.inputs[int(operand[1:])])
+    def _value(self, node: ir.Node, operand: str) -> ir.Value | None:
+        """The node input an operand `i<k>` names; None for a line's result `t<k>`."""
+        return node.inputs[int(operand[1:])] if operand.startswith("i") else None
 
     def _bias(self, node: ir.Node, operand: str, channels: int) -> np.ndarray | None:
-        value = self._input(node, operand)
+        value = const(self._value(node, operand))
         if value is None or value.size != channels or any(d != 1 for d in value.shape[:-1]):
             self.refusal = f"the Add's operand {operand} is not a constant bias, one per output column ({channels})"
             return None
@@ -175,15 +173,14 @@ def _scalar_program(node: ir.Node) -> tuple[float, ir.Value] | None:
     multiplier, last = 1.0, "i0"
     if len(code) == 2 and code[0][0] == "Mul" and len(code[0]) == 3 and "i0" in code[0][1:]:
         other = [o for o in code[0][1:] if o != "i0"]
-        value = const(node.inputs[int(other[0][1:])]) if len(other) == 1 and other[0].startswith("i") else None
-        if value is None or value.size != 1:
+        value = const_scalar(node.inputs[int(other[0][1:])]) if len(other) == 1 and other[0].startswith("i") else None
+        if value is None:
             return None
-        multiplier, last, code = float(value.reshape(-1)[0]), "t0", code[1:]
+        multiplier, last, code = value, "t0", code[1:]
     if len(code) != 1 or code[0][0] != "Quantize" or len(code[0]) != 3 or code[0][1] != last:
         return None
     scale_value = node.inputs[int(code[0][2][1:])] if code[0][2].startswith("i") else None
-    scale = const(scale_value)
-    return (multiplier, scale_value) if scale is not None and scale.size == 1 else None
+    return (multiplier, scale_value) if const_scalar(scale_value) is not None else None
 
 
 def fuse_quantize_through_layout_into_qgemm(node: ir.Node, report: PassReport) -> bool:
