@@ -359,8 +359,8 @@ def _left_layer_by_layer(segment: Any, entries: list[torch.Tensor], exits: list[
 def _laid_out_left(segment: Any, entries: list[torch.Tensor], entry_at: list[int], plan: BatchPlan
                    ) -> list[torch.Tensor]:
     """The left images of a staged segment's NCHW entries laid out NHWC, as its view reads them (it has no staging
-    reorder), by oneDNN's one-image reorder run over them (onednn_chunks.BatchChunks; torch's copy of a 224x224
-    image is ~0.1 ms, 1 thread): `entry_at` pointed at the copies, which the caller keeps until the view ran."""
+    reorder), by oneDNN's one-image reorder run over them (onednn_chunks.BatchChunks: one native call, not torch's
+    copy): `entry_at` pointed at the copies, which the caller keeps until the view ran."""
     keep = []
     for k, _bound, _buffer in segment._staged:
         size = tuple(entries[k].shape[1:])

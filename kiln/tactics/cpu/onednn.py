@@ -173,7 +173,7 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device, kiln_si
         # another input size, or the binary variant a shared residual needs: built once
         # its weight: the other variant's at this size, else the tuned primitive's, where the kernel lays it out
         # alike (Conv2d compares the layouts): a segment's runs of the tuned batch and its one-image view then read
-        # one copy (resnet_tiny at batch 3, interleaved with other engines: 0.93 -> 0.55 ms with one copy)
+        # one copy (all 17 of resnet_tiny's share it: bench/results/image-batches-2026-12-06.md)
         with made:
             return _built(primitives, (shape, accumulate),
                           lambda key: build(shape, accumulate, _conv(primitives.get((shape, not accumulate))
