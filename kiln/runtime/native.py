@@ -55,8 +55,7 @@ from kiln.kernels.cpu import hugepages, native_loop, onednn
 from kiln.kernels.cpu.form_choice import PARALLEL, SERIAL, FormChooser
 from kiln.plan.memory import Interval, place
 from kiln.runtime.native_arena import SharedArena
-from kiln.runtime.native_batches import (PLANS, BatchPlan, batch_plan, call_batch, computes_each_image_alone,
-                                         forget, planned_batch)
+from kiln.runtime.native_batches import PLANS, BatchPlan, batch_plan, call_batch, forget, planned_batch
 from kiln.runtime.native_members import (_bind_member, _entry_forms, _form, _forms, _run_loop, reads_of, serial_calls,
                                          writes_of)
 from kiln.runtime.native_views import _PlanRewrite, _Resized
@@ -516,9 +515,6 @@ class Segment:
                     while len(self._batch_plans) > PLANS:
                         forget(self, *self._batch_plans.popitem(last=False))
         return plan
-
-    def _computes_each_image_alone(self) -> bool:
-        return computes_each_image_alone(self)
 
     def _run_bound(self, values: tuple) -> Any:
         """One run on entries of the planned sizes and dtypes: fresh exit tensors."""

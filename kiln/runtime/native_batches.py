@@ -53,7 +53,7 @@ from kiln.runtime.native_members import _forms
 from kiln.tactics.tactic import NativeStep, native_strides, row_major_strides
 
 BATCH_RUN_ROWS = 256  # rows a run of a segment that is no image segment holds at least, to run other batches in runs
-PLANS = 256  # batches whose BatchPlan a segment keeps (least recently used out)
+PLANS = 256  # batches whose BatchPlan a segment keeps (the first made out: a call does not move its plan)
 _CL = torch.channels_last
 BIND_AFTER = 3  # calls of a batch in runs before its exact bind is made (background thread)
 TRIAL = 5  # calls of each, the bound batch and the runs, alternated before keeping the faster

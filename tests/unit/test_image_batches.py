@@ -103,7 +103,7 @@ def test_a_segment_whose_layer_mixes_the_batch_is_not_run_in_batch_runs(resnet, 
     monkeypatch.setattr(segment, "_resizers", [*segment._resizers[:-1], (across_the_batch, reads, x)])
     monkeypatch.setattr(segment, "_per_image", None)
     monkeypatch.setattr(segment, "_batch_plans", OrderedDict())  # none of an earlier test's batches
-    assert segment._computes_each_image_alone() is False
+    assert native_batches.computes_each_image_alone(segment) is False
     assert segment._batch_runs(((6, 3, 64, 64),)) is None
 
 
@@ -118,9 +118,9 @@ def test_a_member_along_the_first_dim_refuses_batch_runs(resnet, monkeypatch, op
     member = segment.members[0]
     monkeypatch.setattr(member, "attributes", {**member.attributes, **attributes})
     monkeypatch.setattr(member, "ctx", dataclasses.replace(member.ctx, op_type=op_type))
-    assert segment._computes_each_image_alone() is False
+    assert native_batches.computes_each_image_alone(segment) is False
     monkeypatch.undo()
-    assert segment._computes_each_image_alone() is True
+    assert native_batches.computes_each_image_alone(segment) is True
 
 
 def _fresh_plans(segment, monkeypatch) -> None:
