@@ -24,8 +24,8 @@ from kiln.passes.fusion.packed_rotary import fuse_packed_rotary
 from kiln.passes.fusion.parallel_gemm import merge_parallel_gemms
 from kiln.passes.fusion.qdq_layers import fold_quantize_into_stem, fuse_quantized_add, fuse_quantized_layer
 from kiln.passes.fusion.qdq_propagate import hoist_quantize, remove_qdq_round_trips, sink_dequantize
-from kiln.passes.fusion.qgemm_epilogue import fuse_elementwise_into_qgemm, fuse_quantize_through_layout_into_qgemm
 from kiln.passes.fusion.qdq_residual import fuse_quantized_residual, fuse_quantized_residual_fp8
+from kiln.passes.fusion.qgemm_epilogue import fuse_elementwise_into_qgemm, fuse_quantize_through_layout_into_qgemm
 from kiln.passes.fusion.relayout import flatten_channels_last_runs, fuse_relayout
 from kiln.passes.fusion.rmsnorm import fuse_rms_norm
 from kiln.passes.fusion.rotary import fuse_rotary

@@ -37,8 +37,8 @@ from kiln.passes._rewrite import (
     attr,
     const,
     consumers,
-    fused_from,
     dtype_of,
+    fused_from,
     is_op,
     replace_with,
 )
