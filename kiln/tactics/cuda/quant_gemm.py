@@ -57,7 +57,7 @@ from kiln.tactics.cuda.quant_common import (
 )
 from kiln.tactics.cuda.quant_product_check import product_layer_checker
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, Tactic
+from kiln.tactics.tactic import InputMeta, Tactic, tensor_input
 
 _INT_MM_MIN_ROWS = 17  # torch._int_mm on CUDA wants more than 16 rows: fewer are padded to this many
 
@@ -76,7 +76,7 @@ def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
 
 def _product(inputs: list[InputMeta]) -> bool:
     """Whether the layer's product is quantized (inputs 9-11: the chain after it in the epilogue)."""
-    return len(inputs) > 9 and inputs[9] is not None and inputs[9].shape is not None
+    return tensor_input(inputs, 9) is not None
 
 
 def _rows(inputs: list[InputMeta]) -> int:
