@@ -18,9 +18,9 @@ to the next compared layer (the layer reading its output pays for where it left 
 thread, the thread's CPU time: context_clock); a signature's cost is the least over rounds of its layers' spans'
 sum (other work only adds time: `least`). The rival is kept where that is faster. A chosen tactic that is not
 native (MKL, torch's default: outside the segments, where its rival would join them) is compared by whole runs
-instead (on T5 at 2 threads and load 16, a
-build whose search took MKL for 12 GEMMs by CPU time ran 3.1x onnxruntime; MobileNetV2's three 1x1 convolutions on
-cpu.conv.onednn_graph at 2 threads, faster alone, made the engine 1.12x slower than onednn_direct there).
+instead (on T5 at 2 threads and load 16, a build whose search took MKL for 12 GEMMs by CPU time ran 3.1x
+onnxruntime; MobileNetV2's three 1x1 convolutions on cpu.conv.onednn_graph at 2 threads, faster alone, made the
+engine 1.12x slower than onednn_direct there).
 
 Cost: A bound once; each B shares every launch of A it does not swap (shared_launches), A's activation arena and
 every native segment of A it would bind alike (they run in turn: Program's turns_with; one arena and one set of
