@@ -380,8 +380,8 @@ def _laid_out_left(segment: Any, entries: list[torch.Tensor], entry_at: list[int
 
 
 def _one_image_reorder(segment: Any, k: int) -> tuple[Any, Any]:
-    """Entry k's one-image NCHW -> NHWC reorder in runs (ChunksBound, its plan), made at first use (per segment,
-    under the caller's view of no other thread: made twice at worst)."""
+    """Entry k's one-image NCHW -> NHWC reorder in runs (ChunksBound, its plan), made at first use, per segment,
+    without a lock: two threads may both make it, and setdefault keeps the first."""
     found = segment._left_reorders.get(k)
     if found is None:
         size = (1, *segment.entry_sizes[k][1:])
