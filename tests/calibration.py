@@ -54,3 +54,30 @@ def reference_session(path: str):
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+
+
+def assert_forced_steps_match(engine, steps, tactic: str, path: str, baseline=None) -> None:
+    """The builder's check rejected no candidate of `engine`; `steps` forced onto `tactic` (on the CPU the Triton
+    interpreter never wins a timing), bert_tiny's output at 3 x 16 (seeds 7, 8) is onnxruntime's on the QDQ model
+    at `path` — or `baseline`'s (an engine) where given — within the model's coarsest per-tensor scale."""
+    import kiln
+    from kiln import zoo
+    from kiln.zoo.models import make_inputs
+
+    layers = engine.plan.header["tactics"]["layers"]
+    rejected = {n: note for layer in layers.values() for n, note in layer["candidates"].items()
+                if isinstance(note, str) and "rejected" in note}
+    assert not rejected, rejected
+    for step in steps:
+        step.tactic, step.tactic_config = tactic, {}
+    on_kernel = kiln.Engine(engine.plan)
+    coarsest = coarsest_scale(path)
+    session = reference_session(path)
+    for seed in (7, 8):
+        feeds = make_inputs(zoo.get("bert_tiny"), batch=3, seq=16, seed=seed)
+        output = session.get_outputs()[0].name
+        want = session.run(None, feeds)[0] if baseline is None else \
+            np.asarray(baseline.run(feeds)[output], dtype=np.float32)
+        got = np.asarray(on_kernel.run(feeds)[output], dtype=np.float32)
+        assert np.abs(got - want).max() <= coarsest, (np.abs(got - want).max(), coarsest)
+        assert np.abs(want).max() > 10 * coarsest

@@ -166,7 +166,7 @@ def test_bert_tiny_fp8_qdq_engine_on_the_fused_chains_is_onnxruntime(tmp_path, m
     from kiln import zoo
     from kiln.builder import build as build_module
     from kiln.zoo.models import make_inputs
-    from tests.calibration import coarsest_scale, quantize_transformer, reference_session
+    from tests.calibration import assert_forced_steps_match, quantize_transformer
     from tests.unit.tactic_check import cuda_tactics_on_cpu
 
     name = "cuda.elementwise.triton"
@@ -192,23 +192,7 @@ def test_bert_tiny_fp8_qdq_engine_on_the_fused_chains_is_onnxruntime(tmp_path, m
     fused = [s for s in engine.plan.program.steps if s.op_type == "Elementwise"
              and any(line.startswith(("Dequantize", "Quantize")) for line in s.attributes["code"])]
     assert len(fused) == 14
-    layers = engine.plan.header["tactics"]["layers"]
-    rejected = {n: note for layer in layers.values() for n, note in layer["candidates"].items()
-                if isinstance(note, str) and "rejected" in note}
-    assert not rejected, rejected
-    for step in fused:  # on the CPU the interpreter never wins a timing
-        step.tactic, step.tactic_config = name, {}
-    on_kernel = kiln.Engine(engine.plan)
-    coarsest = coarsest_scale(path)
-    session = reference_session(path)
-    for seed in (7, 8):
-        feeds = make_inputs(zoo.get("bert_tiny"), batch=3, seq=16, seed=seed)
-        output = session.get_outputs()[0].name
-        want = session.run(None, feeds)[0] if precision == "fp32" else \
-            np.asarray(unfused.run(feeds)[output], dtype=np.float32)
-        got = np.asarray(on_kernel.run(feeds)[output], dtype=np.float32)
-        assert np.abs(got - want).max() <= coarsest, (np.abs(got - want).max(), coarsest)
-        assert np.abs(want).max() > 10 * coarsest
+    assert_forced_steps_match(engine, fused, name, path, baseline=None if precision == "fp32" else unfused)
 
 
 def test_the_cuda_tactic_takes_e4m3_only_where_a_dequantize_reads_it():

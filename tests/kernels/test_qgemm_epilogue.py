@@ -280,7 +280,7 @@ def test_bert_tiny_fp8_qdq_engine_on_the_fused_gemms_is_onnxruntime(tmp_path, mo
     from kiln import zoo
     from kiln.builder import build as build_module
     from kiln.zoo.models import make_inputs
-    from tests.calibration import coarsest_scale, quantize_transformer, reference_session
+    from tests.calibration import assert_forced_steps_match, quantize_transformer
     from tests.unit.tactic_check import cuda_tactics_on_cpu
 
     gemm, chain = "cuda.qgemm.triton.16x64x128", "cuda.elementwise.triton"
@@ -301,23 +301,7 @@ def test_bert_tiny_fp8_qdq_engine_on_the_fused_gemms_is_onnxruntime(tmp_path, mo
     engine = kiln.build(path, device="cpu", precision=precision, tuning_runs=2)
     fused = [s for s in engine.plan.program.steps if s.op_type == "QGemm" and len(s.inputs) > 9 and s.inputs[9]]
     assert len(fused) == 12
-    layers = engine.plan.header["tactics"]["layers"]
-    rejected = {n: note for layer in layers.values() for n, note in layer["candidates"].items()
-                if isinstance(note, str) and "rejected" in note}
-    assert not rejected, rejected
-    for step in fused:  # on the CPU the interpreter never wins a timing
-        step.tactic, step.tactic_config = gemm, {}
-    on_kernel = kiln.Engine(engine.plan)
-    coarsest = coarsest_scale(path)
-    session = reference_session(path)
-    for seed in (7, 8):
-        feeds = make_inputs(zoo.get("bert_tiny"), batch=3, seq=16, seed=seed)
-        output = session.get_outputs()[0].name
-        want = session.run(None, feeds)[0] if chains is None else \
-            np.asarray(chains.run(feeds)[output], dtype=np.float32)
-        got = np.asarray(on_kernel.run(feeds)[output], dtype=np.float32)
-        assert np.abs(got - want).max() <= coarsest, (np.abs(got - want).max(), coarsest)
-        assert np.abs(want).max() > 10 * coarsest
+    assert_forced_steps_match(engine, fused, gemm, path, baseline=chains)
 
 
 # ---- the LayerNorm reading the E4M3 residual (kiln/passes/fusion/layernorm_quantize.py) -------------------------
