@@ -8,6 +8,7 @@ against the ops' reference in test_qtactics.py.
 from __future__ import annotations
 
 import dataclasses
+import zlib
 
 import pytest
 import torch
@@ -240,7 +241,7 @@ def test_qconv_loops_match_torch_within_one_step(loop, option):
     cin, cout, size, k, stride, pad = CONV_LOOPS[loop]
     config = QConvConfig(16, 16, 16, group_m=2, **CONV_OPTIONS[option])
     assert loop_of((k, k), (stride, stride), (pad,) * 4, cin, 16) == loop.split()[0]
-    gen = torch.Generator().manual_seed(hash((loop, option)) % 2**31)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((loop, option)).encode()))
     for x_dtype, x_zero in ((torch.int8, -100), (torch.uint8, 200), (FP8, 0)):
         if x_dtype == FP8:
             x = (torch.randn(2, cin, size, size, generator=gen) * 2).to(FP8)
@@ -329,7 +330,7 @@ def test_qconv_residual_epilogue_within_the_unfused_pair_s_tolerance(loop, optio
     off by a step only at near-ties (rare on random scales)."""
     cin, cout, size, k, stride, pad = CONV_LOOPS[loop]
     config = QConvConfig(16, 16, 16, group_m=2, **RESIDUAL_OPTIONS[option])
-    gen = torch.Generator().manual_seed(hash(("residual", loop, option)) % 2**31)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(("residual", loop, option)).encode()))
     for x_dtype, x_zero, conv_dtype, res_dtype, out_dtype, regime in RESIDUAL_REGIMES:
         ties = regime != "random"
         lo, hi = (-128, 128) if x_dtype == torch.int8 else (0, 256)

@@ -4,6 +4,8 @@ onnx.reference's QuantizeLinear of the same image folded by torch. Integers and 
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 import torch
@@ -45,7 +47,7 @@ def _onnx_quantize(x: torch.Tensor, scale: float, zero: int, dtype: torch.dtype)
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 def test_space_to_depth_kernel_is_torch_s_fold_byte_for_byte(case, dtype, layout):
     c, h, w, kernel, pads = CASES[case]
-    g = torch.Generator().manual_seed(hash((case, str(dtype), layout)) % 2**31)
+    g = torch.Generator().manual_seed(zlib.crc32(repr((case, str(dtype), layout)).encode()))
     bits = torch.randint(0, 256, (2, c, h, w), dtype=torch.uint8, generator=g)
     if dtype == FP8:
         bits[(bits & 0x7F) == 0x7F] = 0x11  # no NaN bytes (torch's copy keeps them too, but they compare unequal)

@@ -5,6 +5,7 @@ variant, bf16 and FP8 weights, ragged shapes; the same bits run to run, and row 
 (batch invariance)."""
 
 import os
+import zlib
 
 import pytest
 import torch
@@ -38,18 +39,26 @@ def rms_norm(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * g.double()
 
 
-def check(got: torch.Tensor, ref: torch.Tensor, roundings: int = 2) -> None:
+def check(got: torch.Tensor, ref: torch.Tensor, roundings: int = 2, magnitude: torch.Tensor | None = None) -> None:
     """bf16 results: `roundings` bf16 steps of 2^-7 relative each (the interpreter's cast truncates; a GPU
     rounds to half that): the output's, and x·g's before the MMA in the dot variants; SwiGLU rounds gate, up,
-    silu and the product (4)."""
-    torch.testing.assert_close(got.double().cpu(), ref, atol=2e-2, rtol=roundings * 2**-7)
+    silu and the product (4). `magnitude` (elementwise) is the size of what was rounded where that exceeds the
+    result's own: a sum that cancels keeps the error of its rounded terms."""
+    if magnitude is None:
+        torch.testing.assert_close(got.double().cpu(), ref, atol=2e-2, rtol=roundings * 2**-7)
+        return
+    error = (got.double().cpu() - ref).abs()
+    bound = 2e-2 + roundings * 2**-7 * torch.maximum(magnitude.abs(), ref.abs())
+    worst = (error - bound).argmax()
+    assert bool((error <= bound).all()), (f"{int((error > bound).sum())} of {error.numel()} beyond the bound; "
+                                          f"worst {error.flatten()[worst]:.4g} > {bound.flatten()[worst]:.4g}")
 
 
 @pytest.mark.parametrize("config", WHOLE_K, ids=lambda c: c.name.replace(" ", "-"))
 @pytest.mark.parametrize("kind", ("bf16", "fp8"))
 @pytest.mark.parametrize("m,n,k", [(1, 48, 128), (5, 37, 200)])
 def test_norm_folded_into_the_product(config, kind, m, n, k):
-    g = torch.Generator().manual_seed(hash(("norm", config.name, kind, m, n, k)) % 2**31)
+    g = torch.Generator().manual_seed(zlib.crc32(repr(("norm", config.name, kind, m, n, k)).encode()))
     q, scale, ref_w = weight(n, k, kind, torch.bfloat16, g)
     x = (torch.randn((m, k), generator=g) * 3).to(torch.bfloat16)
     norm = (1 + 0.5 * torch.randn(k, generator=g)).to(torch.bfloat16)
@@ -64,14 +73,16 @@ def test_norm_folded_into_the_product(config, kind, m, n, k):
 @pytest.mark.parametrize("config", WHOLE_K + SPLIT, ids=lambda c: c.name.replace(" ", "-"))
 @pytest.mark.parametrize("kind", ("bf16", "fp8"))
 def test_residual_added_in_the_epilogue(config, kind):
-    g = torch.Generator().manual_seed(hash(("residual", config.name, kind)) % 2**31)
+    g = torch.Generator().manual_seed(zlib.crc32(repr(("residual", config.name, kind)).encode()))
     m, n, k = 3, 40, 136
     q, scale, ref_w = weight(n, k, kind, torch.bfloat16, g)
     x = torch.randn((m, k), generator=g).to(torch.bfloat16)
     residual = (torch.randn((m, n), generator=g) * 4).to(torch.bfloat16)
     got = gemv(x.to(DEVICE), q, scale, None, config, residual=residual.to(DEVICE))
     plain = gemv(x.to(DEVICE), q, scale, None, config)
-    check(got, residual.double() + x.double() @ ref_w.T)
+    product = x.double() @ ref_w.T
+    # two roundings: the product's to bf16 (|x·w| may exceed the cancelling sum's) and the sum's
+    check(got, residual.double() + product, magnitude=product)
     # the unfused pair's bits exactly: the product rounded to bf16, then fused.add_rms_norm's sum (a Triton cast
     # both: the interpreter's bf16 cast truncates, torch's rounds)
     total, _ = add_rms_norm(residual.to(DEVICE), plain, torch.ones(n, dtype=torch.bfloat16, device=DEVICE), EPS)
@@ -82,7 +93,7 @@ def test_residual_added_in_the_epilogue(config, kind):
 @pytest.mark.parametrize("kind", ("bf16", "fp8"))
 @pytest.mark.parametrize("with_norm", (False, True))
 def test_swiglu_over_matching_gate_and_up_columns(config, kind, with_norm):
-    g = torch.Generator().manual_seed(hash(("swiglu", config.name, kind, with_norm)) % 2**31)
+    g = torch.Generator().manual_seed(zlib.crc32(repr(("swiglu", config.name, kind, with_norm)).encode()))
     m, inner, k = 4, 40, 96
     q, scale, ref_w = weight(2 * inner, k, kind, torch.bfloat16, g)
     x = torch.randn((m, k), generator=g).to(torch.bfloat16)
@@ -136,7 +147,7 @@ def test_fusions_refuse_what_they_cannot_do():
 @pytest.mark.parametrize("cache,kv_heads", (("bf16", 1), ("fp8", 2)))
 def test_rope_and_cache_write_in_the_epilogue(config, cache, kv_heads):
     """The same bits as the unfused pair at the same config: the GEMV's qkv, then fused.rope_kv_write."""
-    g = torch.Generator().manual_seed(hash(("rope", config.name, cache)) % 2**31)
+    g = torch.Generator().manual_seed(zlib.crc32(repr(("rope", config.name, cache)).encode()))
     heads, dim, m, k = 4, 16, 3, 64
     q_w, _, _ = weight((heads + 2 * kv_heads) * dim, k, "bf16", torch.bfloat16, g)
     x = torch.randn((m, k), generator=g).to(torch.bfloat16).to(DEVICE)

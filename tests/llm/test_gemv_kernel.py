@@ -3,6 +3,7 @@ TRITON_INTERPRET=1 at small shapes: every variant, weight dtype (bf16, FP8 E4M3,
 on and off, decode rows 1..16, ragged N and K; and batch invariance (row 0 the same bits at M = 1 and 8)."""
 
 import os
+import zlib
 
 import pytest
 import torch
@@ -62,7 +63,7 @@ CONFIGS += KNOBS
 @pytest.mark.parametrize("kind", WEIGHTS)
 @pytest.mark.parametrize("m,n,k", [(1, 48, 96), (5, 37, 200), (16, 64, 64)])
 def test_gemv_matches_torch(config, kind, m, n, k):
-    g = torch.Generator().manual_seed(hash((config.name, kind, m, n, k)) % 2**31)
+    g = torch.Generator().manual_seed(zlib.crc32(repr((config.name, kind, m, n, k)).encode()))
     act = torch.bfloat16
     q, scale, ref_w = weight(n, k, kind, act, g)
     x = torch.randn((m, k), generator=g).to(act)
