@@ -13,6 +13,7 @@ magnitudes add to ~100: atol 1e-4.
 
 from __future__ import annotations
 
+import zlib
 
 import pytest
 import torch
@@ -88,7 +89,7 @@ GEOMETRIES = {  # name -> (N, Cin, H, W, Cout, KH, KW, strides, pads, dilations)
 @pytest.mark.parametrize("name", list(GEOMETRIES))
 def test_geometry_against_float64_conv2d(name, dtype):
     """M, Cout and Cin·KH·KW are none a multiple of SMALL's 32x16x16 tiles (tails on every axis)."""
-    torch.manual_seed(hash(name) % 1000)
+    torch.manual_seed(zlib.crc32(name.encode()))
     n, cin, h, w_, cout, kh, kw, strides, pads, dilations = GEOMETRIES[name]
     x, w, bias = randn(n, cin, h, w_, dtype=dtype), randn(cout, cin, kh, kw, dtype=dtype, scale=0.3), \
         randn(cout, dtype=dtype)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -282,7 +283,7 @@ CONV_CASES = [  # (N, C, H, W, O, k, stride, pad, group, activation, alpha, beta
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 def test_cpu_conv_tactic_matches_default(tactic, case, layout):
     n, c, h, w_, o, k, stride, pad, group, activation, alpha, beta, residual, after = case
-    g = torch.Generator().manual_seed(hash(case) % 2**31)
+    g = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))
     x = rand(n, c, h, w_, generator=g)
     if layout == "nhwc":
         x = x.contiguous(memory_format=torch.channels_last)
@@ -335,7 +336,7 @@ def test_cpu_gemm_tactic_matches_default(tactic, case):
     if not registry.get(tactic).available():
         pytest.skip(f"{tactic} is not available in this torch build")
     shape, n, activation, alpha, beta, residual, after, rows = case
-    g = torch.Generator().manual_seed(hash(case) % 2**31)
+    g = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))
     x, w, b = rand(*shape, generator=g), rand(n, shape[-1], generator=g) * 0.2, rand(n, generator=g)
     r = rand(*shape[:-1], n, generator=g) if residual else None
     attrs = dict(activation=activation, alpha=alpha, beta=beta, residual_after_activation=after)
@@ -410,7 +411,7 @@ def test_cpu_pointwise_conv_tactic_matches_default(case, layout):
     if not registry.get(tactic).available():
         pytest.skip(f"{tactic} is not available in this torch build")
     n, c, h, w_, o, _k, _stride, _pad, _group, activation, alpha, beta, residual, after = case
-    g = torch.Generator().manual_seed(hash(case) % 2**31)
+    g = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))
     x = rand(n, c, h, w_, generator=g)
     r = rand(n, o, h, w_, generator=g) if residual else None
     if layout == "nhwc":
