@@ -42,8 +42,7 @@ Tiny CPU calls: handing a batch to a thread and back costs two thread wake-ups a
 polling for the answer (tens of microseconds of CPU, far more wall time on a loaded machine), and the
 thread's Python competes with the event loop for the GIL. A CPU instance whose calls take less than
 INLINE_NS of CPU time (a moving average, after INLINE_AFTER calls) runs its batches on the loop
-itself; a slower call lifts the average and sends the instance back to its thread (inline calls well under the
-limit are timed on the wall clock, which bounds their CPU time without the CPU clock's system calls: WALL_TIMED_NS). On a 2-core VM
+itself; a slower call lifts the average and sends the instance back to its thread. On a 2-core VM
 this halved the CPU time per request of an empty model at concurrency 1 (bench/serve_overhead.py
 --inproc). A call inline holds the loop for its duration: at most about INLINE_NS.
 """
@@ -73,11 +72,6 @@ log = logging.getLogger("kiln.serve")
 # through the thread, 190-216 us inline), so an inline call costs no more CPU than the hand-off it saves
 INLINE_NS = 200_000
 INLINE_AFTER = 16  # calls measured first (the first calls of a shape bind and allocate: they are slow)
-# an inline call shorter than this on the wall clock is timed by it alone: its wall time bounds its CPU time, and the
-# thread's CPU clock is a system call (not in the vDSO: ~1-2 us each on the 2-core KVM guest, two a call, a few
-# percent of an empty model's whole request at concurrency 1). A longer one is slow or was preempted: not counted,
-# and the next call is timed on the CPU clock, which tells the two apart.
-WALL_TIMED_NS = INLINE_NS // 2
 
 
 class GpuGate:
@@ -144,7 +138,6 @@ class Instance:
         self._evictions = 0
         self.captured_all = False  # CUDA: warm-up captured a graph for every shape the engine takes
         self._call_ns = float(INLINE_NS)  # CPU: moving average of a call's CPU time (this thread's)
-        self._cpu_clock_next = False  # CPU: the last call ran long on the wall clock; time the next on the CPU clock
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._run, self._finish = run, finish
         self.warmed_up: WarmUp | None = None  # what the CPU warm-up did (None: none ran)
@@ -204,19 +197,9 @@ class Instance:
         """One engine call in the calling thread; on CUDA, on this instance's stream and done when it returns."""
         self.calls += 1
         if not self.cuda:
-            if self._call_ns < INLINE_NS and self.calls > INLINE_AFTER and not self._cpu_clock_next:
-                start = time.perf_counter_ns()  # inline and tiny: the wall clock (WALL_TIMED_NS)
-                outputs = self.context.run(feeds)
-                elapsed = time.perf_counter_ns() - start
-                if elapsed < WALL_TIMED_NS:
-                    self._call_ns += (elapsed - self._call_ns) / 8
-                else:  # slow, or preempted: the next call tells which
-                    self._cpu_clock_next = True
-                return outputs
             start = time.thread_time_ns()  # CPU time: a call preempted on a busy machine is not a slow call
             outputs = self.context.run(feeds)
             self._call_ns += (time.thread_time_ns() - start - self._call_ns) / 8
-            self._cpu_clock_next = False
             return outputs
         key, seen = None, 2
         if not self.captured_all:

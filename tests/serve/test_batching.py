@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
-import zlib
 
 import numpy as np
 import pytest
@@ -19,7 +18,6 @@ from serve_models import OPSET, mlp
 
 import kiln
 from kiln.serve import batcher as batcher_module
-from kiln.serve import instances as instances_module
 from kiln.serve.batcher import Batcher, BatchShapes, merge_rows
 from kiln.serve.config import DynamicBatching, complete, parse_pbtxt
 from kiln.serve.instances import INLINE_AFTER, Instance
@@ -226,45 +224,6 @@ def test_inline_timing_skips_a_preempted_call_and_sees_slow_ones(double_engine):
     finally:
         if collecting:
             gc.enable()
-        instance.stop()
-
-
-def test_tiny_inline_calls_are_timed_without_the_cpu_clock(double_engine, monkeypatch):
-    """Inline calls well under the limit are timed on the wall clock (the thread's CPU clock is a system call, two a
-    call); one that runs long on the wall clock is not counted, and the call after it is timed on the CPU clock."""
-    instance = Instance(double_engine, "m", 0, run=None, finish=None)
-    x = {"x": np.random.default_rng(zlib.crc32(b"wall-timed")).standard_normal((2, 8)).astype(np.float32)}
-    real = instance.context.run
-    cpu_clock_reads = []
-
-    class Clocks:  # instances.py's `time`, its CPU clock's reads counted
-        perf_counter_ns = staticmethod(time.perf_counter_ns)
-
-        @staticmethod
-        def thread_time_ns():
-            cpu_clock_reads.append(1)
-            return time.thread_time_ns()
-
-    try:
-        for _ in range(3):
-            real(x)  # the shape bound before the count starts
-        monkeypatch.setattr(instances_module, "time", Clocks)
-        for _ in range(INLINE_AFTER + 1):
-            instance.execute(x)
-        assert instance.inline
-        cpu_clock_reads.clear()
-        for _ in range(20):
-            np.testing.assert_array_equal(instance.execute(x)["y"], 2 * x["x"])
-        assert not cpu_clock_reads and instance.inline
-        instance.context.run = lambda feeds: (time.sleep(0.02), real(feeds))[1]  # long on the wall clock, no CPU
-        instance.execute(x)
-        assert not cpu_clock_reads and instance.inline  # not counted: slow or preempted, the next call says
-        instance.context.run = real
-        instance.execute(x)
-        assert len(cpu_clock_reads) == 2 and instance.inline  # timed on the CPU clock: fast
-        instance.execute(x)
-        assert len(cpu_clock_reads) == 2  # back on the wall clock
-    finally:
         instance.stop()
 
 
