@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
+import zlib
 
 import numpy as np
 import pytest
