@@ -135,6 +135,40 @@ def test_without_dynamic_batching_each_request_runs_alone(double_engine):
     assert stats.execution_count == 3
 
 
+def test_two_cpu_instances_run_calls_side_by_side(double_engine):
+    """instance_group count 2 on the CPU: two execution contexts, each on its thread. Requests queued together while
+    both are idle go one to each, and the two engine calls run at the same time: each call waits at a barrier for the
+    other (serialized calls would break it after 30 s and fail their requests); each request gets its own rows."""
+    import threading
+
+    config = _config(double_engine, "max_batch_size: 8\ninstance_group [{ count: 2 kind: KIND_CPU }]")
+    stats = ModelStats("m", "1")
+    rng = np.random.default_rng(zlib.crc32(b"two-cpu-instances"))
+    xs = [rng.standard_normal((int(rows), 8)).astype(np.float32) for rows in (1, 3)]
+    together = threading.Barrier(2, timeout=30)
+    ran_on: list[str] = []
+    threads: list[str] = []
+
+    async def run():
+        batcher = Batcher(double_engine, config, stats, 64)
+        assert len(batcher.instances) == 2 and not any(i.inline for i in batcher.instances)
+        threads.extend(i.thread.name for i in batcher.instances)
+        for instance in batcher.instances:
+            real = instance.context.run
+
+            def meeting(feeds, real=real):
+                together.wait()
+                ran_on.append(threading.current_thread().name)
+                return real(feeds)
+
+            instance.context.run = meeting
+        return await _run(batcher, xs)
+
+    for x, out in zip(xs, asyncio.run(run())):
+        np.testing.assert_array_equal(out["y"], 2 * x)
+    assert sorted(ran_on) == sorted(threads) and len(set(threads)) == 2 and stats.execution_count == 2
+
+
 @pytest.mark.parametrize("batching", [False, True])
 def test_inline_call_is_answered_at_submit(double_engine, batching):
     """Once its calls run inline, a request that finds nothing queued is answered inside submit (its caller's
