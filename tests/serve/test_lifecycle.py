@@ -249,16 +249,32 @@ dynamic_batching { preferred_batch_size: [4] max_queue_delay_microseconds: 50000
 
 @pytest.mark.parametrize("frontends", ["0", "2"])
 def test_sigterm_answers_every_request_in_flight(tmp_path, engines, repository, frontends):
-    """Three requests wait (a 5 s queue delay holds them) when kiln serve gets SIGTERM: all answered
-    (with 2 front-end processes too: they finish what they forwarded before the engine stops)."""
+    """Three requests wait (a 5 s queue delay holds them), two over HTTP and one over gRPC (tritonclient), when kiln
+    serve gets SIGTERM: all answered (with 2 front-end processes too: they finish what they forwarded before the
+    engine stops)."""
     (tmp_path / "slowq" / "1").mkdir(parents=True)
     (tmp_path / "slowq" / "1" / "model.kiln").write_bytes((engines / "slow.kiln").read_bytes())
     (tmp_path / "slowq" / "config.pbtxt").write_text(SLOW_QUEUE)
     process, ports = _start_cli(tmp_path, "--frontends", frontends)
     try:
-        statuses: list[int] = []
+        statuses: list[int | str] = []
+
+        def over_grpc() -> None:
+            client = grpcclient.InferenceServerClient(f"127.0.0.1:{ports['gRPC']}")
+            x = np.full((1, 4), 2.5, np.float32)
+            tensor = grpcclient.InferInput("x", [1, 4], "FP32")
+            tensor.set_data_from_numpy(x)
+            try:
+                answer = client.infer("slowq", [tensor], client_timeout=60).as_numpy("y")
+                statuses.append(200 if np.array_equal(answer, x) else f"gRPC answer {answer}")
+            except InferenceServerException as e:
+                statuses.append(f"gRPC {e.status()}: {e.message()}")
+            finally:
+                client.close()
+
         threads = [threading.Thread(target=lambda: statuses.append(
-            _post(ports["HTTP"], "/v2/models/slowq/infer", _slow_request())[0])) for _ in range(3)]
+            _post(ports["HTTP"], "/v2/models/slowq/infer", _slow_request())[0])) for _ in range(2)]
+        threads.append(threading.Thread(target=over_grpc))
         for t in threads:
             t.start()
         deadline = time.monotonic() + 30
