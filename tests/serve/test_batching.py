@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
+import zlib
 
 import numpy as np
 import pytest
@@ -132,6 +133,40 @@ def test_without_dynamic_batching_each_request_runs_alone(double_engine):
     for x, out in zip(xs, asyncio.run(_run(Batcher(double_engine, config, stats, 64), xs))):
         np.testing.assert_array_equal(out["y"], 2 * x)
     assert stats.execution_count == 3
+
+
+def test_two_cpu_instances_run_calls_side_by_side(double_engine):
+    """instance_group count 2 on the CPU: two execution contexts, each on its thread. Requests queued together while
+    both are idle go one to each, and the two engine calls run at the same time: each call waits at a barrier for the
+    other (serialized calls would break it after 30 s and fail their requests); each request gets its own rows."""
+    import threading
+
+    config = _config(double_engine, "max_batch_size: 8\ninstance_group [{ count: 2 kind: KIND_CPU }]")
+    stats = ModelStats("m", "1")
+    rng = np.random.default_rng(zlib.crc32(b"two-cpu-instances"))
+    xs = [rng.standard_normal((int(rows), 8)).astype(np.float32) for rows in (1, 3)]
+    together = threading.Barrier(2, timeout=30)
+    ran_on: list[str] = []
+    threads: list[str] = []
+
+    async def run():
+        batcher = Batcher(double_engine, config, stats, 64)
+        assert len(batcher.instances) == 2 and not any(i.inline for i in batcher.instances)
+        threads.extend(i.thread.name for i in batcher.instances)
+        for instance in batcher.instances:
+            real = instance.context.run
+
+            def meeting(feeds, real=real):
+                together.wait()
+                ran_on.append(threading.current_thread().name)
+                return real(feeds)
+
+            instance.context.run = meeting
+        return await _run(batcher, xs)
+
+    for x, out in zip(xs, asyncio.run(run())):
+        np.testing.assert_array_equal(out["y"], 2 * x)
+    assert sorted(ran_on) == sorted(threads) and len(set(threads)) == 2 and stats.execution_count == 2
 
 
 @pytest.mark.parametrize("batching", [False, True])
@@ -359,5 +394,74 @@ def test_concurrent_clients_each_get_their_own_rows(grpc_server, engine_of):
     assert requests == CLIENTS * REQUESTS
     assert after["inference_count"] - before["inference_count"] == sum(rows_sent)
     assert after["execution_count"] - before["execution_count"] < requests  # some requests shared a call
+    assert http.is_server_ready()
+    http.close()
+
+
+def test_64_clients_50_requests_of_mixed_models_shapes_and_protocols(server, engine_of):
+    """Issue 14's bounded load: 64 clients x 50 requests at once (a third each HTTP binary, HTTP JSON and gRPC), each
+    request to mlp (FP32) or half (FP16 and BF16 in, FP32 and BF16 out) with 1..4 rows, drawn per request; every
+    answer checked against its own input (exact where the model is: 2x, x + 1 and its bfloat16 rounding; mlp's
+    GEMM against the engine run on the request alone) and the statistics count every request once."""
+    import ml_dtypes
+
+    count, per_client = 64, 50
+    http = httpclient.InferenceServerClient(f"127.0.0.1:{server.ports.http}", network_timeout=120)
+    before = {m: http.get_inference_statistics(m)["model_stats"][0] for m in ("mlp", "half")}
+    mlp_engine = engine_of("mlp")
+    failures: list[str] = []
+    sent = {"mlp": [0] * count, "half": [0] * count}
+
+    def client(k: int) -> None:
+        rng = np.random.default_rng(zlib.crc32(f"load-64x50-{k}".encode()))
+        use_grpc, json_body = k % 3 == 2, k % 3 == 1
+        module = grpcclient if use_grpc else httpclient
+        connection = module.InferenceServerClient(f"127.0.0.1:{server.ports.grpc if use_grpc else server.ports.http}")
+
+        def tensor(name, array, datatype, binary=True):
+            t = module.InferInput(name, list(array.shape), datatype)
+            if use_grpc:
+                t.set_data_from_numpy(array)
+            else:
+                t.set_data_from_numpy(array, binary_data=binary)
+            return t
+
+        try:
+            for n in range(per_client):
+                rows = int(rng.integers(1, 5))
+                if rng.random() < 0.5:
+                    x = rng.standard_normal((rows, 8)).astype(np.float32)
+                    result = connection.infer("mlp", [tensor("x", x, "FP32", not json_body)], request_id=f"{k}-{n}")
+                    sent["mlp"][k] += 1
+                    z, y = result.as_numpy("z"), result.as_numpy("y")
+                    if z is None or z.shape != x.shape or not np.array_equal(z, 2 * x):
+                        failures.append(f"client {k} request {n}: mlp's z is not 2x of its own input")
+                    elif not np.allclose(y, mlp_engine.run({"x": x})["y"], rtol=1e-5, atol=1e-6):
+                        failures.append(f"client {k} request {n}: mlp's y differs from the engine run alone")
+                else:
+                    h = rng.standard_normal((rows, 4)).astype(np.float16)
+                    b = rng.standard_normal((rows, 4)).astype(ml_dtypes.bfloat16)
+                    result = connection.infer("half", [tensor("h", h, "FP16", not json_body), tensor("b", b, "BF16")],
+                                              request_id=f"{k}-{n}")
+                    sent["half"][k] += 1
+                    h2, bf, bb = result.as_numpy("h2"), result.as_numpy("bf"), result.as_numpy("bb")
+                    expected_bf = b.astype(np.float32) + 1
+                    if h2 is None or h2.dtype != np.float16 or not np.array_equal(h2, 2 * h):
+                        failures.append(f"client {k} request {n}: half's h2 is not 2h of its own input")
+                    elif not np.array_equal(bf, expected_bf) or bb.dtype != ml_dtypes.bfloat16 \
+                            or not np.array_equal(bb, expected_bf.astype(ml_dtypes.bfloat16)):
+                        failures.append(f"client {k} request {n}: half's bf/bb are not b + 1 of its own input")
+        except Exception as e:  # noqa: BLE001 - reported below with the client's name
+            failures.append(f"client {k}: {type(e).__name__}: {e}")
+        finally:
+            connection.close()
+
+    run_clients(client, count, 600, failures)
+    for model in ("mlp", "half"):
+        after = http.get_inference_statistics(model)["model_stats"][0]
+        answered = after["inference_stats"]["success"]["count"] - before[model]["inference_stats"]["success"]["count"]
+        assert answered == sum(sent[model]), model
+        assert after["execution_count"] - before[model]["execution_count"] < answered, model  # calls were shared
+    assert sum(map(sum, sent.values())) == count * per_client
     assert http.is_server_ready()
     http.close()

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -141,8 +142,15 @@ def test_queue_overflow_answers_429_and_recovers(server):
 
 
 def test_grpc_overflow_is_resource_exhausted(grpc_server):
+    """Over gRPC as over HTTP: past the queue's bound a call is refused at once with RESOURCE_EXHAUSTED and a
+    retry-after trailer (tritonclient shows the code only: 6 of the 8 calls go through grpc's generated stub, which
+    gives the trailers), and the model serves again afterwards."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
     server = grpc_server
     codes: list[str] = []
+    retry_after: list[str | None] = []
     start = threading.Barrier(8)
 
     def send() -> None:
@@ -158,13 +166,37 @@ def test_grpc_overflow_is_resource_exhausted(grpc_server):
         finally:
             client.close()
 
-    threads = [threading.Thread(target=send) for _ in range(8)]
+    def send_raw() -> None:
+        request = service_pb2.ModelInferRequest(model_name="slow")
+        request.inputs.add(name="x", datatype="FP32", shape=[1, 4])
+        request.raw_input_contents.append(np.ones((1, 4), np.float32).tobytes())
+        with grpc.insecure_channel(f"127.0.0.1:{server.ports.grpc}") as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            start.wait()
+            try:
+                stub.ModelInfer(request, timeout=60)
+                codes.append("OK")
+            except grpc.RpcError as e:
+                codes.append(str(e.code()))
+                if e.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    retry_after.append(dict(e.trailing_metadata() or ()).get("retry-after"))
+
+    threads = [threading.Thread(target=send if k % 4 == 0 else send_raw) for k in range(8)]  # 2 tritonclient, 6 raw
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
     assert "OK" in codes and "StatusCode.RESOURCE_EXHAUSTED" in codes, codes
     assert set(codes) <= {"OK", "StatusCode.RESOURCE_EXHAUSTED"}
+    assert retry_after and all(value == "1" for value in retry_after), (codes, retry_after)
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.ports.grpc}")  # recovered: serves again
+    try:
+        x = np.random.default_rng(zlib.crc32(b"after-overflow")).standard_normal((1, 4)).astype(np.float32)
+        tensor = grpcclient.InferInput("x", [1, 4], "FP32")
+        tensor.set_data_from_numpy(x)
+        np.testing.assert_array_equal(client.infer("slow", [tensor]).as_numpy("y"), x)
+    finally:
+        client.close()
 
 
 def test_request_timeout_in_the_queue(server):
@@ -217,16 +249,32 @@ dynamic_batching { preferred_batch_size: [4] max_queue_delay_microseconds: 50000
 
 @pytest.mark.parametrize("frontends", ["0", "2"])
 def test_sigterm_answers_every_request_in_flight(tmp_path, engines, repository, frontends):
-    """Three requests wait (a 5 s queue delay holds them) when kiln serve gets SIGTERM: all answered
-    (with 2 front-end processes too: they finish what they forwarded before the engine stops)."""
+    """Three requests wait (a 5 s queue delay holds them), two over HTTP and one over gRPC (tritonclient), when kiln
+    serve gets SIGTERM: all answered (with 2 front-end processes too: they finish what they forwarded before the
+    engine stops)."""
     (tmp_path / "slowq" / "1").mkdir(parents=True)
     (tmp_path / "slowq" / "1" / "model.kiln").write_bytes((engines / "slow.kiln").read_bytes())
     (tmp_path / "slowq" / "config.pbtxt").write_text(SLOW_QUEUE)
     process, ports = _start_cli(tmp_path, "--frontends", frontends)
     try:
-        statuses: list[int] = []
+        statuses: list[int | str] = []
+
+        def over_grpc() -> None:
+            client = grpcclient.InferenceServerClient(f"127.0.0.1:{ports['gRPC']}")
+            x = np.full((1, 4), 2.5, np.float32)
+            tensor = grpcclient.InferInput("x", [1, 4], "FP32")
+            tensor.set_data_from_numpy(x)
+            try:
+                answer = client.infer("slowq", [tensor], client_timeout=60).as_numpy("y")
+                statuses.append(200 if np.array_equal(answer, x) else f"gRPC answer {answer}")
+            except InferenceServerException as e:
+                statuses.append(f"gRPC {e.status()}: {e.message()}")
+            finally:
+                client.close()
+
         threads = [threading.Thread(target=lambda: statuses.append(
-            _post(ports["HTTP"], "/v2/models/slowq/infer", _slow_request())[0])) for _ in range(3)]
+            _post(ports["HTTP"], "/v2/models/slowq/infer", _slow_request())[0])) for _ in range(2)]
+        threads.append(threading.Thread(target=over_grpc))
         for t in threads:
             t.start()
         deadline = time.monotonic() + 30
