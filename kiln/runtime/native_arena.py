@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 
 import torch
 
@@ -35,6 +36,8 @@ class SharedArena:
         self._buffer: torch.Tensor | None = None  # mapped at the first take: untouched pages hold no memory
         self._scratch: torch.Tensor | None = None  # the members' temporaries (scratch)
         self._scratch_lock = threading.Lock()  # two segments' views may be bound at once (each under its own lock)
+        # images -> the arena the exact binds of that batch share (native_batches.batch_arena), while one is held
+        self.batch_arenas: weakref.WeakValueDictionary[int, SharedArena] = weakref.WeakValueDictionary()
 
     @staticmethod
     def bound(runs: list[list[tuple[tuple[int, ...], torch.dtype]]]) -> int:

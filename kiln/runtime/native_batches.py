@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from kiln.kernels.cpu import native_loop, onednn, onednn_ahead, onednn_chunks
+from kiln.runtime.native_arena import SharedArena
 from kiln.runtime.native_members import _forms
 from kiln.tactics.tactic import NativeStep, native_strides, row_major_strides
 
@@ -60,6 +61,7 @@ TRIAL = 5  # calls of each, the bound batch and the runs, alternated before keep
 KEEP_BOUND_AT = 1.0  # the bound batch is kept where its fastest call takes at most this times the runs' fastest
 BOUND_BATCHES = 4  # exactly bound batches kept per segment (least recently used out)
 BOUND_BYTES = 512 << 20  # ... and their arenas and staging buffers at most, per segment
+BATCH_ARENA_SLACK = 1 << 20  # bytes a batch arena holds beyond the planned one scaled (each value's 64-byte line)
 BINDS = onednn_ahead.Ahead(budget=1 << 62)  # the thread the exact binds are made on (stops when none is queued)
 atexit.register(BINDS.stop)
 _STATE = threading.Lock()  # a plan's state changes and a segment's bound batches
@@ -259,10 +261,36 @@ def exact_bind(segment: Any, key: tuple) -> Any:
     planned segment's lock). ValueError where its entries or exits would differ."""
     with onednn_chunks.exact_batches():
         at = segment._natives_at(key)
-        bound = type(segment)(segment.members, segment.read_after, segment.constants, at.natives)
+        bound = type(segment)(segment.members, segment.read_after, segment.constants, at.natives,
+                              arena=batch_arena(segment, key))
     if bound.entries != segment.entries or bound.exits != segment.exits or bound._planned_key != key:
         raise ValueError("the segment bound at this batch has other entries, exits or sizes")
     return bound
+
+
+def batch_arena(segment: Any, key: tuple) -> SharedArena | None:
+    """The arena the exact binds of one batch share across the segments of `segment`'s program (None: the segment
+    plans into an arena of its own). Why: a program's segments run one after another, each over the memory the one
+    before it left warm in cache; exact binds each over an arena of their own (as before) read every segment's
+    activations from memory not touched since the last call. swin_tiny's 10 bound segments at batches 1-8 ran 5-10%
+    slower each inside the model than the engine built at that batch, and alike in a loop of one segment alone.
+
+    One per program arena (an execution context's lane) and batch, held by the segments bound over it (a weak map:
+    it goes with the last of them). As large as the planned arena scaled to the batch: every value a member writes
+    scales with the images (computes_each_image_alone), plus one 64-byte line per value at most; address space only,
+    what is resident is the largest plan that ran in it."""
+    shared = segment.arena
+    if shared is None or segment._planned_batch is None:
+        return None
+    batch = segment._planned_batch
+    images = key[0][0] * batch // segment._planned_key[0][0]
+    with _STATE:
+        arenas = shared.batch_arenas
+        found = arenas.get(images)
+        if found is None:
+            found = SharedArena(-(-shared.planned * images // batch) + BATCH_ARENA_SLACK)
+            arenas[images] = found
+    return found
 
 
 def _swap_in(segment: Any, key: tuple, plan: BatchPlan, bound: Any) -> None:
