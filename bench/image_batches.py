@@ -90,7 +90,13 @@ def _first_calls(context, session, image: tuple[int, ...], stream: list[int], rn
 def _plans(context, batch: int) -> list:
     """The BatchPlans of `context`'s segments at `batch` images."""
     return [plan for segment in context.program.segments for key, plan in segment._batch_plans.items()
-            if segment._planned_batch and key[0][0] * segment._planned_batch // segment._planned_key[0][0] == batch]
+            if key[0][0] * batch_of(segment) == batch * segment._planned_key[0][0]]
+
+
+def batch_of(segment) -> int:
+    """The batch a segment was planned at: its planned_batch, else (a view segment's: native_batches.another_batch)
+    the first dim of its first entry, which in these image models' token segments is the batch."""
+    return segment._planned_batch or segment._planned_key[0][0]
 
 
 def _settle(context, x: dict, batch: int) -> str:

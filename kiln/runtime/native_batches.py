@@ -44,6 +44,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -54,7 +55,7 @@ from kiln.runtime.native_members import _forms
 from kiln.tactics.tactic import NativeStep, native_strides, row_major_strides
 
 BATCH_RUN_ROWS = 256  # rows a run of a segment that is no image segment holds at least, to run other batches in runs
-PLANS = 256  # batches whose BatchPlan a segment keeps (the first made out: a call does not move its plan)
+PLANS = 256  # batches whose BatchPlan a segment keeps (least recently called out, its exact bind with it)
 _CL = torch.channels_last
 BIND_AFTER = 3  # calls of a batch in runs before its exact bind is made (background thread)
 TRIAL = 5  # calls of each, the bound batch and the runs, alternated before keeping the faster
@@ -156,6 +157,9 @@ class BatchPlan:
     entry_images: list[int]  # ... and of one image's
     exit_images: list[int]
     one: tuple | None  # the key of the segment's view at one image (in its `resized`; None: no images left)
+    # a segment without batch runs (planned_batch None): the key its view at this batch is bound at (in `resized`),
+    # which serves the batch until it is bound exactly, as the runs do elsewhere
+    view: tuple | None = None
     # the exact bind (call_batch): "runs" (counting calls), "binding" (queued on BINDS), "trial" (bound, timed against
     # the runs), "bound" (kept), "runs kept" (the runs were faster), "failed" (a layer cannot bind the batch),
     # "evicted" (let go by the segment's bound batches: counting again)
@@ -170,11 +174,27 @@ class BatchPlan:
     trial_runs: list[float] = field(default_factory=list)
 
 
+def another_batch(planned: tuple, key: tuple) -> bool:
+    """Whether entries of sizes `key` are another batch of the `planned` ones: each entry's first dim scaled by one
+    factor (a window mask [B·windows, ...] beside the images scales with them), its other dims as planned."""
+    if len(key) != len(planned) or key == planned or not key or not key[0] or not planned[0]:
+        return False
+    n, b = key[0][0], planned[0][0]
+    return all(len(k) == len(p) and k[0] * b == p[0] * n and k[1:] == p[1:] for k, p in zip(key, planned)) and n > 0
+
+
 def batch_plan(segment: Any, key: tuple) -> BatchPlan | None:
     """`segment`'s BatchPlan for entries of sizes `key`, or None: not another batch of its images, or its members
-    mix the images of a batch (computes_each_image_alone, asked once). The caller holds the segment's resize lock."""
+    mix the images of a batch (computes_each_image_alone, asked once). A segment that runs no batches in runs
+    (planned_batch None: a transformer's token segment, tuned at a few rows) but has views gets a plan that runs
+    its view at that batch until the batch is bound exactly (swin_tiny's last stage: 128 rows at its tuned batch).
+    The caller holds the segment's resize lock."""
     batch = segment._planned_batch
     planned = segment._planned_key
+    if batch is None:
+        if not segment._views or not another_batch(planned, key):
+            return None
+        return BatchPlan(0, 0, [], [], [], [], [], None, view=key)
     if batch is None or not key or not key[0] or key[0][0] * batch % planned[0][0]:
         return None
     n = key[0][0] * batch // planned[0][0]  # images: each entry's first dim is theirs x its multiple
@@ -275,21 +295,22 @@ def batch_arena(segment: Any, key: tuple) -> SharedArena | None:
     activations from memory not touched since the last call. swin_tiny's 10 bound segments at batches 1-8 ran 5-10%
     slower each inside the model than the engine built at that batch, and alike in a loop of one segment alone.
 
-    One per program arena (an execution context's lane) and batch, held by the segments bound over it (a weak map:
-    it goes with the last of them). As large as the planned arena scaled to the batch: every value a member writes
-    scales with the images (computes_each_image_alone), plus one 64-byte line per value at most; address space only,
-    what is resident is the largest plan that ran in it."""
+    One per program arena (an execution context's lane) and batch (as a scale of the planned one: a program's
+    segments may plan their first dims as B images or B·windows), held by the segments bound over it (a weak map: it
+    goes with the last of them). As large as the planned arena scaled to the batch plus BATCH_ARENA_SLACK: an image
+    segment's values scale with the images (computes_each_image_alone); a segment whose plan needs more than that
+    (a value not proportional to the batch) plans into an arena of its own, as before (SharedArena.take answers
+    None). Address space only: what is resident is the largest plan that ran in it."""
     shared = segment.arena
-    if shared is None or segment._planned_batch is None:
+    if shared is None or not another_batch(segment._planned_key, key):
         return None
-    batch = segment._planned_batch
-    images = key[0][0] * batch // segment._planned_key[0][0]
+    scale = Fraction(key[0][0], segment._planned_key[0][0])  # the batch over the planned one, alike in each segment
     with _STATE:
         arenas = shared.batch_arenas
-        found = arenas.get(images)
+        found = arenas.get(scale)
         if found is None:
-            found = SharedArena(-(-shared.planned * images // batch) + BATCH_ARENA_SLACK)
-            arenas[images] = found
+            found = SharedArena(math.ceil(shared.planned * scale) + BATCH_ARENA_SLACK)
+            arenas[scale] = found
     return found
 
 
@@ -344,7 +365,10 @@ def forget(segment: Any, key: tuple, plan: BatchPlan) -> None:
 
 def run_batches(segment: Any, values: tuple, plan: BatchPlan) -> Any:
     """Entries of plan.runs planned batches and plan.left more images: fresh exits at their sizes, the runs of the
-    planned segment (under its lock), then the images left on its one-image view."""
+    planned segment (under its lock), then the images left on its one-image view. A view plan: the segment's view
+    at the batch."""
+    if plan.view is not None:
+        return segment.run_resized(plan.view, values)
     exits = [torch.empty_strided(size, strides, dtype=dtype) for size, strides, dtype in plan.exit_shapes]
     staged = bool(segment._staged) and all(not segment._laid_out(k, values[k]) and values[k].is_contiguous()
                                            for k, _, _ in segment._staged)
