@@ -442,6 +442,18 @@ class Segment:
                 raise ValueError("the segment's entries or exits changed")
         return segment
 
+    def rewrite_ahead(self) -> bool:
+        """Make the plan rewrite of this segment's views now (a background job at load: first_calls.primitives_ahead)
+        rather than at the first call at a new size, which otherwise waits for it (BERT-base: ~5-6 ms of Python, the
+        most of a saved engine's first new shape). True where it made it (False: made already, or no views)."""
+        if not self._views or self._grown is not None or self._rewrite is not None:
+            return False
+        with self._resize_lock:
+            if self._grown is not None or self._rewrite is not None:
+                return False
+            self._rewrite = _PlanRewrite(self)
+        return True
+
     def _rewritten(self, key: tuple) -> _Resized | None:
         """These sizes as a view whose plans of kiln's own kernels are the template's rewritten (_PlanRewrite),
         or None where the template's arena cannot hold them or a layer's rule refuses them."""
