@@ -26,8 +26,11 @@ every layer's fixed oneDNN and loop cost (a few µs; 10-50% of a 32-64 px model'
 pays once. Which is faster is measured, not assumed: after one untimed call of the bound batch, the next 2·TRIAL
 calls alternate it and the runs, and the bound one is kept unless the runs' fastest call is clearly faster than its
 fastest (KEEP_BOUND_AT; MobileNetV2 at 224 px, 8-32 images: runs of 2 keep each layer's activations in cache, one run
-of 32 (~38 MB a layer) does not, so runs stay). Bound batches are kept per segment up to BOUND_BATCHES and BOUND_BYTES of arena (least recently used out;
-an evicted batch binds again after twice as many calls).
+of 32 (~38 MB a layer) does not, so runs stay). The exact binds of one batch share one arena across the program's
+segments (batch_arena), as an engine built at that batch plans its segments into one. Bound batches are kept per
+segment up to BOUND_BATCHES and BOUND_BYTES of arena (least recently used out; an evicted batch binds again after twice
+as many calls). A segment with no batch runs but views (a transformer's token segment) serves a new batch on its view
+until then, and binds it exactly alike (a view plan).
 
 Exact: each image goes through the planned segment's primitives (or their one-image forms), which compute it alone;
 tests/unit/test_image_batches.py compares with onnxruntime at fresh batches.
@@ -299,8 +302,9 @@ def batch_arena(segment: Any, key: tuple) -> SharedArena | None:
     """The arena the exact binds of one batch share across the segments of `segment`'s program (None: the segment
     plans into an arena of its own). Why: a program's segments run one after another, each over the memory the one
     before it left warm in cache; exact binds each over an arena of their own (as before) read every segment's
-    activations from memory not touched since the last call. swin_tiny's 10 bound segments at batches 1-8 ran 5-10%
-    slower each inside the model than the engine built at that batch, and alike in a loop of one segment alone.
+    activations from memory not touched since the last call (swin_tiny's whole call at batches 1-8, one process:
+    1.05-1.11x the engine built at that batch with an arena per bound segment, 1.02-1.08x with one per batch; loads
+    4-13, bench/results/image-batches-2026-12-06.md, session 23).
 
     One per program arena (an execution context's lane) and batch (as a scale of the planned one: a program's
     segments may plan their first dims as B images or B·windows), held by the segments bound over it (a weak map: it
