@@ -366,12 +366,16 @@ def _settle(segment: Any, key: tuple, plan: BatchPlan) -> None:
 
 
 def forget(segment: Any, key: tuple, plan: BatchPlan) -> None:
-    """A plan let go by the segment's plans: its bound batch goes with it."""
+    """A plan let go by the segment's plans: its bound batch goes with it, and a bind of it still queued or in hand
+    is not swapped in (state "runs": _schedule_bind's job and _swap_in act only on "binding"), else the segment's bound
+    batches would keep a batch that no plan serves."""
     with _STATE:
         if segment._bound_batches.get(key) is plan:
             del segment._bound_batches[key]
         if plan.bound is not None:
             _let_go(plan, "runs")
+        elif plan.state == "binding":
+            plan.state = "runs"
 
 
 def run_batches(segment: Any, values: tuple, plan: BatchPlan) -> Any:

@@ -442,3 +442,44 @@ def test_a_segment_without_batch_runs_binds_a_batch_met_often(resnet, monkeypatc
     assert segment._batch_runs(((5, 3, 32, 32),)) is None
     assert native_batches.another_batch(((2, 8), (32, 8)), ((3, 8), (48, 8)))  # a window mask scales alike
     assert not native_batches.another_batch(((2, 8), (32, 8)), ((3, 8), (32, 8)))
+
+
+def test_plans_let_go_while_binding_leave_no_bound_batch_behind(resnet, monkeypatch):
+    """Two threads, each on its own context, call more batches than the plans keep (PLANS 2) with every batch bound at
+    its first call: plans are let go while their exact binds are queued or in hand on the background thread. Every
+    output matches onnxruntime, each segment keeps at most PLANS plans, and every bound batch it keeps is a plan it
+    keeps (a bind finishing after its plan was let go is not swapped in)."""
+    engine, session = resnet
+    assert native_batches.BINDS.wait(60)
+    monkeypatch.setattr(native_batches, "PLANS", 2)
+    monkeypatch.setattr(native, "PLANS", 2)
+    monkeypatch.setattr(native_batches, "BIND_AFTER", 1)
+    contexts = [engine.create_execution_context(pad_first_calls=False) for _ in range(2)]
+    segments = {id(s): s for c in contexts for s in c.program.segments}.values()
+    for s in segments:
+        _fresh_plans(s, monkeypatch)
+    rng = np.random.default_rng(zlib.crc32(b"plans let go while binding"))
+    batches = [3, 4, 5, 6, 7, 9, 3, 5]
+    inputs = {b: rng.standard_normal((b, 3, 64, 64), dtype=np.float32) for b in set(batches)}
+    expected = {b: session.run(None, {"pixel_values": x})[0] for b, x in inputs.items()}
+    errors = []
+
+    def calls(context, order: list[int]) -> None:
+        try:
+            for b in order:
+                got = next(iter(context.run({"pixel_values": inputs[b]}).values()))
+                np.testing.assert_allclose(got, expected[b], rtol=RTOL, atol=ATOL, err_msg=f"batch {b}")
+        except Exception as e:  # noqa: BLE001  reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=calls, args=(c, order)) for c, order in zip(contexts, (batches, batches[::-1]))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[0]
+    assert native_batches.BINDS.wait(60)
+    for s in segments:
+        assert len(s._batch_plans) <= 2
+        assert all(s._batch_plans.get(k) is p for k, p in s._bound_batches.items()), \
+            (list(s._bound_batches), list(s._batch_plans))
