@@ -35,10 +35,12 @@ a run is not padded along the sequence.
 from __future__ import annotations
 
 import bisect
+import itertools
 import operator
 import statistics
 import threading
 import time
+import weakref
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
@@ -347,17 +349,41 @@ def primitives_ahead(program: Program, profiles: list[Profile]) -> int:
     """Start making, on a background thread, what a first call at a new row count would otherwise wait for
     (kiln/kernels/cpu/onednn_ahead.py: oneDNN inner products, the runtime-M matmul's first run): each linear
     layer's row counts up to the profiles' largest shape, taken as its tuned row count x (the largest shape's
-    elements / the opt shape's): exact for a transformer's token-wise layers, an upper bound for the others.
-    Returns how many were queued."""
+    elements / the opt shape's): exact for a transformer's token-wise layers, an upper bound for the others. And,
+    first, each segment's plan rewrite where a profile reaches other shapes (_rewrite_job). Returns how many were
+    queued."""
     if not onednn_ahead.enabled() or not profiles:
         return 0
+    jobs = ahead_jobs(program, profiles)
+    return onednn_ahead.AHEAD.schedule(jobs, torch.get_num_threads()) if jobs else 0
+
+
+def ahead_jobs(program: Program, profiles: list[Profile]) -> list[onednn_ahead.Job]:
+    """What primitives_ahead queues for `program` under `profiles`."""
     scale = 1.0
     for profile in profiles:
         for shapes in profile.inputs.values():
             opt = _product(tuple(shapes.opt))
             scale = max(scale, _product(tuple(shapes.max)) / opt)
     jobs = [job for step in program.steps if hasattr(step.fn, "ahead") for job in step.fn.ahead(scale)]
-    return onednn_ahead.AHEAD.schedule(jobs, torch.get_num_threads()) if jobs else 0
+    if any(tuple(shapes.min) != tuple(shapes.max) for profile in profiles for shapes in profile.inputs.values()):
+        jobs = [_rewrite_job(segment) for segment in program.segments if segment._views] + jobs
+    return jobs
+
+
+_REWRITE_JOBS = itertools.count()
+
+
+def _rewrite_job(segment: Any) -> onednn_ahead.Job:
+    """A job (first in the queue: order 0) making `segment`'s plan rewrite (Segment.rewrite_ahead), which the first
+    call at a new shape waits for otherwise: a saved BERT-base's first new shape spent ~5-6 ms of its ~15 there. The
+    job holds the segment weakly: an engine let go before its turn is not kept alive for it."""
+    ref = weakref.ref(segment)
+
+    def make() -> bool:
+        seg = ref()
+        return seg is not None and seg.rewrite_ahead()
+    return onednn_ahead.Job(("plan rewrite", next(_REWRITE_JOBS)), 0, make)  # a key of its own (ids are reused)
 
 
 def primitives_made(timeout: float | None = None) -> bool:

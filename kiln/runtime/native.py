@@ -55,7 +55,8 @@ from kiln.kernels.cpu import hugepages, native_loop, onednn
 from kiln.kernels.cpu.form_choice import PARALLEL, SERIAL, FormChooser
 from kiln.plan.memory import Interval, place
 from kiln.runtime.native_arena import SharedArena
-from kiln.runtime.native_batches import PLANS, BatchPlan, batch_plan, call_batch, forget, planned_batch
+from kiln.runtime.native_batches import (PLANS, BatchPlan, another_batch, batch_plan, binds_enabled, call_batch, forget,
+                                        planned_batch)
 from kiln.runtime.native_members import (_bind_member, _entry_forms, _form, _forms, _run_loop, reads_of, serial_calls,
                                          writes_of)
 from kiln.runtime.native_views import _PlanRewrite, _Resized
@@ -265,7 +266,7 @@ class Segment:
         # reorders of the images left past the runs
         self._planned_batch = planned_batch(self.entry_sizes, self.entry_layouts, natives) if self._c is not None \
             else None
-        self._batch_plans: OrderedDict[tuple, BatchPlan] = OrderedDict()
+        self._batch_plans: OrderedDict[tuple, BatchPlan] = OrderedDict()  # least recently used first
         self._left_reorders: dict[int, tuple] = {}
         self._per_image: bool | None = None
         self._bound_batches: dict[tuple, BatchPlan] = {}  # batches bound exactly, kept (native_batches.call_batch)
@@ -441,6 +442,18 @@ class Segment:
                 raise ValueError("the segment's entries or exits changed")
         return segment
 
+    def rewrite_ahead(self) -> bool:
+        """Make the plan rewrite of this segment's views now (a background job at load: first_calls.primitives_ahead)
+        rather than at the first call at a new size, which otherwise waits for it (BERT-base: ~5-6 ms of Python, the
+        most of a saved engine's first new shape). True where it made it (False: made already, or no views)."""
+        if not self._views or self._grown is not None or self._rewrite is not None:
+            return False
+        with self._resize_lock:
+            if self._grown is not None or self._rewrite is not None:
+                return False
+            self._rewrite = _PlanRewrite(self)
+        return True
+
     def _rewritten(self, key: tuple) -> _Resized | None:
         """These sizes as a view whose plans of kiln's own kernels are the template's rewritten (_PlanRewrite),
         or None where the template's arena cannot hold them or a layer's rule refuses them."""
@@ -492,28 +505,45 @@ class Segment:
             if key == self._planned_key:
                 return self._run_bound(values)
             plan = self._batch_runs(key)
-            if plan is not None:  # another batch of its images: runs of this segment, or that batch bound exactly
+            if plan is not None:  # another batch: runs of this segment or its view, or that batch bound exactly
                 return call_batch(self, key, values, plan)  # once met often (native_batches.py)
-            with self._resize_lock:  # contexts of one engine share its segments
-                other = self._bind_sizes(key)
-            if other is not None:
-                return other._run_bound(values)
+            return self.run_resized(key, values)
+        out = self.fallback(list(values))
+        return tuple(out) if len(out) != 1 else out[0]
+
+    def run_resized(self, key: tuple, values: tuple) -> Any:
+        """One run on entries of sizes `key` (not the planned ones) on this segment's view at them (_bind_sizes),
+        or layer by layer where it has none."""
+        with self._resize_lock:  # contexts of one engine share its segments
+            other = self._bind_sizes(key)
+        if other is not None:
+            return other._run_bound(values)
         out = self.fallback(list(values))
         return tuple(out) if len(out) != 1 else out[0]
 
     def _batch_runs(self, key: tuple) -> BatchPlan | None:
-        """The plan of entries of sizes `key` as runs of this segment (native_batches.py), or None: not another
-        batch of its images, or its members mix a batch's images."""
-        if self._planned_batch is None:
+        """The plan of entries of sizes `key` (native_batches.py): another batch of its images as runs of this
+        segment, or of a segment with views (_views) on its view, until met often enough to bind exactly; None
+        where neither (its members mix a batch's images in runs, not another batch, binds off). The plans are
+        kept least recently used out: a batch called all along keeps its plan (and its exact bind) however many
+        other batches come and go."""
+        plans = self._batch_plans
+        plan = plans.get(key)
+        if plan is not None:
+            try:
+                plans.move_to_end(key)
+            except KeyError:  # let go by another thread meanwhile: this call still runs on it
+                pass
+            return plan
+        if self._planned_batch is None and not (self._views and another_batch(self._planned_key, key)
+                                                and binds_enabled()):
             return None
-        plan = self._batch_plans.get(key)
-        if plan is None:
-            with self._resize_lock:
-                plan = batch_plan(self, key)
-                if plan is not None:
-                    self._batch_plans[key] = plan
-                    while len(self._batch_plans) > PLANS:
-                        forget(self, *self._batch_plans.popitem(last=False))
+        with self._resize_lock:
+            plan = plans.get(key) or batch_plan(self, key)
+            if plan is not None and key not in plans:
+                plans[key] = plan
+                while len(plans) > PLANS:
+                    forget(self, *plans.popitem(last=False))
         return plan
 
     def _run_bound(self, values: tuple) -> Any:

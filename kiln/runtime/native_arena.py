@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
+from fractions import Fraction
 
 import torch
 
@@ -35,6 +37,9 @@ class SharedArena:
         self._buffer: torch.Tensor | None = None  # mapped at the first take: untouched pages hold no memory
         self._scratch: torch.Tensor | None = None  # the members' temporaries (scratch)
         self._scratch_lock = threading.Lock()  # two segments' views may be bound at once (each under its own lock)
+        # batch / planned batch -> the arena the exact binds of that batch share (native_batches.batch_arena), while
+        # a bound segment holds it
+        self.batch_arenas: weakref.WeakValueDictionary[Fraction, SharedArena] = weakref.WeakValueDictionary()
 
     @staticmethod
     def bound(runs: list[list[tuple[tuple[int, ...], torch.dtype]]]) -> int:

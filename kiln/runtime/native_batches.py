@@ -23,11 +23,14 @@ background thread (onednn_ahead.Ahead, nice 19) binds a Segment at that batch wi
 (onednn_chunks.exact_batches), as a new batch bound before runs existed (8-26 ms on the tiny zoo models, ~0.4 s on
 MobileNetV2 at 224 px), and swaps it into the batch's plan when ready: no call waits for it. Each extra run repeats
 every layer's fixed oneDNN and loop cost (a few µs; 10-50% of a 32-64 px model's 0.2-4 ms call), which the exact bind
-pays once. Which is faster is measured, not assumed: the next 2·TRIAL calls alternate the bound batch and the runs,
-and the bound one is kept only where its fastest call is no slower than the runs' fastest (MobileNetV2 at 224 px,
-8-32 images: runs of 2 keep each layer's activations in cache, one run of 32 (~38 MB a layer) does not, so runs
-stay). Bound batches are kept per segment up to BOUND_BATCHES and BOUND_BYTES of arena (least recently used out;
-an evicted batch binds again after twice as many calls).
+pays once. Which is faster is measured, not assumed: after one untimed call of the bound batch, the next 2·TRIAL
+calls alternate it and the runs, and the bound one is kept unless the runs' fastest call is clearly faster than its
+fastest (KEEP_BOUND_AT; MobileNetV2 at 224 px, 8-32 images: runs of 2 keep each layer's activations in cache, one run
+of 32 (~38 MB a layer) does not, so runs stay). The exact binds of one batch share one arena across the program's
+segments (batch_arena), as an engine built at that batch plans its segments into one. Bound batches are kept per
+segment up to BOUND_BATCHES and BOUND_BYTES of arena (least recently used out; an evicted batch binds again after twice
+as many calls). A segment with no batch runs but views (a transformer's token segment) serves a new batch on its view
+until then, and binds it exactly alike (a view plan).
 
 Exact: each image goes through the planned segment's primitives (or their one-image forms), which compute it alone;
 tests/unit/test_image_batches.py compares with onnxruntime at fresh batches.
@@ -44,22 +47,29 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 import torch
 
 from kiln.kernels.cpu import native_loop, onednn, onednn_ahead, onednn_chunks
+from kiln.runtime.native_arena import SharedArena
 from kiln.runtime.native_members import _forms
 from kiln.tactics.tactic import NativeStep, native_strides, row_major_strides
 
 BATCH_RUN_ROWS = 256  # rows a run of a segment that is no image segment holds at least, to run other batches in runs
-PLANS = 256  # batches whose BatchPlan a segment keeps (the first made out: a call does not move its plan)
+PLANS = 256  # batches whose BatchPlan a segment keeps (least recently called out, its exact bind with it)
 _CL = torch.channels_last
 BIND_AFTER = 3  # calls of a batch in runs before its exact bind is made (background thread)
-TRIAL = 5  # calls of each, the bound batch and the runs, alternated before keeping the faster
-KEEP_BOUND_AT = 1.0  # the bound batch is kept where its fastest call takes at most this times the runs' fastest
+TRIAL = 5  # calls of each, the bound batch and the runs, alternated before keeping the faster (after one untimed)
+# the bound batch is kept where its fastest call takes at most this times the runs' fastest: a tie within a loaded
+# machine's noise goes to the exact bind (what an engine built at that batch runs); the runs stay where clearly faster
+# (MobileNetV2 at 224 px, 8-32 images: ~0.8x). At 1.0, swin_tiny kept runs 3-40% slower than the bind (alone in a
+# loop) in 1-4 of its 11 segments per batch at loads 12-16
+KEEP_BOUND_AT = 1.05
 BOUND_BATCHES = 4  # exactly bound batches kept per segment (least recently used out)
 BOUND_BYTES = 512 << 20  # ... and their arenas and staging buffers at most, per segment
+BATCH_ARENA_SLACK = 1 << 20  # bytes a batch arena holds beyond the planned one scaled (each value's 64-byte line)
 BINDS = onednn_ahead.Ahead(budget=1 << 62)  # the thread the exact binds are made on (stops when none is queued)
 atexit.register(BINDS.stop)
 _STATE = threading.Lock()  # a plan's state changes and a segment's bound batches
@@ -154,6 +164,9 @@ class BatchPlan:
     entry_images: list[int]  # ... and of one image's
     exit_images: list[int]
     one: tuple | None  # the key of the segment's view at one image (in its `resized`; None: no images left)
+    # a segment without batch runs (planned_batch None): the key its view at this batch is bound at (in `resized`),
+    # which serves the batch until it is bound exactly, as the runs do elsewhere
+    view: tuple | None = None
     # the exact bind (call_batch): "runs" (counting calls), "binding" (queued on BINDS), "trial" (bound, timed against
     # the runs), "bound" (kept), "runs kept" (the runs were faster), "failed" (a layer cannot bind the batch),
     # "evicted" (let go by the segment's bound batches: counting again)
@@ -168,11 +181,27 @@ class BatchPlan:
     trial_runs: list[float] = field(default_factory=list)
 
 
+def another_batch(planned: tuple, key: tuple) -> bool:
+    """Whether entries of sizes `key` are another batch of the `planned` ones: each entry's first dim scaled by one
+    factor (a window mask [B·windows, ...] beside the images scales with them), its other dims as planned."""
+    if len(key) != len(planned) or key == planned or not key or not key[0] or not planned[0]:
+        return False
+    n, b = key[0][0], planned[0][0]
+    return all(len(k) == len(p) and k[0] * b == p[0] * n and k[1:] == p[1:] for k, p in zip(key, planned)) and n > 0
+
+
 def batch_plan(segment: Any, key: tuple) -> BatchPlan | None:
     """`segment`'s BatchPlan for entries of sizes `key`, or None: not another batch of its images, or its members
-    mix the images of a batch (computes_each_image_alone, asked once). The caller holds the segment's resize lock."""
+    mix the images of a batch (computes_each_image_alone, asked once). A segment that runs no batches in runs
+    (planned_batch None: a transformer's token segment, tuned at a few rows) but has views gets a plan that runs
+    its view at that batch until the batch is bound exactly (swin_tiny's last stage: 128 rows at its tuned batch).
+    The caller holds the segment's resize lock."""
     batch = segment._planned_batch
     planned = segment._planned_key
+    if batch is None:
+        if not segment._views or not another_batch(planned, key):
+            return None
+        return BatchPlan(0, 0, [], [], [], [], [], None, view=key)
     if batch is None or not key or not key[0] or key[0][0] * batch % planned[0][0]:
         return None
     n = key[0][0] * batch // planned[0][0]  # images: each entry's first dim is theirs x its multiple
@@ -208,10 +237,13 @@ def call_batch(segment: Any, key: tuple, values: tuple, plan: BatchPlan) -> Any:
         plan.used = next(_TICKS)
         turn = plan.trial
         plan.trial = turn + 1
+        if turn == 0:  # untimed: the first touch of its arena's pages and its fresh primitives' code
+            return bound._run_bound(values)
+        on_bound = turn % 2 == 1
         clock = _clock or _trial_clock()
         start = clock()
-        out = bound._run_bound(values) if turn % 2 == 0 else run_batches(segment, values, plan)
-        (plan.trial_bound if turn % 2 == 0 else plan.trial_runs).append(clock() - start)
+        out = bound._run_bound(values) if on_bound else run_batches(segment, values, plan)
+        (plan.trial_bound if on_bound else plan.trial_runs).append(clock() - start)
         if len(plan.trial_bound) >= TRIAL and len(plan.trial_runs) >= TRIAL:
             _settle(segment, key, plan)
         return out
@@ -259,10 +291,38 @@ def exact_bind(segment: Any, key: tuple) -> Any:
     planned segment's lock). ValueError where its entries or exits would differ."""
     with onednn_chunks.exact_batches():
         at = segment._natives_at(key)
-        bound = type(segment)(segment.members, segment.read_after, segment.constants, at.natives)
+        bound = type(segment)(segment.members, segment.read_after, segment.constants, at.natives,
+                              arena=batch_arena(segment, key))
     if bound.entries != segment.entries or bound.exits != segment.exits or bound._planned_key != key:
         raise ValueError("the segment bound at this batch has other entries, exits or sizes")
     return bound
+
+
+def batch_arena(segment: Any, key: tuple) -> SharedArena | None:
+    """The arena the exact binds of one batch share across the segments of `segment`'s program (None: the segment
+    plans into an arena of its own). Why: a program's segments run one after another, each over the memory the one
+    before it left warm in cache; exact binds each over an arena of their own (as before) read every segment's
+    activations from memory not touched since the last call (swin_tiny's whole call at batches 1-8, one process:
+    1.05-1.11x the engine built at that batch with an arena per bound segment, 1.02-1.08x with one per batch; loads
+    4-13, bench/results/image-batches-2026-12-06.md, session 23).
+
+    One per program arena (an execution context's lane) and batch (as a scale of the planned one: a program's
+    segments may plan their first dims as B images or B·windows), held by the segments bound over it (a weak map: it
+    goes with the last of them). As large as the planned arena scaled to the batch plus BATCH_ARENA_SLACK: an image
+    segment's values scale with the images (computes_each_image_alone); a segment whose plan needs more than that
+    (a value not proportional to the batch) plans into an arena of its own, as before (SharedArena.take answers
+    None). Address space only: what is resident is the largest plan that ran in it."""
+    shared = segment.arena
+    if shared is None or not another_batch(segment._planned_key, key):
+        return None
+    scale = Fraction(key[0][0], segment._planned_key[0][0])  # the batch over the planned one, alike in each segment
+    with _STATE:
+        arenas = shared.batch_arenas
+        found = arenas.get(scale)
+        if found is None:
+            found = SharedArena(math.ceil(shared.planned * scale) + BATCH_ARENA_SLACK)
+            arenas[scale] = found
+    return found
 
 
 def _swap_in(segment: Any, key: tuple, plan: BatchPlan, bound: Any) -> None:
@@ -306,17 +366,24 @@ def _settle(segment: Any, key: tuple, plan: BatchPlan) -> None:
 
 
 def forget(segment: Any, key: tuple, plan: BatchPlan) -> None:
-    """A plan let go by the segment's plans: its bound batch goes with it."""
+    """A plan let go by the segment's plans: its bound batch goes with it, and a bind of it still queued or in hand
+    is not swapped in (state "runs": _schedule_bind's job and _swap_in act only on "binding"), else the segment's bound
+    batches would keep a batch that no plan serves."""
     with _STATE:
         if segment._bound_batches.get(key) is plan:
             del segment._bound_batches[key]
         if plan.bound is not None:
             _let_go(plan, "runs")
+        elif plan.state == "binding":
+            plan.state = "runs"
 
 
 def run_batches(segment: Any, values: tuple, plan: BatchPlan) -> Any:
     """Entries of plan.runs planned batches and plan.left more images: fresh exits at their sizes, the runs of the
-    planned segment (under its lock), then the images left on its one-image view."""
+    planned segment (under its lock), then the images left on its one-image view. A view plan: the segment's view
+    at the batch."""
+    if plan.view is not None:
+        return segment.run_resized(plan.view, values)
     exits = [torch.empty_strided(size, strides, dtype=dtype) for size, strides, dtype in plan.exit_shapes]
     staged = bool(segment._staged) and all(not segment._laid_out(k, values[k]) and values[k].is_contiguous()
                                            for k, _, _ in segment._staged)
