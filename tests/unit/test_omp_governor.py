@@ -179,3 +179,17 @@ def test_engine_outputs_under_the_governor_match_onnxruntime(tmp_path, two_threa
             got = ctx.run({"x": x})["y"]
             np.testing.assert_allclose(got, session.run(None, {"x": x})[0], rtol=1e-4, atol=1e-4)
         ctx._omp._count.value = ctx._omp._original
+
+
+def test_one_thread_has_nothing_to_govern_yet():
+    """At one thread there is no team to park: the count is not looked for (nor given up on) until a call runs
+    with two or more."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        g = omp_governor.Governor(runnable=lambda readings: 1)
+        g.begin()
+        g.end()
+        assert g.governed() is None and "first call with 2 or more threads" in g.describe()
+    finally:
+        torch.set_num_threads(before)

@@ -51,6 +51,9 @@ REFRESH_S = 0.2  # how often begin() reads the free cores again (~50-100 us a re
 READINGS = 3  # the decision: the median of the last 3 readings
 PARK_WAIT_NS = 200_000  # how long end() waits to see the team asleep before it restores the count anyway
 _TEAM_MAX = 256  # segment_loop.c's OMP_MAX_TEAM
+# _check's "huge" count: ~0.3 s of polls (~27 ns a poll on the Zen 4), far past its 5 ms gaps, and bounded: a team of
+# another thread that starts a wait meanwhile (each thread that runs OpenMP has a team of its own) is not parked here
+CHECK_SPIN = 10_000_000
 
 
 def _expected_count(environ) -> int | str:
@@ -139,19 +142,23 @@ class Governor:
         n = self._lib.kiln_omp_team(tids, _TEAM_MAX)
         return list(tids[:n])
 
-    def _locate(self) -> None:
-        """Find and check the count (once); on failure set _reason."""
+    def _load(self) -> bool:
+        """The native loop library loaded (once); False with _reason set where it cannot be."""
         if self._lib is None:
             from kiln.kernels.cpu import native_loop
 
             self._lib = native_loop.load()
             if self._lib is None:
                 self._reason = f"no native loop library ({native_loop.reason()})"
-                return
-        lib = self._lib
-        if not lib.kiln_omp_available():
+                return False
+        if not self._lib.kiln_omp_available():
             self._reason = "the native loop library was built without OpenMP"
-            return
+            return False
+        return True
+
+    def _locate(self) -> None:
+        """Find and check the count (once); on failure set _reason."""
+        lib = self._lib
         expected = _expected_count(os.environ)
         if isinstance(expected, str):
             self._reason = expected
@@ -174,10 +181,11 @@ class Governor:
 
     def _check(self, count: ctypes.c_ulonglong) -> str | None:
         """None when writing `count` changes how the team waits as libgomp's spin count would, else why not:
-        a huge count keeps a team thread awake between regions 5 ms apart, 0 puts it to sleep after each."""
+        a huge count (CHECK_SPIN) keeps a team thread awake between regions 5 ms apart, 0 puts it to sleep after
+        each."""
         original = count.value
         try:
-            count.value = 1 << 40
+            count.value = CHECK_SPIN
             tids = self._team()  # the team's next waits start under the huge count
             if len(tids) < 2:
                 return "a team of one thread"
@@ -233,14 +241,12 @@ class Governor:
             if self._active > 1 or self._reason is not None:
                 return
             if self._count is None:
-                if self._lib is None or self._lib.kiln_omp_max_threads() >= 2:  # nothing to govern at 1 thread
+                if self._load() and self._lib.kiln_omp_max_threads() < 2:
+                    return  # a team of one thread: nothing to govern (located at the first call with two or more)
+                if self._reason is None:
                     self._locate()
-                    if self._reason is not None:
-                        log.info("kiln: OpenMP wait not governed: %s", self._reason)
-                        return
-                    if self._count is None:
-                        return
-                else:
+                if self._reason is not None:
+                    log.info("kiln: OpenMP wait not governed: %s", self._reason)
                     return
             now = time.monotonic()
             if now - self._decided_at > REFRESH_S:
