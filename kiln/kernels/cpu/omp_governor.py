@@ -1,30 +1,32 @@
-"""How libgomp's threads wait, decided per engine call: spin while a call runs, park when it returns.
+"""How libgomp's threads wait, decided per engine call: spin between a call's layers, asleep soon after it returns.
 
 libgomp (torch's, which oneDNN and kiln's C code share) reads its spin (GOMP_SPINCOUNT, OMP_WAIT_POLICY) once,
 when it loads, and kiln/openmp.py could only choose it then, as kiln is imported: a short spin where the machine
 was busy at that moment. That froze the wrong choice both ways. MobileNetV2 at 2 threads capped to AVX2 ran
 1.54-1.58x onnxruntime under the short spin once it had the cores (each of its 52 oneDNN calls wakes a sleeping
 thread) and 0.67-1.00x spinning (bench/results/zoo-cpu-avx2-2026-12-06.md); on a busy machine spinning threads
-take the slices the working ones need (ResNet-50 1.97x against 0.95x, kiln/openmp.py); and libgomp's long spin
-burns ~3 ms of a core after every call, which a server idle between requests should not.
+take the slices the working ones need (ResNet-50 1.97x against 0.95x, kiln/openmp.py); and libgomp's default spin
+(300000 polls) burns ~8 ms of a core after every call here, which a server idle between requests should not.
 
 libgomp keeps the count in one variable (`gomp_spin_count_var`), read at the start of every wait. It is not
 exported, so the governor finds it by its value: libgomp's rw data holds the count the process started with
 (300000 unless GOMP_SPINCOUNT says otherwise; kiln/openmp.py's short spin is 128, not 100, because libgomp's
 throttled count is 100) exactly once in the libgomp that oneDNN resolved (/proc/self/maps), and the find is
 checked by what the threads do (`_check`: a count of 0 puts a team thread to sleep after every region, a huge one
-keeps it awake, counted by its voluntary context switches) before anything relies on it. Then, per call (the
-outermost, if calls nest or overlap):
+keeps it awake, counted by its voluntary context switches) before anything relies on it. Then each call sets it
+(`begin`; the outermost of calls that overlap):
 
-- begin: when the team fits the cores free now (threads <= CPUs - other runnable tasks, re-read every REFRESH_S
-  from /proc/loadavg, this process's own threads not counted), the count is CALL_SPIN: a thread waits for the
-  next layer spinning; when it does not fit, the short spin (oversubscribed: a thread that sleeps at once gives
-  its core back and, woken, preempts the other work).
-- end: spinning, the team is parked (kiln_omp_park: the count set to 0 for one empty region, every thread seen
-  asleep, then the count the process started with restored for code outside kiln's calls; where a thread is not
-  seen asleep within PARK_WAIT_NS, on a loaded machine waiting for a core, the count stays 0 until the next call,
-  so that it sleeps as soon as it runs); short, the count stays short (its threads sleep within ~128 polls on
-  their own). A call that ran no OpenMP region finds the team asleep already and runs no region to park it.
+- where the team fits the cores free now (threads <= CPUs - other runnable tasks, read from /proc/loadavg at most
+  every REFRESH_S, the median of the last READINGS, this process's own threads not counted): CALL_SPIN, 4000
+  polls (~0.1 ms here, ~27 ns a poll): a thread waits for the next layer of the call spinning (the gaps inside a
+  native segment are microseconds), and sleeps ~0.1 ms after the call returns, on its own;
+- where it does not fit: the short spin (oversubscribed: a thread that sleeps at once gives its core back and,
+  woken, preempts the other work).
+
+Why a bounded count and not libgomp's long one with the team parked at the call's end (an empty region under a
+count of 0): the parking region waits for every team thread, and a thread preempted on a loaded machine made it
+take 0.4 ms at the median and 8 ms at the 90th percentile (load 17). The count stays kiln's between calls: torch
+code the process runs there waits the same way.
 
 Not governed, and said so (`describe()`, `kiln inspect`, the engine's log): a policy the user set
 (OMP_WAIT_POLICY / GOMP_SPINCOUNT: theirs wins), KILN_OMP_GOVERN=0, no native loop library (no C compiler), a
@@ -45,11 +47,11 @@ from kiln import openmp
 log = logging.getLogger("kiln.runtime")
 
 LIBGOMP_DEFAULT = 300000  # gomp_spin_count_var when neither GOMP_SPINCOUNT nor OMP_WAIT_POLICY is set
-CALL_SPIN = 300000  # the count while a call runs with the cores free: libgomp's own default, ~3 ms of polls
-IDLE_SPIN = 0  # the count a team is parked under
+CALL_SPIN = 4000  # the count where the team fits the free cores: ~0.1 ms of polls
+IDLE_SPIN = 0  # the count _check parks a team under
 REFRESH_S = 0.2  # how often begin() reads the free cores again (~50-100 us a reading)
 READINGS = 3  # the decision: the median of the last 3 readings
-PARK_WAIT_NS = 200_000  # how long end() waits to see the team asleep before it restores the count anyway
+PARK_WAIT_NS = 200_000  # how long _check's park waits to see the team asleep before it restores the count anyway
 _TEAM_MAX = 256  # segment_loop.c's OMP_MAX_TEAM
 # _check's "huge" count: ~0.3 s of polls (~27 ns a poll on the Zen 4), far past its 5 ms gaps, and bounded: a team of
 # another thread that starts a wait meanwhile (each thread that runs OpenMP has a team of its own) is not parked here
@@ -231,7 +233,7 @@ class Governor:
         self._decided_at = now
         seen = "" if others is None else f", {others} other task(s) runnable"
         self.last = (f"{threads} thread(s) on {cpus} CPU(s){seen}: "
-                     + ("spin while a call runs, park after it" if self._spinning
+                     + (f"spin {CALL_SPIN} polls" if self._spinning
                         else f"oversubscribed, short spin ({openmp.SHORT_SPIN})"))
 
     def begin(self) -> None:
@@ -257,12 +259,9 @@ class Governor:
             self._count.value = self._spin
 
     def end(self) -> None:
-        """A call returned: the last one parks the team (spinning), or leaves the short count (oversubscribed)."""
+        """A call returned: its threads sleep on their own within the count begin() set."""
         with self._lock:
             self._active -= 1
-            if self._active or self._count is None or not self._spinning:
-                return
-            self._park(self._count, self._original)
 
     def _park(self, count: ctypes.c_ulonglong, after: int) -> int:
         return self._lib.kiln_omp_park(ctypes.byref(count), IDLE_SPIN, after, PARK_WAIT_NS, self._tids,
@@ -278,8 +277,8 @@ class Governor:
     def describe(self) -> str:
         """What the governor does, in words (kiln inspect, the engine's log)."""
         if self._count is not None:
-            return ("kiln governs libgomp's spin per call (spin while a call runs where the team fits the free "
-                    f"cores, park after it; short spin {openmp.SHORT_SPIN} where oversubscribed); "
+            return (f"kiln governs libgomp's spin per call ({CALL_SPIN} polls, ~0.1 ms, where the team fits the free "
+                    f"cores; {openmp.SHORT_SPIN} where oversubscribed); "
                     + (f"last: {self.last}" if self.last else "no call yet"))
         if self._reason is not None:
             return f"libgomp's own (not governed: {self._reason})"

@@ -7,8 +7,8 @@
  * (kiln/kernels/cpu/winograd.py), around a batched GEMM that oneDNN runs.
  * kiln_batch_chunks: a oneDNN primitive made for b images run over N images, b at a time
  * (kiln/kernels/cpu/onednn_chunks.py).
- * kiln_omp_*: the OpenMP team's threads, and parking them after an engine call
- * (kiln/kernels/cpu/omp_governor.py).
+ * kiln_omp_*: the OpenMP team's threads, and parking them (kiln/kernels/cpu/omp_governor.py's check of
+ * libgomp's spin count).
  */
 #define _GNU_SOURCE
 #include <fcntl.h>
@@ -269,8 +269,8 @@ int kiln_batch_chunks(void *object, void *stream, int nargs, const void *args) {
 
 /* ---- the OpenMP team: who its threads are, and parking them ---------------------------------------
    libgomp's idle threads spin `gomp_spin_count_var` polls (read at the start of each wait) before they sleep
-   on a futex. kiln/kernels/cpu/omp_governor.py finds that counter and sets it per engine call: long while a
-   call runs, so a thread waits for the next layer spinning, and parks the threads when the call returns. */
+   on a futex. kiln/kernels/cpu/omp_governor.py finds that counter, checks it by what the team's threads do
+   (kiln_omp_team's regions, their voluntary context switches) and sets it per engine call. */
 
 #define OMP_MAX_TEAM 256
 
