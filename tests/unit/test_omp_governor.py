@@ -105,6 +105,8 @@ def test_oversubscribed_calls_run_the_short_spin(two_threads):
     except AttributeError:
         cpus = os.cpu_count() or 1
     g = _governor(lambda readings: cpus)  # cpus - 1 others: one core free for two threads
+    if omp_governor._realtime():
+        pytest.skip("this thread runs at a realtime priority: the cores are its")
     g.begin()
     assert g._count.value == int(openmp.SHORT_SPIN)
     assert "oversubscribed" in g.last
@@ -190,3 +192,13 @@ def test_one_thread_has_nothing_to_govern_yet():
         assert g.governed() is None and "first call with 2 or more threads" in g.describe()
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_realtime_caller_has_the_cores(two_threads, monkeypatch):
+    """At SCHED_FIFO / RR the other runnable work waits for the caller's team: not oversubscribed for it."""
+    g = _governor(lambda readings: 64)
+    monkeypatch.setattr(omp_governor, "_realtime", lambda: True)
+    g.begin()
+    assert g._count.value == omp_governor.CALL_SPIN and "realtime" in g.last
+    g.end()
+    g._count.value = g._original
