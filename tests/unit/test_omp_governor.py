@@ -81,9 +81,15 @@ def test_free_cores_spin_a_bounded_count_and_sleep_after(two_threads):
         a @ a
     g.end()
     assert g._count.value == omp_governor.CALL_SPIN
-    before = time.process_time()
-    time.sleep(0.05)
-    assert time.process_time() - before < 0.002  # libgomp's default count (300000) burns ~8 ms here
+    burnt = []
+    for _ in range(3):  # the least of three: another thread of this process (a test's before) may wake meanwhile
+        g.begin()
+        a @ a
+        g.end()
+        before = time.process_time()
+        time.sleep(0.05)
+        burnt.append(time.process_time() - before)
+    assert min(burnt) < 0.002, burnt  # libgomp's default count (300000) burns ~8 ms here
     assert [_state(t) for t in tids[1:]] == ["S"]  # asleep, not polling
     g._count.value = g._original
 

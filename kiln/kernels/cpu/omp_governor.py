@@ -59,6 +59,8 @@ _TEAM_MAX = 256  # segment_loop.c's OMP_MAX_TEAM
 # _check's "huge" count: ~0.3 s of polls (~27 ns a poll on the Zen 4), far past its 5 ms gaps, and bounded: a team of
 # another thread that starts a wait meanwhile (each thread that runs OpenMP has a team of its own) is not parked here
 CHECK_SPIN = 10_000_000
+CHECK_GAP_S = 0.03  # _check's gap between regions under the huge count: past libgomp's default spin (~8 ms here)
+SLEEP_WAIT_S = 0.5  # how long _check waits for a team thread to be asleep under a count of 0
 
 
 def _expected_count(environ) -> int | str:
@@ -194,37 +196,60 @@ class Governor:
         self._count, self._original = count, expected
 
     def _check(self, count: ctypes.c_ulonglong) -> str | None:
-        """None when writing `count` changes how the team waits as libgomp's spin count would, else why not:
-        a huge count (CHECK_SPIN) keeps a team thread awake between regions 5 ms apart, 0 puts it to sleep after
-        each."""
+        """None when writing `count` changes how the team waits as libgomp's spin count would, else why not.
+
+        A huge count (CHECK_SPIN) must keep every team thread awake (no voluntary context switch) across regions
+        CHECK_GAP_S apart: longer than libgomp's default count spins here (~8 ms), so a word that is not the count
+        fails, whatever the count is. Preemption on a loaded machine is involuntary: it does not fail the real
+        one. Then a count of 0 must put them to sleep (state S, a voluntary switch) after each of two regions;
+        waited for up to SLEEP_WAIT_S each, since on a loaded machine a thread may wait for a core first."""
         original = count.value
         try:
             count.value = CHECK_SPIN
             tids = self._team()  # the team's next waits start under the huge count
             if len(tids) < 2:
                 return "a team of one thread"
-            awake = [voluntary_switches(t) for t in tids[1:]]
+            workers = tids[1:]
+            awake = [voluntary_switches(t) for t in workers]
             for _ in range(2):
-                time.sleep(0.005)
+                time.sleep(CHECK_GAP_S)
                 self._team()
-            held = [voluntary_switches(t) for t in tids[1:]]
+            held = [voluntary_switches(t) for t in workers]
             count.value = 0
             self._team()
-            time.sleep(0.005)
-            before = [voluntary_switches(t) for t in tids[1:]]
+            asleep = self._wait_asleep(workers)
+            before = [voluntary_switches(t) for t in workers]
             for _ in range(2):
                 self._team()
-                time.sleep(0.005)
-            after = [voluntary_switches(t) for t in tids[1:]]
+                asleep = asleep and self._wait_asleep(workers)
+            after = [voluntary_switches(t) for t in workers]
         finally:
             self._park(count, original)
         if None in awake + held + before + after:
             return "a team thread's context switches could not be read"
         if held != awake:
             return f"a huge count did not keep the team awake ({awake} -> {held} voluntary switches)"
-        if any(b - a < 2 for a, b in zip(before, after)):
+        if not asleep or any(b - a < 2 for a, b in zip(before, after)):
             return f"a count of 0 did not put the team to sleep ({before} -> {after} voluntary switches)"
         return None
+
+    @staticmethod
+    def _wait_asleep(tids: list[int]) -> bool:
+        """Whether every thread of `tids` is seen in state S within SLEEP_WAIT_S."""
+        deadline = time.monotonic() + SLEEP_WAIT_S
+        while True:
+            states = []
+            for tid in tids:
+                try:
+                    with open(f"/proc/self/task/{tid}/stat") as f:
+                        states.append(f.read().rpartition(")")[2].split()[0])
+                except (OSError, IndexError):
+                    return False
+            if all(state == "S" for state in states):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.0005)
 
     # ---- per call ----------------------------------------------------------------------------------------
     def _decide(self, now: float) -> None:
