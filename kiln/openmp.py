@@ -18,7 +18,12 @@ against onnxruntime's 2.8 (torch eager 32.8 ms); with libgomp's default, 2.5 ms 
 How short: 100 iterations, not 10,000. On the busy 2-vCPU EPYC at 2 threads, 10,000 still let MobileNetV2's
 engines run 2-5x slower than with 100 or 0 (int8: one oneDNN call per layer, each ~0.5 ms instead of tens
 of microseconds; ResNet-50 fp32 108 -> 71 ms), and 100 was as fast as 0 (bench/results/
-quant-cpu-epyc-2026-12-03.md, "2 threads: the spin").
+quant-cpu-epyc-2026-12-03.md, "2 threads: the spin"). 128 rather than 100: libgomp's throttled count (its spin
+when it runs more threads than CPUs) is 100, and kiln/kernels/cpu/omp_governor.py finds libgomp's spin count by
+its value, which must then be found once.
+
+This import-time choice is now the fallback and the count outside engine calls: once an engine runs, the
+governor sets the count per call (spin while a call runs where its threads fit the free cores, park after it).
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ import sys
 import time
 from collections.abc import MutableMapping
 
-SHORT_SPIN = "100"  # GOMP_SPINCOUNT when busy
+SHORT_SPIN = "128"  # GOMP_SPINCOUNT when busy (not 100: see above)
+CHOSEN: str | None = None  # what choose_wait_policy set in os.environ (None: nothing)
 BUSY = 0.5  # other work per CPU (tasks runnable, or the load average) from which the machine counts as busy
 POLICY = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 # /proc/loadavg's count is of one instant: the median of a few readings a millisecond apart, so that one task
@@ -102,4 +108,7 @@ def choose_wait_policy(environ: MutableMapping[str, str] | None = None, modules:
     if not busy(others, cpus if cpus is not None else (os.cpu_count() or 1)):
         return None
     environ["GOMP_SPINCOUNT"] = SHORT_SPIN
+    if environ is os.environ:
+        global CHOSEN
+        CHOSEN = SHORT_SPIN
     return SHORT_SPIN

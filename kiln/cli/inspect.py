@@ -99,6 +99,20 @@ def _native_segments(plan) -> str:
             f"{sum(s.aliased for s in segments)} reshape(s) as aliases)" + left_out)
 
 
+def _omp_wait() -> str:
+    """How this process's OpenMP threads would wait in an engine call (kiln/kernels/cpu/omp_governor.py): the
+    governor located and its decision for the cores free now, or why libgomp's own policy applies."""
+    try:
+        from kiln.kernels.cpu import omp_governor
+
+        governor = omp_governor.governor()
+        governor.begin()  # locates the count (once) and reads the free cores, as an engine call would
+        governor.end()
+        return governor.describe()
+    except Exception as e:  # noqa: BLE001  inspect reports; it does not fail on what it only describes
+        return f"unknown ({type(e).__name__}: {str(e)[:120]})"
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from rich.table import Table
 
@@ -149,6 +163,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                                    "tensor(s) cross a layout boundary (stack inputs and outputs)"))
     if device.get("type") == "cpu":
         rows.append(("native segments", _native_segments(plan)))
+        rows.append(("OpenMP wait", _omp_wait()))
     for key, value in rows:
         overview.add_row(key, text(value))
     out.print(overview)

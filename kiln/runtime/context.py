@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from kiln.errors import BindingError, EngineFormatError
+from kiln.kernels.cpu import omp_governor
 from kiln.ir import dtypes
 from kiln.runtime.bindings import NumpyCheck, _check_value, _numpy_signature, _tensor_signature, _to_user
 from kiln.runtime.buckets import PACKING, graph_rows, packed_rows, packing_rule, plan_buckets
@@ -52,6 +53,8 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
         if packing not in PACKING:
             raise ValueError(f"packing={packing!r}: expected one of {PACKING}")
         self.engine = engine
+        # libgomp's wait per call: spin while a run is in progress, park after it (kiln/kernels/cpu/omp_governor.py)
+        self._omp = omp_governor.governor() if engine.device.type == "cpu" else None
         # the programs it runs: on the CPU a lane of the engine's, its own while it lives (activation arenas of its
         # own: contexts on threads of their own compute at once); on CUDA the engine's, each context its own graphs
         lane = engine.lend_lane(self) if engine.device.type == "cpu" else None
@@ -222,6 +225,16 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
                            + "\n  ".join(problems) + "\nrebuild it with a --profile (profiles=[...]) that covers them")
 
     def run(self, feeds: dict[str, Any] | list[Any]) -> dict[str, Any]:
+        governor = self._omp
+        if governor is None:
+            return self._run(feeds)
+        governor.begin()
+        try:
+            return self._run(feeds)
+        finally:
+            governor.end()
+
+    def _run(self, feeds: dict[str, Any] | list[Any]) -> dict[str, Any]:
         if self._static_replay is not None and type(feeds) is dict:
             done = self._static_replay(feeds)
             if done is not None:

@@ -138,8 +138,10 @@ def test_inspect_table(plain_engine_path, capsys):
     assert main(["inspect", str(plain_engine_path)]) == 0
     text = capsys.readouterr().out
     for word in ("format version", "kiln version", "bindings", "matmul", "MatMul", "relu", "Add",
-                 "[batch, 3]", "planned peak", "naive sum", "weights"):
+                 "[batch, 3]", "planned peak", "naive sum", "weights", "OpenMP wait"):
         assert word in text
+    # what kiln/kernels/cpu/omp_governor.py decided, or why libgomp's own policy applies
+    assert "governs libgomp's spin" in text or "libgomp's own" in text
 
 
 def test_inspect_json(plain_engine_path, capsys):

@@ -147,6 +147,13 @@ def load() -> ctypes.CDLL | None:
         timed = [*loop, ctypes.c_void_p, ctypes.c_int]  # ... and the per-call times, by a clock
         for fn, argtypes in ((library.kiln_run_segment, loop), (library.kiln_run_segment_timed, timed)):
             fn.restype, fn.argtypes = ctypes.c_int, argtypes
+        # the OpenMP team's threads and their parking (kiln/kernels/cpu/omp_governor.py)
+        for fn, argtypes in ((library.kiln_omp_available, []), (library.kiln_omp_max_threads, []),
+                             (library.kiln_omp_team, [ctypes.POINTER(ctypes.c_int), ctypes.c_int]),
+                             (library.kiln_omp_park, [ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_ulonglong,
+                                                      ctypes.c_long, ctypes.POINTER(ctypes.c_int),
+                                                      ctypes.POINTER(ctypes.c_int)])):
+            fn.restype, fn.argtypes = ctypes.c_int, argtypes
     except OSError as e:
         _REASON = f"{type(e).__name__}: {e}"
         return None

@@ -7,9 +7,21 @@
  * (kiln/kernels/cpu/winograd.py), around a batched GEMM that oneDNN runs.
  * kiln_batch_chunks: a oneDNN primitive made for b images run over N images, b at a time
  * (kiln/kernels/cpu/onednn_chunks.py).
+ * kiln_omp_*: the OpenMP team's threads, and parking them (kiln/kernels/cpu/omp_governor.py's check of
+ * libgomp's spin count).
  */
+#define _GNU_SOURCE
+#include <fcntl.h>
 #include <stddef.h>
+#include <string.h>
 #include <time.h>
+#include <unistd.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 typedef int (*call_fn)(void *object, void *stream, int nargs, const void *args);
 typedef int (*set_handle_fn)(void *memory, void *handle);
@@ -253,4 +265,127 @@ int kiln_batch_chunks(void *object, void *stream, int nargs, const void *args) {
         if (status == 0) status = restored;
     }
     return status;
+}
+
+/* ---- the OpenMP team: who its threads are, and parking them ---------------------------------------
+   libgomp's idle threads spin `gomp_spin_count_var` polls (read at the start of each wait) before they sleep
+   on a futex. kiln/kernels/cpu/omp_governor.py finds that counter, checks it by what the team's threads do
+   (kiln_omp_team's regions, their voluntary context switches) and sets it per engine call. */
+
+#define OMP_MAX_TEAM 256
+
+/* 1 where this library was built with OpenMP (the governor needs a parallel region of its own). */
+int kiln_omp_available(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* The calling thread's OpenMP team size (omp_get_max_threads: what oneDNN and torch run on); 1 without OpenMP. */
+int kiln_omp_max_threads(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+/* Run one empty parallel region of the calling thread's team size, the thread ids (gettid) of its threads in
+   tids[0, n) (the caller's first); returns n. */
+int kiln_omp_team(int *tids, int most) {
+    int n = 1;
+    tids[0] = 0;
+#if defined(_OPENMP) && defined(__linux__)
+    int want = omp_get_max_threads();
+    if (want > most) want = most;
+    #pragma omp parallel num_threads(want)
+    {
+        int i = omp_get_thread_num();
+        if (i < want) tids[i] = (int)syscall(SYS_gettid);
+        #pragma omp single
+        n = omp_get_num_threads();
+    }
+#else
+    (void)most;
+#endif
+    return n;
+}
+
+/* The scheduler state of this process's thread `tid` (/proc/self/task/<tid>/stat: 'R', 'S', ...); 0 unknown. */
+static char task_state(int tid) {
+#if defined(__linux__)
+    char path[64], buf[512];
+    int k = 0;
+    /* "/proc/self/task/" + tid + "/stat" without stdio */
+    const char *head = "/proc/self/task/";
+    while (*head) path[k++] = *head++;
+    char digits[16];
+    int d = 0;
+    for (unsigned v = (unsigned)tid; d == 0 || v; v /= 10) digits[d++] = (char)('0' + v % 10);
+    while (d) path[k++] = digits[--d];
+    const char *tail = "/stat";
+    while (*tail) path[k++] = *tail++;
+    path[k] = 0;
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) return 0;
+    ssize_t got = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (got <= 0) return 0;
+    buf[got] = 0;
+    char *close_paren = strrchr(buf, ')');  /* the state follows the command name, which may hold spaces */
+    return close_paren && close_paren[1] == ' ' ? close_paren[2] : 0;
+#else
+    (void)tid;
+    return 0;
+#endif
+}
+
+static long omp_now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+/* Park the calling thread's OpenMP team: set *spin (libgomp's spin count) to `idle`, run an empty region so
+   that every thread starts its next wait under it, wait (at most wait_ns) until each of them is asleep, then
+   set *spin to `after` (the count other code of the process runs under; a thread already asleep keeps
+   sleeping until the next region wakes it), or leave it at `idle` where one was not seen asleep in time. tids[0, *n) are the team's thread ids from the last park (*n 0: none
+   yet): where every one of them is asleep already (the call ran no OpenMP region since), no region is run (it
+   would wake them, ~20-50 us on a VM); else they are the region's, written back. Returns how many of the team's
+   threads (the caller's excluded) were seen asleep; -1 without OpenMP. */
+int kiln_omp_park(unsigned long long *spin, unsigned long long idle, unsigned long long after, long wait_ns,
+                  int *tids, int *n) {
+#if defined(_OPENMP) && defined(__linux__)
+    if (*n > 1 && *n == omp_get_max_threads()) {
+        int asleep = 0;
+        for (int i = 1; i < *n; ++i) asleep += task_state(tids[i]) == 'S';
+        if (asleep == *n - 1) {
+            __atomic_store_n(spin, after, __ATOMIC_SEQ_CST);
+            return asleep;
+        }
+    }
+    __atomic_store_n(spin, idle, __ATOMIC_SEQ_CST);
+    *n = kiln_omp_team(tids, OMP_MAX_TEAM);
+    int asleep = 0;
+    const long start = omp_now_ns();
+    for (int i = 1; i < *n; ++i) {
+        for (;;) {
+            char state = task_state(tids[i]);
+            if (state != 'R') {  /* S (the futex), or unknown: not spinning */
+                asleep += state == 'S';
+                break;
+            }
+            if (omp_now_ns() - start > wait_ns) break;
+        }
+    }
+    /* a thread not seen asleep (on a loaded machine it may wait for a core before it starts its wait) would
+       take `after` if it were stored now: the count stays `idle` until the caller's next call sets it */
+    if (asleep == *n - 1) __atomic_store_n(spin, after, __ATOMIC_SEQ_CST);
+    return asleep;
+#else
+    (void)spin; (void)idle; (void)after; (void)wait_ns; (void)tids; (void)n;
+    return -1;
+#endif
 }

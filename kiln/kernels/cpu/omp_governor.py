@@ -1,0 +1,337 @@
+"""How libgomp's threads wait, decided per engine call: spin between a call's layers, asleep soon after it returns.
+
+libgomp (torch's, which oneDNN and kiln's C code share) reads its spin (GOMP_SPINCOUNT, OMP_WAIT_POLICY) once,
+when it loads, and kiln/openmp.py could only choose it then, as kiln is imported: a short spin where the machine
+was busy at that moment. That froze the wrong choice both ways. MobileNetV2 at 2 threads capped to AVX2 ran
+1.54-1.58x onnxruntime under the short spin once it had the cores (each of its 52 oneDNN calls wakes a sleeping
+thread) and 0.67-1.00x spinning (bench/results/zoo-cpu-avx2-2026-12-06.md); on a busy machine spinning threads
+take the slices the working ones need (ResNet-50 1.97x against 0.95x, kiln/openmp.py); and libgomp's default spin
+(300000 polls) burns ~8 ms of a core after every call here, which a server idle between requests should not.
+
+libgomp keeps the count in one variable (`gomp_spin_count_var`), read at the start of every wait. It is not
+exported, so the governor finds it by its value: libgomp's rw data holds the count the process started with
+(300000 unless GOMP_SPINCOUNT says otherwise; kiln/openmp.py's short spin is 128, not 100, because libgomp's
+throttled count is 100) exactly once in the libgomp that oneDNN resolved (/proc/self/maps), and the find is
+checked by what the threads do (`_check`: a count of 0 puts a team thread to sleep after every region, a huge one
+keeps it awake, counted by its voluntary context switches) before anything relies on it. Then each call sets it
+(`begin`; the outermost of calls that overlap):
+
+- where the team fits the cores free now (threads <= CPUs - other runnable tasks, read from /proc/loadavg at most
+  every REFRESH_S, the median of the last READINGS, this process's own threads not counted): CALL_SPIN, 4000
+  polls (~0.1 ms here, ~27 ns a poll): a thread waits for the next layer of the call spinning (the gaps inside a
+  native segment are microseconds), and sleeps ~0.1 ms after the call returns, on its own;
+- where it does not fit: the short spin (oversubscribed: a thread that sleeps at once gives its core back and,
+  woken, preempts the other work); unless the calling thread runs at a realtime priority (SCHED_FIFO / RR: the
+  other work waits for it). At SCHED_FIFO with the 1-min load at 8 (bench/omp_spin_ab.py --realtime),
+  MobileNetV2 at 2 threads ran 1.00x onnxruntime under CALL_SPIN, 0.98x under libgomp's 300000 and 1.39x under the
+  short spin; at normal priority at load 15-17, 0.50x short, 0.65x CALL_SPIN, 1.19x 300000.
+
+Why a bounded count and not libgomp's long one with the team parked at the call's end (an empty region under a
+count of 0): the parking region waits for every team thread, and a thread preempted on a loaded machine made it
+take 0.4 ms at the median and 8 ms at the 90th percentile (load 17). The count stays kiln's between calls: torch
+code the process runs there waits the same way.
+
+Not governed, and said so (`describe()`, `kiln inspect`, the engine's log): a policy the user set
+(OMP_WAIT_POLICY / GOMP_SPINCOUNT: theirs wins), KILN_OMP_GOVERN=0, no native loop library (no C compiler), a
+libgomp where the count is not found once or the check fails (another OpenMP runtime, a libgomp that changed).
+Then libgomp waits as it was told when it loaded, as before this module.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import time
+
+from kiln import openmp
+
+log = logging.getLogger("kiln.runtime")
+
+LIBGOMP_DEFAULT = 300000  # gomp_spin_count_var when neither GOMP_SPINCOUNT nor OMP_WAIT_POLICY is set
+CALL_SPIN = 4000  # the count where the team fits the free cores: ~0.1 ms of polls
+IDLE_SPIN = 0  # the count _check parks a team under
+REFRESH_S = 0.2  # how often begin() reads the free cores again (~50-100 us a reading)
+READINGS = 3  # the decision: the median of the last 3 readings
+PARK_WAIT_NS = 200_000  # how long _check's park waits to see the team asleep before it restores the count anyway
+_TEAM_MAX = 256  # segment_loop.c's OMP_MAX_TEAM
+# _check's "huge" count: ~0.3 s of polls (~27 ns a poll on the Zen 4), far past its 5 ms gaps, and bounded: a team of
+# another thread that starts a wait meanwhile (each thread that runs OpenMP has a team of its own) is not parked here
+CHECK_SPIN = 10_000_000
+CHECK_GAP_S = 0.03  # _check's gap between regions under the huge count: past libgomp's default spin (~8 ms here)
+SLEEP_WAIT_S = 0.5  # how long _check waits for a team thread to be asleep under a count of 0
+
+
+def _expected_count(environ) -> int | str:
+    """The count libgomp started with, or why it is not kiln's to govern."""
+    if os.environ.get("KILN_OMP_GOVERN") == "0":
+        return "KILN_OMP_GOVERN=0"
+    if "OMP_WAIT_POLICY" in environ:
+        return f"the user's OMP_WAIT_POLICY={environ['OMP_WAIT_POLICY']}"
+    given = environ.get("GOMP_SPINCOUNT")
+    if given is None:
+        return LIBGOMP_DEFAULT
+    if given != openmp.SHORT_SPIN:  # kiln's own: set on import here, or inherited from a kiln parent process
+        return f"the user's GOMP_SPINCOUNT={given}"
+    return int(given)
+
+
+def _writable_ranges(address: int, maps: str = "/proc/self/maps") -> tuple[str, list[tuple[int, int]]]:
+    """The file holding `address` and its writable mappings (with the anonymous one right after them: .bss)."""
+    with open(maps) as f:
+        lines = [line.split() for line in f.read().splitlines()]
+    path = None
+    for fields in lines:
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        if lo <= address < hi and len(fields) >= 6:
+            path = fields[5]
+            break
+    if path is None:
+        return "", []
+    ranges, previous = [], False
+    for fields in lines:
+        mine = len(fields) >= 6 and fields[5] == path
+        anonymous_after = previous and len(fields) == 5
+        if (mine or anonymous_after) and fields[1].startswith("rw"):
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            ranges.append((lo, hi))
+        previous = mine
+    return path, ranges
+
+
+def find_count(ranges: list[tuple[int, int]], value: int) -> list[int]:
+    """Addresses of the aligned 8-byte words in `ranges` that hold `value`."""
+    found = []
+    for lo, hi in ranges:
+        words = memoryview(ctypes.string_at(lo, hi - lo)).cast("Q")
+        found += [lo + 8 * i for i, w in enumerate(words) if w == value]
+    return found
+
+
+def voluntary_switches(tid: int) -> int | None:
+    """How often thread `tid` of this process went to sleep by itself (/proc: voluntary_ctxt_switches)."""
+    try:
+        with open(f"/proc/self/task/{tid}/status") as f:
+            for line in f:
+                if line.startswith("voluntary_ctxt_switches"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _realtime() -> bool:
+    """Whether the calling thread runs at SCHED_FIFO / SCHED_RR: other work runnable then waits for it (and the
+    team it starts inherits the policy), so a loaded machine is not oversubscribed for it."""
+    try:
+        return os.sched_getscheduler(0) in (os.SCHED_FIFO, os.SCHED_RR)
+    except (AttributeError, OSError):
+        return False
+
+
+class Governor:
+    """libgomp's spin count for the process: located on the first call with a team of two or more threads,
+    then set per call (begin / end). Thread-safe; one per process (`governor()`)."""
+
+    def __init__(self, lib=None, runnable=openmp.runnable_tasks):
+        """`lib`: the native loop library (native_loop.load() on first use); `runnable`: the reading of the
+        tasks runnable now (kiln/openmp.runnable_tasks; a test's stand-in)."""
+        self._lib = lib
+        self._runnable = runnable
+        self._lock = threading.Lock()
+        self._active = 0
+        self._count: ctypes.c_ulonglong | None = None
+        self._original = 0
+        self._reason: str | None = None  # why not governed (None: governed, or not decided yet)
+        self._decided_at = -1.0
+        self._spin = CALL_SPIN  # the count of the calls begun now
+        self._readings: list[int | None] = []  # the last READINGS of the tasks runnable, one per REFRESH_S
+        self._tids = (ctypes.c_int * _TEAM_MAX)()  # the team's thread ids at the last park
+        self._team_size = ctypes.c_int(0)
+        self._spinning = True
+        self.last = ""  # the last decision, in words
+
+    # ---- locating ----------------------------------------------------------------------------------------
+    def _team(self) -> list[int]:
+        tids = (ctypes.c_int * _TEAM_MAX)()
+        n = self._lib.kiln_omp_team(tids, _TEAM_MAX)
+        return list(tids[:n])
+
+    def _load(self) -> bool:
+        """The native loop library loaded (once); False with _reason set where it cannot be."""
+        if self._lib is None:
+            from kiln.kernels.cpu import native_loop
+
+            self._lib = native_loop.load()
+            if self._lib is None:
+                self._reason = f"no native loop library ({native_loop.reason()})"
+                return False
+        if not self._lib.kiln_omp_available():
+            self._reason = "the native loop library was built without OpenMP"
+            return False
+        return True
+
+    def _locate(self) -> None:
+        """Find and check the count (once); on failure set _reason."""
+        lib = self._lib
+        expected = _expected_count(os.environ)
+        if isinstance(expected, str):
+            self._reason = expected
+            return
+        entry = ctypes.cast(lib.omp_get_max_threads, ctypes.c_void_p).value
+        path, ranges = _writable_ranges(entry)
+        if "gomp" not in os.path.basename(path):
+            self._reason = f"the OpenMP runtime is not libgomp ({path or 'not found'})"
+            return
+        found = find_count(ranges, expected)
+        if len(found) != 1:
+            self._reason = f"libgomp's spin count ({expected}) found {len(found)} times in {path}, not once"
+            return
+        count = ctypes.c_ulonglong.from_address(found[0])
+        why = self._check(count)
+        if why is not None:
+            self._reason = f"{path}: {why}"
+            return
+        self._count, self._original = count, expected
+
+    def _check(self, count: ctypes.c_ulonglong) -> str | None:
+        """None when writing `count` changes how the team waits as libgomp's spin count would, else why not.
+
+        A huge count (CHECK_SPIN) must keep every team thread awake (no voluntary context switch) across regions
+        CHECK_GAP_S apart: longer than libgomp's default count spins here (~8 ms), so a word that is not the count
+        fails, whatever the count is. Preemption on a loaded machine is involuntary: it does not fail the real
+        one. Then a count of 0 must put them to sleep (state S, a voluntary switch) after each of two regions;
+        waited for up to SLEEP_WAIT_S each, since on a loaded machine a thread may wait for a core first."""
+        original = count.value
+        try:
+            count.value = CHECK_SPIN
+            tids = self._team()  # the team's next waits start under the huge count
+            if len(tids) < 2:
+                return "a team of one thread"
+            workers = tids[1:]
+            awake = [voluntary_switches(t) for t in workers]
+            for _ in range(2):
+                time.sleep(CHECK_GAP_S)
+                self._team()
+            held = [voluntary_switches(t) for t in workers]
+            count.value = 0
+            self._team()
+            asleep = self._wait_asleep(workers)
+            before = [voluntary_switches(t) for t in workers]
+            for _ in range(2):
+                self._team()
+                asleep = asleep and self._wait_asleep(workers)
+            after = [voluntary_switches(t) for t in workers]
+        finally:
+            self._park(count, original)
+        if None in awake + held + before + after:
+            return "a team thread's context switches could not be read"
+        if held != awake:
+            return f"a huge count did not keep the team awake ({awake} -> {held} voluntary switches)"
+        if not asleep or any(b - a < 2 for a, b in zip(before, after)):
+            return f"a count of 0 did not put the team to sleep ({before} -> {after} voluntary switches)"
+        return None
+
+    @staticmethod
+    def _wait_asleep(tids: list[int]) -> bool:
+        """Whether every thread of `tids` is seen in state S within SLEEP_WAIT_S."""
+        deadline = time.monotonic() + SLEEP_WAIT_S
+        while True:
+            states = []
+            for tid in tids:
+                try:
+                    with open(f"/proc/self/task/{tid}/stat") as f:
+                        states.append(f.read().rpartition(")")[2].split()[0])
+                except (OSError, IndexError):
+                    return False
+            if all(state == "S" for state in states):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.0005)
+
+    # ---- per call ----------------------------------------------------------------------------------------
+    def _decide(self, now: float) -> None:
+        threads = self._lib.kiln_omp_max_threads()
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cpus = os.cpu_count() or 1
+        # one reading per REFRESH_S (a reading is ~50-100 us), the median of the last READINGS decides: one task
+        # waking for a moment does not flip the policy
+        self._readings = [*self._readings[1 - READINGS:], self._runnable(1)]
+        known = sorted(r for r in self._readings if r is not None)
+        runnable = known[len(known) // 2] if known else None
+        others = None if runnable is None else runnable - 1
+        free = cpus if others is None else cpus - others
+        realtime = _realtime()
+        self._spinning = threads <= free or realtime
+        self._spin = CALL_SPIN if self._spinning else int(openmp.SHORT_SPIN)
+        self._decided_at = now
+        seen = "" if others is None else f", {others} other task(s) runnable"
+        seen += " (this thread at a realtime priority: the cores are its)" if realtime else ""
+        self.last = (f"{threads} thread(s) on {cpus} CPU(s){seen}: "
+                     + (f"spin {CALL_SPIN} polls" if self._spinning
+                        else f"oversubscribed, short spin ({openmp.SHORT_SPIN})"))
+
+    def begin(self) -> None:
+        """A call starts: its count (the outermost call of overlapping ones decides)."""
+        with self._lock:
+            self._active += 1
+            if self._active > 1 or self._reason is not None:
+                return
+            if self._count is None:
+                if self._load() and self._lib.kiln_omp_max_threads() < 2:
+                    return  # a team of one thread: nothing to govern (located at the first call with two or more)
+                if self._reason is None:
+                    self._locate()
+                if self._reason is not None:
+                    log.info("kiln: OpenMP wait not governed: %s", self._reason)
+                    return
+            now = time.monotonic()
+            if now - self._decided_at > REFRESH_S:
+                first, spinning = self._decided_at < 0, self._spinning
+                self._decide(now)
+                if first or spinning != self._spinning:  # logged when it changes, not every REFRESH_S
+                    log.info("kiln: OpenMP wait: %s", self.last)
+            self._count.value = self._spin
+
+    def end(self) -> None:
+        """A call returned: its threads sleep on their own within the count begin() set."""
+        with self._lock:
+            self._active -= 1
+
+    def _park(self, count: ctypes.c_ulonglong, after: int) -> int:
+        return self._lib.kiln_omp_park(ctypes.byref(count), IDLE_SPIN, after, PARK_WAIT_NS, self._tids,
+                                       ctypes.byref(self._team_size))
+
+    def governed(self) -> bool | None:
+        """True: located and checked; False: not governed (reason()); None: not tried yet."""
+        return True if self._count is not None else (False if self._reason is not None else None)
+
+    def reason(self) -> str | None:
+        return self._reason
+
+    def describe(self) -> str:
+        """What the governor does, in words (kiln inspect, the engine's log)."""
+        if self._count is not None:
+            return (f"kiln governs libgomp's spin per call ({CALL_SPIN} polls, ~0.1 ms, where the team fits the free "
+                    f"cores; {openmp.SHORT_SPIN} where oversubscribed); "
+                    + (f"last: {self.last}" if self.last else "no call yet"))
+        if self._reason is not None:
+            return f"libgomp's own (not governed: {self._reason})"
+        return "kiln governs libgomp's spin per call, located at the first call with 2 or more threads"
+
+
+_GOVERNOR: Governor | None = None
+_GOVERNOR_LOCK = threading.Lock()
+
+
+def governor() -> Governor:
+    """The process's governor."""
+    global _GOVERNOR
+    with _GOVERNOR_LOCK:
+        if _GOVERNOR is None:
+            _GOVERNOR = Governor()
+        return _GOVERNOR

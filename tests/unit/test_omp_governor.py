@@ -1,0 +1,210 @@
+"""kiln/kernels/cpu/omp_governor.py: libgomp's spin count found, checked and set per engine call.
+
+What is tested is structural, not timed: which count a call runs under for a given reading of the free cores,
+that a team is asleep (its threads in state S, the process burning no CPU) once a call returns, that a user's
+policy is left alone, that the count is found whether torch or kiln loaded libgomp first, and that an engine's
+outputs under the governor match onnxruntime's."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import time
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from kiln import openmp
+from kiln.kernels.cpu import native_loop, omp_governor
+
+pytestmark = pytest.mark.skipif(native_loop.load() is None or not sys.platform.startswith("linux"),
+                                reason="needs the native loop library (a C compiler) and Linux's /proc")
+
+
+def _state(tid: int) -> str:
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0]
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def _governor(runnable) -> omp_governor.Governor:
+    """A governor sharing the process's located count, told `runnable` tasks are runnable now."""
+    process = omp_governor.governor()
+    process.begin()
+    process.end()
+    if not process.governed():
+        pytest.skip(f"not governed here: {process.describe()}")
+    g = omp_governor.Governor(runnable=runnable)
+    g._lib, g._count, g._original = process._lib, process._count, process._original
+    return g
+
+
+def test_find_count_reads_aligned_words():
+    words = (ctypes.c_uint64 * 8)(1, 300000, 7, 300000, 100, 0, 300001, 5)
+    lo = ctypes.addressof(words)
+    found = omp_governor.find_count([(lo, lo + ctypes.sizeof(words))], 300000)
+    assert found == [lo + 8, lo + 24]
+    assert omp_governor.find_count([(lo, lo + ctypes.sizeof(words))], 42) == []
+
+
+def test_the_users_policy_is_theirs(monkeypatch):
+    monkeypatch.delenv("KILN_OMP_GOVERN", raising=False)
+    assert omp_governor._expected_count({}) == omp_governor.LIBGOMP_DEFAULT
+    assert omp_governor._expected_count({"GOMP_SPINCOUNT": openmp.SHORT_SPIN}) == int(openmp.SHORT_SPIN)
+    assert "user's GOMP_SPINCOUNT" in omp_governor._expected_count({"GOMP_SPINCOUNT": "100"})
+    assert "user's OMP_WAIT_POLICY" in omp_governor._expected_count({"OMP_WAIT_POLICY": "active"})
+    monkeypatch.setenv("KILN_OMP_GOVERN", "0")
+    assert omp_governor._expected_count({}) == "KILN_OMP_GOVERN=0"
+
+
+def test_free_cores_spin_a_bounded_count_and_sleep_after(two_threads):
+    """Cores free (nothing else runnable): the call runs under CALL_SPIN, which stays; once the call has returned
+    its team thread is asleep within ~0.1 ms, the process burning no CPU over a sleep."""
+    g = _governor(lambda readings: 1)
+    a = torch.randn(192, 192)
+    tids = g._team()
+    assert len(tids) == 2
+    g.begin()
+    assert g._count.value == omp_governor.CALL_SPIN and "spin" in g.last
+    for _ in range(3):
+        a @ a
+    g.end()
+    assert g._count.value == omp_governor.CALL_SPIN
+    burnt = []
+    for _ in range(3):  # the least of three: another thread of this process (a test's before) may wake meanwhile
+        g.begin()
+        a @ a
+        g.end()
+        before = time.process_time()
+        time.sleep(0.05)
+        burnt.append(time.process_time() - before)
+    assert min(burnt) < 0.002, burnt  # libgomp's default count (300000) burns ~8 ms here
+    assert [_state(t) for t in tids[1:]] == ["S"]  # asleep, not polling
+    g._count.value = g._original
+
+
+def test_the_check_refuses_a_count_that_is_not_libgomps(two_threads):
+    """The find is trusted only after the team's threads behave as libgomp's count says: a word holding the same
+    value anywhere else is refused (the team sleeps, or does not, whatever is written there)."""
+    g = _governor(lambda readings: 1)
+    g._count.value = g._original
+    decoy = ctypes.c_ulonglong(g._original)
+    assert g._check(decoy) is not None
+    assert g._check(g._count) is None  # the one found (checked at its find already)
+
+
+def test_oversubscribed_calls_run_the_short_spin(two_threads):
+    """More threads than free cores (every CPU but one taken by others): the short spin, and nothing to park."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = os.cpu_count() or 1
+    g = _governor(lambda readings: cpus)  # cpus - 1 others: one core free for two threads
+    if omp_governor._realtime():
+        pytest.skip("this thread runs at a realtime priority: the cores are its")
+    g.begin()
+    assert g._count.value == int(openmp.SHORT_SPIN)
+    assert "oversubscribed" in g.last
+    g.end()
+    assert g._count.value == int(openmp.SHORT_SPIN)
+    g._count.value = g._original
+
+
+_PROBE = ("import os, sys, time, torch; {first}; torch.set_num_threads(2); "
+          "from kiln.kernels.cpu import omp_governor as og; g = og.governor(); g.begin(); "
+          "torch.randn(128, 128) @ torch.randn(128, 128); g.end(); "
+          "print(g.governed(), '|', g.reason(), '|', g._original if g.governed() else None)")
+
+
+@pytest.mark.parametrize("first,env,governed,original", [
+    ("import kiln", {}, True, None),  # kiln first: libgomp's default, or kiln's short spin on a busy machine
+    ("import torch; import kiln", {}, True, omp_governor.LIBGOMP_DEFAULT),  # torch first: libgomp's default
+    # (a process each, ~3-10 s: these three are slow; test_the_users_policy_is_theirs checks their rule in process)
+    pytest.param("import kiln", {"GOMP_SPINCOUNT": openmp.SHORT_SPIN}, True, int(openmp.SHORT_SPIN),
+                 marks=pytest.mark.slow),  # kiln's, inherited from a kiln parent process
+    pytest.param("import kiln", {"OMP_WAIT_POLICY": "PASSIVE"}, False, None, marks=pytest.mark.slow),  # the user's
+    pytest.param("import kiln", {"GOMP_SPINCOUNT": "5000"}, False, None, marks=pytest.mark.slow),
+])
+def test_found_whoever_loaded_libgomp_first(first, env, governed, original):
+    clean = {k: v for k, v in os.environ.items() if k not in (*openmp.POLICY, "KILN_OMP_GOVERN")}
+    out = subprocess.run([sys.executable, "-c", _PROBE.format(first=first)], capture_output=True, text=True,
+                         timeout=180, env={**clean, **env})
+    assert out.returncode == 0, out.stderr[-2000:]
+    got, reason, found = (x.strip() for x in out.stdout.strip().splitlines()[-1].split("|"))
+    assert got == str(governed), (got, reason)
+    if governed and original is not None:
+        assert found == str(original)
+    if governed and original is None:
+        assert found in (str(omp_governor.LIBGOMP_DEFAULT), openmp.SHORT_SPIN)
+    if not governed:
+        assert "user's" in reason
+
+
+def test_engine_outputs_under_the_governor_match_onnxruntime(tmp_path, two_threads):
+    """A small conv net (oneDNN convolutions on OpenMP) through an execution context with the governor, cores told
+    free and then taken, on fresh inputs: onnxruntime's outputs within fp32 tolerance; the team asleep after."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    import kiln
+
+    rng = np.random.default_rng(zlib.crc32(b"omp_governor engine"))
+    w1 = numpy_helper.from_array(rng.standard_normal((16, 3, 3, 3)).astype(np.float32) * 0.3, "w1")
+    w2 = numpy_helper.from_array(rng.standard_normal((16, 16, 3, 3)).astype(np.float32) * 0.1, "w2")
+    b2 = numpy_helper.from_array(rng.standard_normal(16).astype(np.float32), "b2")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]),
+         helper.make_node("Relu", ["c1"], ["r1"]),
+         helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1]),
+         helper.make_node("Add", ["c2", "r1"], ["y"])],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 32, 32])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 32, 32])], [w1, w2, b2])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    engine = kiln.build(str(path))
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for runnable in (lambda readings: 1, lambda readings: 64):
+        ctx = engine.create_execution_context()
+        ctx._omp = _governor(runnable)
+        for _ in range(3):
+            x = rng.standard_normal((1, 3, 32, 32)).astype(np.float32)
+            got = ctx.run({"x": x})["y"]
+            np.testing.assert_allclose(got, session.run(None, {"x": x})[0], rtol=1e-4, atol=1e-4)
+        ctx._omp._count.value = ctx._omp._original
+
+
+def test_one_thread_has_nothing_to_govern_yet():
+    """At one thread there is no team to park: the count is not looked for (nor given up on) until a call runs
+    with two or more."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        g = omp_governor.Governor(runnable=lambda readings: 1)
+        g.begin()
+        g.end()
+        assert g.governed() is None and "first call with 2 or more threads" in g.describe()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_realtime_caller_has_the_cores(two_threads, monkeypatch):
+    """At SCHED_FIFO / RR the other runnable work waits for the caller's team: not oversubscribed for it."""
+    g = _governor(lambda readings: 64)
+    monkeypatch.setattr(omp_governor, "_realtime", lambda: True)
+    g.begin()
+    assert g._count.value == omp_governor.CALL_SPIN and "realtime" in g.last
+    g.end()
+    g._count.value = g._original
