@@ -17,6 +17,7 @@ import torch
 
 from kiln.errors import BindingError, EngineFormatError
 from kiln.ir import dtypes
+from kiln.kernels.cpu import omp_governor
 from kiln.plan import file as engine_file
 from kiln.plan.spec import Binding, EnginePlan, Profile
 from kiln.runtime.bindings import _to_runtime
@@ -107,7 +108,10 @@ class Engine:
         self.outputs: list[Binding] = plan.outputs
         self.profiles: list[Profile] = plan.profiles
         self._make_lanes()
-        if self.device.type == "cpu":  # the oneDNN primitives of the profiles' row counts, made in the background
+        if self.device.type == "cpu":
+            # libgomp's spin count found here (~0.1 s, once a process: omp_governor._check), not in the first call
+            omp_governor.governor().locate()
+            # the oneDNN primitives of the profiles' row counts, made in the background
             primitives_ahead(self.program, self.profiles)
         self._threads = threading.local()  # Engine.run's contexts, one per calling thread
 

@@ -186,6 +186,27 @@ def test_engine_outputs_under_the_governor_match_onnxruntime(tmp_path, two_threa
         ctx._omp._count.value = ctx._omp._original
 
 
+def test_an_engines_load_finds_the_count_not_its_first_call(tmp_path, two_threads, monkeypatch):
+    """The find (~0.1 s of the team's regions) runs as a CPU engine loads: its first call finds it done."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    import kiln
+
+    fresh = omp_governor.Governor()
+    monkeypatch.setattr(omp_governor, "_GOVERNOR", fresh)
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])])
+    path = tmp_path / "relu.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    engine = kiln.build(str(path))
+    assert fresh.governed() is not None  # located (or refused, with its reason) before any call
+    assert fresh.governed() == omp_governor.Governor().locate()  # as a find on its own says
+    x = np.arange(16, dtype=np.float32).reshape(2, 8) - 8
+    np.testing.assert_array_equal(engine.run({"x": x})["y"], np.maximum(x, 0))
+
+
 def test_one_thread_has_nothing_to_govern_yet():
     """At one thread there is no team to park: the count is not looked for (nor given up on) until a call runs
     with two or more."""

@@ -275,6 +275,17 @@ class Governor:
                      + (f"spin {CALL_SPIN} polls" if self._spinning
                         else f"oversubscribed, short spin ({openmp.SHORT_SPIN})"))
 
+    def locate(self) -> bool | None:
+        """Find and check the count now (once; ~0.1 s of the team's regions, _check): an engine's load calls it so
+        that its first call does not; begin() finds it where nothing did. governed() after it."""
+        with self._lock:
+            if self._count is None and self._reason is None and self._load() \
+                    and self._lib.kiln_omp_max_threads() >= 2:
+                self._locate()
+                if self._reason is not None:
+                    log.info("kiln: OpenMP wait not governed: %s", self._reason)
+            return self.governed()
+
     def begin(self) -> None:
         """A call starts: its count (the outermost call of overlapping ones decides)."""
         with self._lock:
