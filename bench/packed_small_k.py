@@ -2,6 +2,7 @@
 oneDNN's inner product (cpu.gemm.onednn_direct) and onnxruntime's MLAS, with the kernel timed in C.
 
     python bench/packed_small_k.py [--threads 1|2] [--rounds 7] [--base REV [--base-small-m ROWS]] [--shapes convnext,bert]
+                                   [--avx2] [--realtime]
 
 Why: at ~1 MFLOP (512 x 16 x 64) a Python call (ctypes, reshape, a lock: 3-5 us) is a third of the work, so
 bench/gemm.py's per-call times blur the kernels. Here each runner is a list of R layers of the shape (distinct
@@ -27,11 +28,17 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+if "--avx2" in sys.argv:  # before torch, onnxruntime or kiln read cpuid (bench/avx2_gemm.py's caps)
+    import cpuid_avx2  # noqa: E402  bench/cpuid_avx2.py: MLAS too sees an AVX2-only CPU
+
+    cpuid_avx2.enable()
+    os.environ.setdefault("KILN_CPU_ISA", "avx2")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
 from gemm import cpu_facts, measured_peak  # noqa: E402  bench/gemm.py
 from lstm_engine import realtime  # noqa: E402  bench/lstm_engine.py: SCHED_FIFO while the rounds run (root)
 
@@ -223,11 +230,16 @@ def main() -> None:
     ap.add_argument("--base-small-m", type=int, default=None,
                     help="the base's plans read x in place over the whole K up to this many rows (its gemm_native's "
                     "small_rows; default: the working tree's)")
+    ap.add_argument("--avx2", action="store_true",
+                    help="every library capped to AVX2 (kiln's 6x16 tile, ONEDNN_MAX_CPU_ISA, cpuid masked for MLAS)")
     ap.add_argument("--realtime", action="store_true",
                     help="time the rounds at SCHED_FIFO priority (root); onnxruntime's workers then block between "
                     "runs (set OMP_WAIT_POLICY=passive for OpenMP's): a spinning FIFO thread holds its core against "
                     "every other runner's worker of the same priority")
     args = ap.parse_args()
+    if args.avx2:
+        from kiln.kernels.cpu import cpu_features
+        cpu_features.cap_libraries()  # oneDNN (and MKL, ATen) told before their first kernel
     torch.set_num_threads(args.threads)
     shapes = []
     for part in args.shapes.split(","):

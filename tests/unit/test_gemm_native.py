@@ -14,6 +14,10 @@ the tuned and other row counts, and an engine against onnxruntime.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -416,3 +420,74 @@ def test_engine_on_kiln_gemm_matches_onnxruntime(monkeypatch):
     for shape in ((2, 16, k), (3, 29, k), (1, 1, k)):
         x = rng.standard_normal(shape, dtype=np.float32)
         np.testing.assert_allclose(engine.run({"x": x})["y"], session.run(None, {"x": x})[0], rtol=1e-4, atol=1e-4)
+
+
+# Run in a process under KILN_CPU_ISA=avx2 (gemm.c built for x86-64-v3, the 6x16 tile and its 8-lane GELU: vmaxps /
+# vminps clamps and rcpps + a Newton step for the divide), one and two threads, every path: M, N, K off the tile and
+# the K block (6 rows, 16 columns, 256), each epilogue and a residual before or after it (GELU at every shape and
+# path), and the GELU grid of
+# test_rational_activations_are_within_1e6_of_float64 through W = I. Prints one JSON line of (case, error, bound).
+_AVX2_TILE_CASES = r"""
+import json, sys, zlib
+import numpy as np, torch
+from kiln.kernels.cpu import gemm_native
+from tests.unit.oracle import ACTIVATION_ORACLE
+
+ATOL, RTOL = float(sys.argv[1]), float(sys.argv[2])
+PARAMS = {"LeakyRelu": (0.1, 0.0), "Clip": (-0.5, 0.7), "HardSigmoid": (0.2, 0.5)}
+assert gemm_native.linear_kernel().name == "avx2 6x16", gemm_native.linear_kernel().name
+rows = []
+paths = {"whole K": (1 << 30, None), "K blocks": (0, None), "K blocks packed": (0, 0)}
+shapes = [(1, 1, 1), (5, 257, 17), (7, 300, 33), (13, 513, 47), (64, 255, 100), (129, 300, 70)]
+acts, modes = sorted(ACTIVATION_ORACLE), ((False, 1), (True, 1), (True, 0))
+cases = [(s, p, t, acts[i % len(acts)], modes[i % 3])  # each shape, path and thread count: one epilogue of the list
+         for i, (s, p, t) in enumerate((s, p, t) for s in shapes for p in paths for t in (1, 2))]
+cases += [(s, p, 1, "Gelu", (False, 1)) for s in shapes for p in paths]  # the tiles' GELU on every edge and path
+cases += [((129, 300, 70), "K blocks", 2, a, mode) for a in acts for mode in modes]  # every epilogue
+for (m, k, n), path, threads, activation, (residual, after) in cases:
+    case = f"{m}x{k}x{n} {path} t{threads} {activation or 'none'} r{int(residual)}{after}"
+    rng = np.random.default_rng(zlib.crc32(case.encode()))
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = (3 * rng.standard_normal((n, k)) / k ** 0.5).astype(np.float32)  # |z| to ~10: past erf's clamp
+    b = rng.standard_normal(n).astype(np.float32)
+    r = rng.standard_normal((m, n)).astype(np.float32) if residual else None
+    alpha, beta = PARAMS.get(activation, (0.0, 0.0))
+    small, pack = paths[path]
+    layer = gemm_native.PackedLinear(torch.from_numpy(w), torch.from_numpy(b), activation, alpha, beta,
+                                     residual=residual, residual_after_activation=bool(after),
+                                     small_m=small, pack_m=pack)
+    torch.set_num_threads(threads)
+    got = layer(torch.from_numpy(x), None if r is None else torch.from_numpy(r)).numpy().astype(np.float64)
+    z = x.astype(np.float64) @ w.astype(np.float64).T + b
+    if residual and not after:
+        z = z + r
+    want = ACTIVATION_ORACLE[activation](torch.from_numpy(z), alpha, beta).numpy()
+    if residual and after:
+        want = want + r
+    rows.append((case, float(np.abs(got - want).max()), ATOL + RTOL * max(float(np.abs(z).max()), 1.0)))
+grid = torch.linspace(-12, 12, 24000)
+want = ACTIVATION_ORACLE["Gelu"](grid.double(), 0.0, 0.0)
+got = gemm_native.PackedLinear(torch.eye(40), None, "Gelu")(grid.reshape(-1, 40)).reshape(-1).double()
+rows.append(("Gelu grid, rows of 40", float(((got - want).abs() / want.abs().clamp_min(1.0)).max()), 1e-6))
+x = torch.ones(7, 32)
+x[3, 5] = float("nan")  # NaN passes through the tiles' GELU clamps (row 3 only), as through the other ISAs' masks
+y = gemm_native.PackedLinear(torch.eye(32)[:20], None, "Gelu")(x)
+rows.append(("Gelu of NaN", float(not (y[3].isnan().all() and y[torch.arange(7) != 3].isfinite().all())), 0.0))
+print(json.dumps(rows))
+"""
+
+
+def test_the_avx2_tile_under_the_cap_matches_float64():
+    """kiln's GEMM as an AVX2-only CPU runs it (a process under KILN_CPU_ISA=avx2: the x86-64-v3 build, not the
+    AVX2 tile of this process's -march=native build): _AVX2_TILE_CASES against float64, with this file's bounds."""
+    if cpu_features.isa() not in ("avx2", "avx512"):
+        pytest.skip("needs an x86 CPU with AVX2")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "KILN_CPU_ISA": "avx2", "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-c", _AVX2_TILE_CASES, str(ATOL), str(RTOL)], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(rows) == 6 * 3 * 2 + 6 * 3 + len(ACTIVATION_ORACLE) * 3 + 2
+    bad = [row for row in rows if not row[1] <= row[2]]
+    assert not bad, f"{len(bad)} of {len(rows)} cases off, e.g. {bad[:3]}"

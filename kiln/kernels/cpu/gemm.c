@@ -115,9 +115,22 @@ typedef struct {
         __builtin_prefetch(c + i * ldc + (W) * (NV) - 1, 1, 3);                                              \
     }
 
-/* erf-GELU of a vector of sums, gelu_avx512's arithmetic (the same coefficients, clamps and order) in GCC vector
-   code, so that every ISA's tiles apply it in registers: ½v(1 + erf(v/√2)) as h + h·erf, h = ½v. */
-#define KILN_DEFINE_GELU(NAME, TARGET, W)                                                                    \
+/* erf-GELU of a vector of sums, gelu_avx512's arithmetic (the same coefficients and order) in GCC vector code, so
+   that every ISA's tiles apply it in registers: ½v(1 + erf(v/√2)) as h + h·erf, h = ½v. Its two clamps and its
+   divide by the kernel's ISA (KILN_CLAMP_ISA, KILN_RECIP_ISA): on AVX2 and AVX-512, vmaxps / vminps and rcpps /
+   vrcp14ps with one Newton step (Q <= -0.014: never near 0; relative error ~1e-7 / ~1e-8), where GCC made each clamp
+   two compares and two blends (and constant broadcasts) and kept the divide. One tile with GELU, all in L1/L2, on a
+   Zen 4 core (bench/gemm_tile.py; bench/results/packed-2026-12-06.md, section 8): the AVX2 6x16 at K = 256 / 768
+   86.3 -> 89.4% / 92.9 -> 94.6% of the FMA peak (98-99% without the GELU), the AVX-512 8x48 at K = 128 / 768 ~79.6 ->
+   ~84.4% / ~93.5 -> ~94.4%. `any`: compare-and-select clamps and the divide (the generic kernel, the tests' 16-lane
+   tiles built for AVX2). maxps(lo, v) returns v where v is NaN: NaN passes through, as with the masks. */
+#define KILN_CLAMP_avx2(NAME, v, lo, hi) kiln_clamp_avx2(v, lo, hi)
+#define KILN_RECIP_avx2(q) kiln_recip_avx2(q)
+#define KILN_CLAMP_avx512(NAME, v, lo, hi) kiln_clamp_avx512(v, lo, hi)
+#define KILN_RECIP_avx512(q) kiln_recip_avx512(q)
+#define KILN_CLAMP_any(NAME, v, lo, hi) NAME##_clamp(v, lo, hi)
+#define KILN_RECIP_any(q) (1.0f / (q))
+#define KILN_DEFINE_GELU(NAME, TARGET, W, ISA)                                                               \
     typedef int NAME##_ivec __attribute__((vector_size((W) * 4)));                                           \
     static inline __attribute__((always_inline)) TARGET NAME##_vec NAME##_clamp(NAME##_vec v, float lo,      \
                                                                                float hi) {                   \
@@ -128,17 +141,17 @@ typedef struct {
         return (NAME##_vec)(((NAME##_ivec)v & ~m) | ((NAME##_ivec)high & m));                                \
     }                                                                                                        \
     static inline __attribute__((always_inline)) TARGET NAME##_vec NAME##_gelu(NAME##_vec v) {               \
-        const NAME##_vec x = NAME##_clamp(v * 0.70710678118654752f, -4.0f, 4.0f), x2 = x * x;                \
+        const NAME##_vec x = KILN_CLAMP_##ISA(NAME, v * 0.70710678118654752f, -4.0f, 4.0f), x2 = x * x;      \
         NAME##_vec p = (NAME##_vec){0} + KILN_ERF_P[0], q = (NAME##_vec){0} + KILN_ERF_Q[0];                 \
         KILN_UNROLL for (int t = 1; t < 7; ++t) p = p * x2 + KILN_ERF_P[t];                                  \
         KILN_UNROLL for (int t = 1; t < 5; ++t) q = q * x2 + KILN_ERF_Q[t];                                  \
-        const NAME##_vec r = NAME##_clamp(x * p / q, -1.0f, 1.0f), h = v * 0.5f;                             \
+        const NAME##_vec r = KILN_CLAMP_##ISA(NAME, x * p * KILN_RECIP_##ISA(q), -1.0f, 1.0f), h = v * 0.5f; \
         return h * r + h;                                                                                    \
     }
 
-#define KILN_DEFINE_KERNEL(NAME, TARGET, W, NV, MR, BS)                                                      \
+#define KILN_DEFINE_KERNEL(NAME, TARGET, ISA, W, NV, MR, BS)                                                 \
     typedef float NAME##_vec __attribute__((vector_size((W) * 4)));                                          \
-    KILN_DEFINE_GELU(NAME, TARGET, W)                                                                        \
+    KILN_DEFINE_GELU(NAME, TARGET, W, ISA)                                                                   \
     static inline __attribute__((always_inline)) TARGET void NAME##_rows(                                    \
         const int M, long k, const float *a, const long rs, const long cs, const float *b, float *c, long ldc, \
         int flags, const float *bias) {                                                                      \
@@ -242,34 +255,53 @@ typedef struct {
 static int always(void) { return 1; }
 
 #if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
 #define KILN_AVX2 __attribute__((target("avx2,fma")))
 #define KILN_AVX512 __attribute__((target("avx512f,avx2,fma")))
-KILN_DEFINE_KERNEL(avx512, KILN_AVX512, 16, 2, 14, 32)
-KILN_DEFINE_KERNEL(avx2, KILN_AVX2, 8, 2, 6, 16)
+/* The GELU's clamps and 1/Q in AVX2 / AVX-512 registers (KILN_CLAMP_ISA, KILN_RECIP_ISA): 1/q as rcp and one
+   Newton step, r(2 - qr). */
+typedef float kiln_v8 __attribute__((vector_size(32)));
+typedef float kiln_v16 __attribute__((vector_size(64)));
+static inline __attribute__((always_inline)) KILN_AVX2 kiln_v8 kiln_clamp_avx2(kiln_v8 v, float lo, float hi) {
+    return (kiln_v8)_mm256_min_ps(_mm256_set1_ps(hi), _mm256_max_ps(_mm256_set1_ps(lo), (__m256)v));
+}
+static inline __attribute__((always_inline)) KILN_AVX2 kiln_v8 kiln_recip_avx2(kiln_v8 q) {
+    const kiln_v8 r = (kiln_v8)_mm256_rcp_ps((__m256)q);
+    return r * (2.0f - q * r);
+}
+static inline __attribute__((always_inline)) KILN_AVX512 kiln_v16 kiln_clamp_avx512(kiln_v16 v, float lo, float hi) {
+    return (kiln_v16)_mm512_min_ps(_mm512_set1_ps(hi), _mm512_max_ps(_mm512_set1_ps(lo), (__m512)v));
+}
+static inline __attribute__((always_inline)) KILN_AVX512 kiln_v16 kiln_recip_avx512(kiln_v16 q) {
+    const kiln_v16 r = (kiln_v16)_mm512_rcp14_ps((__m512)q);
+    return r * (2.0f - q * r);
+}
+KILN_DEFINE_KERNEL(avx512, KILN_AVX512, avx512, 16, 2, 14, 32)
+KILN_DEFINE_KERNEL(avx2, KILN_AVX2, avx2, 8, 2, 6, 16)
 /* Narrow tiles for a small M past MR: one vector of columns (half a panel) for up to 16 / 8 rows at once,
    so the W panel is read once for all the rows (the wide tile would pass over it twice). */
-KILN_DEFINE_KERNEL(avx512_narrow, KILN_AVX512, 16, 1, 16, 32)
-KILN_DEFINE_KERNEL(avx2_narrow, KILN_AVX2, 8, 1, 8, 16)
+KILN_DEFINE_KERNEL(avx512_narrow, KILN_AVX512, avx512, 16, 1, 16, 32)
+KILN_DEFINE_KERNEL(avx2_narrow, KILN_AVX2, avx2, 8, 1, 8, 16)
 /* AVX-512 for linear layers (gemm_native.linear_kernel): 8 rows x 48 columns, 24 zmm accumulators fed by 3 loads
    of W and 8 broadcasts of x per 24 FMAs (the 14x32 tile: 2 + 14 per 28). At 1-512 rows of T5-small's and
    BERT-base's shapes, one core, CPU time: level to 28% faster than the 14x32 (bench/results/gemm-2026-12-05d.md).
    No narrow tile: half a panel is not one vector; 9-16 rows run as two row blocks of the wide one. */
-KILN_DEFINE_KERNEL(avx512_8x48, KILN_AVX512, 16, 3, 8, 48)
+KILN_DEFINE_KERNEL(avx512_8x48, KILN_AVX512, avx512, 16, 3, 8, 48)
 /* Its edge tiles: the last panel of an N that is not a multiple of 48 holds 16 or 32 real columns (ConvNeXt's
    N = 16, 64, 256: 16; N = 32, 128, 512: 32), where the wide tile ran all 48 through a stack buffer (2/3 or
    1/3 of its FMAs on zero columns, then the copy out): 512 x 64 x 16 at 28% of a Zen 4 core's peak. These read
    the first one or two vectors of each k row of the same packed panel (B stride 48) and write C in place. */
-KILN_DEFINE_KERNEL(avx512_8x16of48, KILN_AVX512, 16, 1, 8, 48)
-KILN_DEFINE_KERNEL(avx512_8x32of48, KILN_AVX512, 16, 2, 8, 48)
+KILN_DEFINE_KERNEL(avx512_8x16of48, KILN_AVX512, avx512, 16, 1, 8, 48)
+KILN_DEFINE_KERNEL(avx512_8x32of48, KILN_AVX512, avx512, 16, 2, 8, 48)
 #ifdef KILN_GEMM_TEST_KERNELS
 /* AVX-512's 14x32 tile (the same template at 16 lanes: its packing, edges, blocking) run with AVX2
    instructions: lets the tests of an AVX2 machine check all of the AVX-512 path but its instruction
    selection. Slow to run and to compile (its 28 accumulators spill): a build of its own, for tests. */
-KILN_DEFINE_KERNEL(wide_on_avx2, KILN_AVX2, 16, 2, 14, 32)
-KILN_DEFINE_KERNEL(wide_on_avx2_narrow, KILN_AVX2, 16, 1, 16, 32)
-KILN_DEFINE_KERNEL(wide_8x48_on_avx2, KILN_AVX2, 16, 3, 8, 48)
-KILN_DEFINE_KERNEL(wide_8x16of48_on_avx2, KILN_AVX2, 16, 1, 8, 48)
-KILN_DEFINE_KERNEL(wide_8x32of48_on_avx2, KILN_AVX2, 16, 2, 8, 48)
+KILN_DEFINE_KERNEL(wide_on_avx2, KILN_AVX2, any, 16, 2, 14, 32)
+KILN_DEFINE_KERNEL(wide_on_avx2_narrow, KILN_AVX2, any, 16, 1, 16, 32)
+KILN_DEFINE_KERNEL(wide_8x48_on_avx2, KILN_AVX2, any, 16, 3, 8, 48)
+KILN_DEFINE_KERNEL(wide_8x16of48_on_avx2, KILN_AVX2, any, 16, 1, 8, 48)
+KILN_DEFINE_KERNEL(wide_8x32of48_on_avx2, KILN_AVX2, any, 16, 2, 8, 48)
 #endif
 #ifdef KILN_MAX_ISA_AVX2  /* KILN_CPU_ISA=avx2 (kiln/kernels/cpu/cpu_features.py): run as an AVX2-only CPU */
 static int has_avx512(void) { return 0; }
@@ -281,7 +313,7 @@ static int has_avx2(void) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 #endif
-KILN_DEFINE_KERNEL(generic, , 4, 2, 4, 8)
+KILN_DEFINE_KERNEL(generic, , any, 4, 2, 4, 8)
 
 static const kernel_desc KERNELS[] = {
 #if defined(__x86_64__) || defined(__i386__)
