@@ -1,0 +1,265 @@
+/* Depthwise KxK convolution (3x3, 5x5; any stride and padding) with its epilogue, NHWC, a member of native
+ * segments (kiln/runtime/native.py): compiled once by kiln/kernels/cpu/depthwise.py through native_loop.build
+ * (-march=native, or x86-64-v3 under KILN_CPU_ISA=avx2: the vector width below follows what it was built for).
+ *
+ *   y[n, oh, ow, c] = act(b[c] + sum_{kh, kw} x[n, oh·s - pt + kh, ow·s - pl + kw, c] · w[kh, kw, c])
+ *
+ * Why: oneDNN's jit_dw under the AVX2 cap runs MobileNetV2's stride-2 layers 1.3-2.1x onnxruntime's MLAS
+ * (bench/results/zoo-cpu-avx2-2026-12-06.md). In NHWC a depthwise layer vectorises over channels with no
+ * reordering at any stride: an output pixel's taps are whole channel vectors of the input, s·C floats apart, so a
+ * stride-2 layer needs no deinterleave. The work is a sweep over output rows (split among threads); a row is
+ * computed in blocks of U output pixels per channel vector (U accumulators, each tap's weight vector loaded once
+ * for the U pixels), every channel vector of a pixel block before the next block, so the input pixels a block reads
+ * (K rows x (U-1)·s+K columns x C channels) are read in address order and stay in L1 for the next block's overlap.
+ * Padding is never materialised: a row's taps above or below the input are skipped (kh range), and the pixels
+ * whose window crosses the left or right edge run one at a time with the kw range clipped.
+ *
+ * The weights are packed at build as [K_h][K_w][Cp] (Cp: C rounded up to the vector width, zeros past C) and
+ * the bias as [Cp]: one vector load per tap. Channels past the last whole vector run as a scalar loop.
+ *
+ * Returns 0, or 2 (oneDNN's "invalid arguments") when an operand is not bound: the segment names the layer.
+ */
+#include <omp.h>
+#include <string.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "exp_poly.h"
+
+typedef int (*get_handle_fn)(void *memory, void **handle);
+
+enum { ACT_NONE = 0, ACT_RELU = 1, ACT_SILU = 2, ACT_CLIP = 4 };  /* se.c's numbering */
+
+typedef struct {
+    get_handle_fn get_handle;
+    void *x, *y;                  /* dnnl_memory_t: NHWC [N, H, W, C], [N, OH, OW, C] */
+    const float *w;               /* [KH][KW][Cp] */
+    const float *b;               /* [Cp] (zeros without a bias) */
+    const float *zeros;           /* [Cp] zeros: what a padding column reads */
+    long N, C, Cp, H, W, OH, OW;
+    int KH, KW, SH, SW, PT, PL;
+    int activation;
+    float alpha, beta;            /* Clip's min and max */
+    int threads;                  /* 1: no parallel region */
+} dw_plan;
+
+#pragma GCC push_options
+#pragma GCC optimize("no-trapping-math")
+
+#if defined(__AVX512F__)
+#define LANES 16
+#define VMIN _mm512_min_ps
+#define VMAX _mm512_max_ps
+#elif defined(__AVX2__)
+#define LANES 8
+#define VMIN _mm256_min_ps
+#define VMAX _mm256_max_ps
+#else
+#define LANES 4
+#define VMIN(a, b) ((a) < (b) ? (a) : (b))
+#define VMAX(a, b) ((a) > (b) ? (a) : (b))
+#endif
+typedef float vf __attribute__((vector_size(LANES * 4)));
+typedef int vi __attribute__((vector_size(LANES * 4)));
+typedef float vf_u __attribute__((vector_size(LANES * 4), aligned(4)));  /* an unaligned vector in memory */
+
+/* output pixels of a row computed at once per channel vector: U accumulators, the tap row's KW weight vectors
+   and one input vector live in registers (16 ymm under AVX2: 6 + 5 + 1 at 5x5; 32 zmm under AVX-512) */
+#if LANES == 16
+#define UMAX 8
+#else
+#define UMAX 6
+#endif
+#define KMAX 8                              /* taps a side at most (depthwise.py checks) */
+#define JMAX ((UMAX - 1) * 2 + KMAX)        /* input columns a block reads at stride 2 at most */
+
+static inline vf load(const float *p) { return *(const vf_u *)p; }
+static inline void store(float *p, vf v) { *(vf_u *)p = v; }
+
+/* se.c's silu_vector: x / (1 + e^-x), a degree-5 polynomial on the reduced argument (2.5e-7 relative) */
+static inline vf silu_vector(vf x) {
+    const vf z = (vf)VMIN(VMAX(-x, (vf){0} - 87.0f), (vf){0} + 88.0f);
+    const vf n = KILN_EXP_RINT(z);
+    const vf r = KILN_EXP_REDUCE(z, n);
+    vf p = (vf){0} + 8.3128601646e-3f;
+    p = p * r + 4.1889020096e-2f;
+    p = p * r + 1.6667110632e-1f;
+    p = p * r + 4.9999243235e-1f;
+    p = p * r * r + r + 1.0f;
+    return x / (1.0f + p * (vf)KILN_EXP_2N(n, vi));
+}
+
+static inline vf activate(vf v, int kind, vf lo, vf hi) {
+    switch (kind) {
+    case ACT_RELU: return (vf)VMAX(v, (vf){0});
+    case ACT_CLIP: return (vf)VMIN(VMAX(v, lo), hi);
+    case ACT_SILU: return silu_vector(v);
+    default: return v;
+    }
+}
+
+static inline float activate_scalar(float v, int kind, float lo, float hi) {
+    switch (kind) {
+    case ACT_RELU: return v > 0.0f ? v : 0.0f;
+    case ACT_CLIP: return v < lo ? lo : (v > hi ? hi : v);
+    case ACT_SILU: return v / (1.0f + exp_poly(-v));
+    default: return v;
+    }
+}
+
+/* U output pixels of a row, channel vectors [0, Cv). cols[kh][j] is input column (first + j) of tap row kh, or
+   the zero row where that column is padding; kh in [kh0, kh1) (the rows outside the input are skipped). Each
+   input vector is loaded once and meets every tap that reads it: output u, tap kw read column u·S + kw. KW, S
+   and U are constants at every call (the wrappers below), so GCC unrolls the j and kw loops and the tests
+   on them vanish: at stride 1 a 3x3 tap row is (U + 2) input loads and 3 weight loads for 3U FMAs. */
+static inline __attribute__((always_inline)) void block(const dw_plan *p, const float *const cols[][JMAX], int kh0,
+                                                        int kh1, float *out, long c0, long c1, vf lo, vf hi,
+                                                        const int KW, const int S, const int U, const int V) {
+    const long C = p->C, Cp = p->Cp;
+    const int J = (U - 1) * S + KW;
+    for (long c = c0; c + V * LANES <= c1; c += V * LANES) {
+        vf acc[UMAX][4];
+        #pragma GCC unroll 16
+        for (int u = 0; u < U; ++u)
+            #pragma GCC unroll 4
+            for (int v = 0; v < V; ++v) acc[u][v] = load(p->b + c + v * LANES);
+        for (int kh = kh0; kh < kh1; ++kh) {
+            const float *wt = p->w + (long)kh * KW * Cp + c;
+            vf wv[KMAX][4];
+            #pragma GCC unroll 8
+            for (int kw = 0; kw < KW; ++kw)
+                #pragma GCC unroll 4
+                for (int v = 0; v < V; ++v) wv[kw][v] = load(wt + kw * Cp + v * LANES);
+            #pragma GCC unroll 32
+            for (int j = 0; j < J; ++j) {
+                #pragma GCC unroll 4
+                for (int v = 0; v < V; ++v) {
+                    const vf x = load(cols[kh][j] + c + v * LANES);
+                    #pragma GCC unroll 8
+                    for (int kw = 0; kw < KW; ++kw) {
+                        const int u = (j - kw) / S;
+                        if (j >= kw && (j - kw) % S == 0 && u < U) acc[u][v] += x * wv[kw][v];
+                    }
+                }
+            }
+        }
+        #pragma GCC unroll 16
+        for (int u = 0; u < U; ++u)
+            #pragma GCC unroll 4
+            for (int v = 0; v < V; ++v) store(out + u * C + c + v * LANES, activate(acc[u][v], p->activation, lo, hi));
+    }
+}
+
+/* one pixel, any kernel width and stride (the layers the specialised blocks do not cover), channel vectors
+   [0, Cv) four at a time: four independent chains of FMAs */
+static void pixel_any(const dw_plan *p, const float *const cols[][JMAX], int kh0, int kh1, float *out, long Cv,
+                      vf lo, vf hi) {
+    const long Cp = p->Cp;
+    const int KW = p->KW;
+    long c = 0;
+    for (; c + 4 * LANES <= Cv; c += 4 * LANES) {
+        vf acc[4];
+        for (int v = 0; v < 4; ++v) acc[v] = load(p->b + c + v * LANES);
+        for (int kh = kh0; kh < kh1; ++kh)
+            for (int kw = 0; kw < KW; ++kw) {
+                const float *in = cols[kh][kw] + c, *wt = p->w + ((long)kh * KW + kw) * Cp + c;
+                for (int v = 0; v < 4; ++v) acc[v] += load(in + v * LANES) * load(wt + v * LANES);
+            }
+        for (int v = 0; v < 4; ++v) store(out + c + v * LANES, activate(acc[v], p->activation, lo, hi));
+    }
+    for (; c < Cv; c += LANES) {
+        vf acc = load(p->b + c);
+        for (int kh = kh0; kh < kh1; ++kh)
+            for (int kw = 0; kw < KW; ++kw) acc += load(cols[kh][kw] + c) * load(p->w + ((long)kh * KW + kw) * Cp + c);
+        store(out + c, activate(acc, p->activation, lo, hi));
+    }
+}
+
+/* the channels past the last whole vector of one pixel, one at a time */
+static void pixel_tail(const dw_plan *p, const float *const cols[][JMAX], int kh0, int kh1, float *out, long Cv) {
+    const long Cp = p->Cp;
+    const int KW = p->KW;
+    for (long c = Cv; c < p->C; ++c) {
+        float acc = p->b[c];
+        for (int kh = kh0; kh < kh1; ++kh)
+            for (int kw = 0; kw < KW; ++kw) acc += cols[kh][kw][c] * p->w[((long)kh * KW + kw) * Cp + c];
+        out[c] = activate_scalar(acc, p->activation, p->alpha, p->beta);
+    }
+}
+
+/* U pixels by V channel vectors: V·LANES channels at a time, then the vectors left one at a time */
+#define BLOCK(KW, S, NAME, U, V)                                                                                \
+    static void block_##KW##_##S##_##NAME(const dw_plan *p, const float *const cols[][JMAX], int kh0, int kh1, \
+                                          float *out, long Cv, vf lo, vf hi) {                                  \
+        const long whole = Cv / ((V) * LANES) * ((V) * LANES);                                                 \
+        block(p, cols, kh0, kh1, out, 0, whole, lo, hi, KW, S, U, V);                                          \
+        if ((V) > 1) block(p, cols, kh0, kh1, out, whole, Cv, lo, hi, KW, S, U, 1);                           \
+    }
+/* a row's blocks: UMAX pixels of one vector, UMAX/2 of two, one pixel of four (independent chains of FMAs where
+   a row has few pixels: a 7-wide map) */
+#define BLOCKS(KW, S) BLOCK(KW, S, full, UMAX, 1) BLOCK(KW, S, half, UMAX / 2, 2) BLOCK(KW, S, one, 1, 4)
+BLOCKS(3, 1)
+BLOCKS(3, 2)
+BLOCKS(5, 1)
+BLOCKS(5, 2)
+
+typedef void (*block_fn)(const dw_plan *, const float *const[][JMAX], int, int, float *, long, vf, vf);
+
+/* output row `oh` of image `n`: blocks of UMAX pixels, then UMAX/2, then one at a time; an input column outside
+   the row reads the zero row instead (the padding is never written out) */
+static void row(const dw_plan *p, const float *x, float *y, long n, long oh) {
+    const long C = p->C, W = p->W, OW = p->OW, Cv = C / LANES * LANES;
+    const int KH = p->KH, KW = p->KW, S = p->SW;
+    const vf lo = (vf){0} + p->alpha, hi = (vf){0} + p->beta;
+    const long ih0 = oh * p->SH - p->PT;
+    const int kh0 = ih0 < 0 ? (int)-ih0 : 0;
+    const int kh1 = ih0 + KH > p->H ? (int)(p->H - ih0) : KH;
+    const float *base = x + n * p->H * W * C;
+    float *out = y + (n * p->OH + oh) * OW * C;
+    block_fn full = NULL, half = NULL, one = NULL;
+#define PICK(K, SS) if (KW == K && S == SS) { full = block_##K##_##SS##_full; half = block_##K##_##SS##_half; \
+                                               one = block_##K##_##SS##_one; }
+    PICK(3, 1) PICK(3, 2) PICK(5, 1) PICK(5, 2)
+#undef PICK
+    if (Cv != C || full == NULL) full = half = one = NULL;  /* the general path, pixel by pixel */
+    const float *cols[KMAX][JMAX];
+    long ow = 0;
+    while (ow < OW) {
+        const int U = full == NULL ? 1 : ow + UMAX <= OW ? UMAX : ow + UMAX / 2 <= OW ? UMAX / 2 : 1;
+        const long iw = ow * S - p->PL;
+        const int J = (U - 1) * S + KW;
+        for (int kh = kh0; kh < kh1; ++kh) {
+            const float *r = base + (ih0 + kh) * W * C;
+            for (int j = 0; j < J; ++j) cols[kh][j] = iw + j >= 0 && iw + j < W ? r + (iw + j) * C : p->zeros;
+        }
+        float *o = out + ow * C;
+        if (full == NULL) {
+            pixel_any(p, (const float *const(*)[JMAX])cols, kh0, kh1, o, Cv, lo, hi);
+            pixel_tail(p, (const float *const(*)[JMAX])cols, kh0, kh1, o, Cv);
+        } else {
+            (U == UMAX ? full : U == UMAX / 2 ? half : one)(p, (const float *const(*)[JMAX])cols, kh0, kh1, o, Cv, lo, hi);
+        }
+        ow += U;
+    }
+}
+
+#pragma GCC pop_options
+
+int kiln_depthwise(void *object, void *stream, int nargs, const void *args) {
+    (void)stream; (void)nargs; (void)args;
+    const dw_plan *p = (const dw_plan *)object;
+    float *x = NULL, *y = NULL;
+    if (p->get_handle(p->x, (void **)&x) != 0 || x == NULL) return 2;
+    if (p->get_handle(p->y, (void **)&y) != 0 || y == NULL) return 2;
+    const long rows = p->N * p->OH;
+    #pragma omp parallel for schedule(static) num_threads(p->threads) if (p->threads > 1)
+    for (long r = 0; r < rows; ++r) row(p, x, y, r / p->OH, r % p->OH);
+    return 0;
+}
+
+/* the vector width this library was built with (depthwise.py pads the packed channels to it) */
+int kiln_depthwise_lanes(void *object, void *stream, int nargs, const void *args) {
+    (void)object; (void)stream; (void)nargs; (void)args;
+    return LANES;
+}
