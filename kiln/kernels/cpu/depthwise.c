@@ -61,6 +61,11 @@ typedef struct {
 #define VMAX(a, b) ((a) > (b) ? (a) : (b))
 #endif
 typedef float vf __attribute__((vector_size(LANES * 4)));
+#if defined(__AVX512F__)
+#define VECTOR_REGISTER(v) "+v"(v)  /* any of the 32 zmm */
+#else
+#define VECTOR_REGISTER(v) "+x"(v)
+#endif
 typedef int vi __attribute__((vector_size(LANES * 4)));
 typedef float vf_u __attribute__((vector_size(LANES * 4), aligned(4)));  /* an unaligned vector in memory */
 
@@ -108,14 +113,17 @@ static inline float activate_scalar(float v, int kind, float lo, float hi) {
     }
 }
 
-/* U output pixels of a row, channel vectors [0, Cv). cols[kh][j] is input column (first + j) of tap row kh, or
-   the zero row where that column is padding; kh in [kh0, kh1) (the rows outside the input are skipped). Each
-   input vector is loaded once and meets every tap that reads it: output u, tap kw read column u·S + kw. KW, S
-   and U are constants at every call (the wrappers below), so GCC unrolls the j and kw loops and the tests
-   on them vanish: at stride 1 a 3x3 tap row is (U + 2) input loads and 3 weight loads for 3U FMAs. */
-static inline __attribute__((always_inline)) void block(const dw_plan *p, const float *const cols[][JMAX], int kh0,
-                                                        int kh1, float *out, long c0, long c1, vf lo, vf hi,
-                                                        const int KW, const int S, const int U, const int V) {
+/* U output pixels of a row by V channel vectors, channels [c0, c1). Input column j of the block (0 <= j < J) in
+   tap row kh is, for an EDGE block, cols[kh][j]: the pixel, or the zero row where that column is padding; else
+   (every column inside the row) rows[kh] + j·C, plain address arithmetic with no table to load. kh in
+   [kh0, kh1): the rows outside the input are skipped. Each input vector is loaded once and meets every tap that
+   reads it: output u, tap kw read column u·S + kw. KW, S, U, V and EDGE are constants at every call (the wrappers
+   below), so GCC unrolls the j and kw loops and the tests on them vanish: at stride 1 a 3x3 tap row is (U + 2)
+   input loads and 3 weight loads for 3U FMAs. */
+static inline __attribute__((always_inline)) void block(const dw_plan *p, const float *const *rows,
+                                                        const float *const cols[][JMAX], int kh0, int kh1, float *out,
+                                                        long c0, long c1, vf lo, vf hi, const int KW, const int S,
+                                                        const int U, const int V, const int EDGE) {
     const long C = p->C, Cp = p->Cp;
     const int J = (U - 1) * S + KW;
     for (long c = c0; c + V * LANES <= c1; c += V * LANES) {
@@ -135,7 +143,11 @@ static inline __attribute__((always_inline)) void block(const dw_plan *p, const 
             for (int j = 0; j < J; ++j) {
                 #pragma GCC unroll 4
                 for (int v = 0; v < V; ++v) {
-                    const vf x = load(cols[kh][j] + c + v * LANES);
+                    vf x = load((EDGE ? cols[kh][j] : rows[kh] + j * C) + c + v * LANES);
+                    /* at stride 1 a vector meets KW taps: kept in a register, where GCC would fold its load into
+                       each FMA (KW loads of it; MobileNetV2's 32x112² layer 1.2-1.4x slower so, 1 thread, AVX2);
+                       at stride 2 (1-2 taps) the folded form was as fast or faster */
+                    if (S == 1) __asm__("" : VECTOR_REGISTER(x));
                     #pragma GCC unroll 8
                     for (int kw = 0; kw < KW; ++kw) {
                         const int u = (j - kw) / S;
@@ -188,13 +200,20 @@ static void pixel_tail(const dw_plan *p, const float *const cols[][JMAX], int kh
     }
 }
 
-/* U pixels by V channel vectors: channels [c0, c1) V·LANES at a time, then the vectors left one at a time */
+/* U pixels by V channel vectors: channels [c0, c1) V·LANES at a time, then the vectors left one at a time; an
+   interior block (rows) and an edge one (cols) */
 #define BLOCK(KW, S, NAME, U, V)                                                                                \
-    static void block_##KW##_##S##_##NAME(const dw_plan *p, const float *const cols[][JMAX], int kh0, int kh1, \
-                                          float *out, long c0, long c1, vf lo, vf hi) {                         \
+    static void block_##KW##_##S##_##NAME(const dw_plan *p, const float *const *rows,                         \
+                                          const float *const cols[][JMAX], int kh0, int kh1, float *out,       \
+                                          long c0, long c1, vf lo, vf hi) {                                     \
         const long whole = c0 + (c1 - c0) / ((V) * LANES) * ((V) * LANES);                                     \
-        block(p, cols, kh0, kh1, out, c0, whole, lo, hi, KW, S, U, V);                                         \
-        if ((V) > 1) block(p, cols, kh0, kh1, out, whole, c1, lo, hi, KW, S, U, 1);                           \
+        if (rows != NULL) {                                                                                     \
+            block(p, rows, cols, kh0, kh1, out, c0, whole, lo, hi, KW, S, U, V, 0);                             \
+            if ((V) > 1) block(p, rows, cols, kh0, kh1, out, whole, c1, lo, hi, KW, S, U, 1, 0);               \
+        } else {                                                                                                \
+            block(p, rows, cols, kh0, kh1, out, c0, whole, lo, hi, KW, S, U, V, 1);                             \
+            if ((V) > 1) block(p, rows, cols, kh0, kh1, out, whole, c1, lo, hi, KW, S, U, 1, 1);               \
+        }                                                                                                       \
     }
 /* a row's blocks: UMAX pixels of one vector, UMAX/2 of two, one pixel of four (independent chains of FMAs where
    a row has few pixels: a 7-wide map) */
@@ -204,17 +223,16 @@ BLOCKS(3, 2)
 BLOCKS(5, 1)
 BLOCKS(5, 2)
 
-typedef void (*block_fn)(const dw_plan *, const float *const[][JMAX], int, int, float *, long, long, vf, vf);
+typedef void (*block_fn)(const dw_plan *, const float *const *, const float *const[][JMAX], int, int, float *, long,
+                         long, vf, vf);
 
 /* cols[kh][j] for the U pixels from `ow` of output row `oh`: input column ow·S - pl + j of tap row kh, or the
-   zero row where that column is padding (the padding is never written out); (kh0, kh1) the tap rows inside */
-static void columns(const dw_plan *p, const float *x, long n, long oh, long ow, int U, const float *cols[][JMAX],
-                    int *kh0, int *kh1) {
+   zero row where that column is padding (the padding is never written out), for the tap rows inside the input */
+static void columns(const dw_plan *p, const float *x, long n, long oh, long ow, int U, const float *cols[][JMAX]) {
     const long C = p->C, W = p->W, ih0 = oh * p->SH - p->PT, iw = ow * p->SW - p->PL;
     const int J = (U - 1) * p->SW + p->KW;
-    *kh0 = ih0 < 0 ? (int)-ih0 : 0;
-    *kh1 = ih0 + p->KH > p->H ? (int)(p->H - ih0) : p->KH;
-    for (int kh = *kh0; kh < *kh1; ++kh) {
+    const int kh0 = ih0 < 0 ? (int)-ih0 : 0, kh1 = ih0 + p->KH > p->H ? (int)(p->H - ih0) : p->KH;
+    for (int kh = kh0; kh < kh1; ++kh) {
         const float *r = x + ((n * p->H) + ih0 + kh) * W * C;
         for (int j = 0; j < J; ++j) cols[kh][j] = iw + j >= 0 && iw + j < W ? r + (iw + j) * C : p->zeros;
     }
@@ -226,17 +244,26 @@ static void row(const dw_plan *p, const float *x, float *y, long n, long oh, lon
     const long C = p->C, OW = p->OW;
     const vf lo = (vf){0} + p->alpha, hi = (vf){0} + p->beta;
     float *out = y + (n * p->OH + oh) * OW * C;
-    const float *cols[KMAX][JMAX];
-    int kh0, kh1;
+    const float *cols[KMAX][JMAX], *rows[KMAX];
+    const long ih0 = oh * p->SH - p->PT;
+    const int kh0 = ih0 < 0 ? (int)-ih0 : 0, kh1 = ih0 + p->KH > p->H ? (int)(p->H - ih0) : p->KH;
     long ow = 0;
     while (ow < OW) {
         const int U = full == NULL ? 1 : ow + UMAX <= OW ? UMAX : ow + UMAX / 2 <= OW ? UMAX / 2 : 1;
-        columns(p, x, n, oh, ow, U, cols, &kh0, &kh1);
+        const long iw = ow * p->SW - p->PL;
+        float *o = out + ow * C;
         const float *const(*c)[JMAX] = (const float *const(*)[JMAX])cols;
-        if (full == NULL)
-            pixel_any(p, c, kh0, kh1, out + ow * C, c0, c1, lo, hi);
-        else
-            (U == UMAX ? full : U == UMAX / 2 ? half : one)(p, c, kh0, kh1, out + ow * C, c0, c1, lo, hi);
+        if (full != NULL && iw >= 0 && iw + (U - 1) * p->SW + p->KW <= p->W) {  /* every column inside the row */
+            for (int kh = kh0; kh < kh1; ++kh) rows[kh] = x + ((n * p->H + ih0 + kh) * p->W + iw) * C;
+            (U == UMAX ? full : U == UMAX / 2 ? half : one)(p, (const float *const *)rows, c, kh0, kh1, o, c0, c1,
+                                                            lo, hi);
+        } else {
+            columns(p, x, n, oh, ow, U, cols);
+            if (full == NULL)
+                pixel_any(p, c, kh0, kh1, o, c0, c1, lo, hi);
+            else
+                (U == UMAX ? full : U == UMAX / 2 ? half : one)(p, NULL, c, kh0, kh1, o, c0, c1, lo, hi);
+        }
         ow += U;
     }
 }
@@ -245,9 +272,10 @@ static void row(const dw_plan *p, const float *x, float *y, long n, long oh, lon
 static void row_tail(const dw_plan *p, const float *x, float *y, long n, long oh, long Cv) {
     float *out = y + (n * p->OH + oh) * p->OW * p->C;
     const float *cols[KMAX][JMAX];
-    int kh0, kh1;
+    const long ih0 = oh * p->SH - p->PT;
+    const int kh0 = ih0 < 0 ? (int)-ih0 : 0, kh1 = ih0 + p->KH > p->H ? (int)(p->H - ih0) : p->KH;
     for (long ow = 0; ow < p->OW; ++ow) {
-        columns(p, x, n, oh, ow, 1, cols, &kh0, &kh1);
+        columns(p, x, n, oh, ow, 1, cols);
         pixel_tail(p, (const float *const(*)[JMAX])cols, kh0, kh1, out + ow * p->C, Cv);
     }
 }
