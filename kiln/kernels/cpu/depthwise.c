@@ -146,8 +146,9 @@ static inline __attribute__((always_inline)) void block(const dw_plan *p, const 
                     vf x = load((EDGE ? cols[kh][j] : rows[kh] + j * C) + c + v * LANES);
                     /* at stride 1 a vector meets KW taps: kept in a register, where GCC would fold its load into
                        each FMA (KW loads of it; MobileNetV2's 32x112² layer 1.2-1.4x slower so, 1 thread, AVX2);
-                       at stride 2 (1-2 taps) the folded form was as fast or faster */
-                    if (S == 1) __asm__("" : VECTOR_REGISTER(x));
+                       at stride 2 a 3x3's vector meets 1-2 taps and the folded form was as fast or faster, a 5x5's
+                       2-3 (kept: EfficientNet-B0's 144x56² 5x5 stride 2 0.97-0.98x the folded form's time) */
+                    if (S == 1 || KW >= 5) __asm__("" : VECTOR_REGISTER(x));
                     #pragma GCC unroll 8
                     for (int kw = 0; kw < KW; ++kw) {
                         const int u = (j - kw) / S;
