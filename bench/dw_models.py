@@ -6,7 +6,8 @@ onnxruntime, one process, interleaved blocks (issue 11).
 
 Both kiln engines are built here (no timing cache): "kiln" lets the autotuner pick between depthwise.c and
 oneDNN per depthwise layer (the tactics it took are printed), "kiln -dw" is the same build with the tactic left
-out (every other CPU tactic allowed). Wall time per run, medians of --block runs per round; the ratio to
+out (every other CPU tactic allowed). Wall time per run (--clock thread: the calling thread's CPU time, 1 thread),
+medians of --block runs per round; the ratio to
 onnxruntime is taken per round.
 """
 
@@ -65,6 +66,7 @@ def bench_model(name: str, args) -> None:
         runners[label] = lambda engine=engine: engine.run(feeds)
     runners["onnxruntime"] = lambda: session.run(None, feeds)
     medians: dict[str, list[float]] = {k: [] for k in runners}
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
     loads = []
     for _ in range(args.rounds):
         loads.append(os.getloadavg()[0])
@@ -74,11 +76,11 @@ def bench_model(name: str, args) -> None:
                 run()
             block = []
             for _ in range(args.block):
-                start = time.perf_counter()
+                start = clock()
                 run()
-                block.append((time.perf_counter() - start) * 1e3)
+                block.append((clock() - start) * 1e3)
             medians[peer].append(statistics.median(block))
-    print(f"{name}, {cpu_name()} ({cpu_features.describe()}), {args.threads} thread(s), 1-min load "
+    print(f"{name}, {cpu_name()} ({cpu_features.describe()}), {args.threads} thread(s), {args.clock} clock, 1-min load "
           f"{min(loads):.1f}-{max(loads):.1f}")
     for peer in runners:
         ratios = [a / b for a, b in zip(medians[peer], medians["onnxruntime"])]
@@ -98,7 +100,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--block", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                        help="thread: the calling thread's CPU time (1 thread only: kiln and onnxruntime then run on "
+                             "the calling thread; other work on the CPUs does not count)")
     args = parser.parse_args()
+    if args.clock == "thread" and args.threads != 1:
+        parser.error("--clock thread measures one thread: give --threads 1")
     torch.set_num_threads(args.threads)
     for name in args.models.split(","):
         bench_model(name.strip(), args)
