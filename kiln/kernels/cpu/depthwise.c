@@ -1,18 +1,20 @@
-/* Depthwise KxK convolution (3x3, 5x5; any stride and padding) with its epilogue, NHWC, a member of native
- * segments (kiln/runtime/native.py): compiled once by kiln/kernels/cpu/depthwise.py through native_loop.build
- * (-march=native, or x86-64-v3 under KILN_CPU_ISA=avx2: the vector width below follows what it was built for).
+/* Depthwise KxK convolution (K <= 8 a side, any stride and padding; 3x3 and 5x5 at strides 1 and 2 specialised)
+ * with its epilogue (bias, ReLU / Clip / SiLU), NHWC, a member of native segments (kiln/runtime/native.py):
+ * compiled once by kiln/kernels/cpu/depthwise.py through native_loop.build (-march=native, or x86-64-v3 under
+ * KILN_CPU_ISA=avx2: the vector width below follows what it was built for).
  *
  *   y[n, oh, ow, c] = act(b[c] + sum_{kh, kw} x[n, oh·s - pt + kh, ow·s - pl + kw, c] · w[kh, kw, c])
  *
- * Why: oneDNN's jit_dw under the AVX2 cap runs MobileNetV2's stride-2 layers 1.3-2.1x onnxruntime's MLAS
- * (bench/results/zoo-cpu-avx2-2026-12-06.md). In NHWC a depthwise layer vectorises over channels with no
- * reordering at any stride: an output pixel's taps are whole channel vectors of the input, s·C floats apart, so a
- * stride-2 layer needs no deinterleave. The work is a sweep over output rows (split among threads); a row is
- * computed in blocks of U output pixels per channel vector (U accumulators, each tap's weight vector loaded once
- * for the U pixels), every channel vector of a pixel block before the next block, so the input pixels a block reads
- * (K rows x (U-1)·s+K columns x C channels) are read in address order and stay in L1 for the next block's overlap.
- * Padding is never materialised: a row's taps above or below the input are skipped (kh range), and the pixels
- * whose window crosses the left or right edge run one at a time with the kw range clipped.
+ * Why: oneDNN's jit_dw was measured behind onnxruntime's MLAS on MobileNetV2's stride-2 layers under the AVX2 cap
+ * (bench/results/zoo-cpu-avx2-2026-12-06.md), and applies EfficientNet's SiLU as its swish post-op; the autotuner
+ * times this kernel against it per layer (bench/results/dw-avx2-2026-12-06.md). In NHWC a depthwise layer
+ * vectorises over channels with no reordering at any stride: an output pixel's taps are whole channel vectors of
+ * the input, s·C floats apart, so a stride-2 layer needs no deinterleave or gather. The work is a sweep over output
+ * rows (split among threads); a row is cut into blocks of U output pixels, and per channel vector (or 2-4 of them
+ * for short blocks) each input vector of a tap row is loaded once and meets every tap that reads it, every channel
+ * vector of a block before the next block (its input pixels are read in address order). Padding is never
+ * materialised: tap rows above or below the input are skipped, an edge block reads its padding columns from a
+ * zero row through a table of column pointers, and an interior block addresses its columns from the row pointer.
  *
  * The weights are packed at build as [K_h][K_w][Cp] (Cp: C rounded up to the vector width, zeros past C) and
  * the bias as [Cp]: one vector load per tap. Channels past the last whole vector run as a scalar loop.
