@@ -1,10 +1,11 @@
 """Depthwise convolution in kiln's C (depthwise.c): a KxK layer with one filter per channel, its bias (a folded
 BatchNorm) and activation (ReLU, ReLU6/Clip, SiLU) in one pass over NHWC memory, a native-segment member.
 
-Why: MobileNetV2's and EfficientNet-B0's depthwise layers run on oneDNN's jit_dw, which under the AVX2 cap took
-1.3-2.1x onnxruntime's MLAS at stride 2 (bench/results/zoo-cpu-avx2-2026-12-06.md). depthwise.c vectorises
-over channels (NHWC needs no deinterleave at stride 2), blocks each output row by pixels, and skips padding
-instead of materialising it. Which kernel a layer runs is the autotuner's pick between this and oneDNN, timed on
+Why: MobileNetV2's and EfficientNet-B0's depthwise layers ran on oneDNN's jit_dw, measured behind onnxruntime's MLAS
+at stride 2 under the AVX2 cap (bench/results/zoo-cpu-avx2-2026-12-06.md) and slow with EfficientNet's SiLU (its
+swish post-op). depthwise.c vectorises over channels (NHWC needs no deinterleave at stride 2), blocks each output
+row by pixels, and skips padding instead of materialising it: per layer it runs 0.6-0.75x oneDNN's time with SiLU
+on large maps, and 0.8-1.2x with ReLU6 (bench/results/dw-avx2-2026-12-06.md). Which kernel a layer runs is the autotuner's pick between this and oneDNN, timed on
 the machine (kiln/tactics/cpu/depthwise.py).
 
 A DepthwiseConv is one layer at one input size (weights packed at build); `bind(src, dst)` gives a segment its
