@@ -10,7 +10,8 @@ as a segment calls them: their bound call through the native loop (the same ctyp
 runs a model of the Conv and its activation; its time is the profiler's kernel time of the nodes other than its
 NCHWc reorders (the Conv, fused with Clip, or the Conv and its SiLU: in a whole model onnxruntime keeps NCHWc between
 layers, so the reorders are not the layer's). Wall time, medians of --rounds rounds of 30 calls (--stat p10: the
-10th percentile of every call, for a loaded machine); the ratio is kiln / onnxruntime. Outputs are checked against torch's conv2d (float64) first.
+10th percentile of every call, for a loaded machine); the ratio is kiln / onnxruntime. Outputs are checked against
+torch's conv2d (float64) first.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -61,7 +63,8 @@ def ort_session(w: np.ndarray, b: np.ndarray, c: int, hw: int, k: int, s: int, s
         nodes += [helper.make_node("Clip", ["z", "lo", "hi"], ["y"])]
     inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")]
     if not silu:
-        inits += [numpy_helper.from_array(np.array(0, np.float32), "lo"), numpy_helper.from_array(np.array(6, np.float32), "hi")]
+        inits += [numpy_helper.from_array(np.array(0, np.float32), "lo"),
+                  numpy_helper.from_array(np.array(6, np.float32), "hi")]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, c, hw, hw])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
@@ -75,7 +78,8 @@ def ort_session(w: np.ndarray, b: np.ndarray, c: int, hw: int, k: int, s: int, s
 def ort_layer_us(session: ort.InferenceSession, calls: int) -> tuple[list[float], list[str]]:
     """Per call, onnxruntime's kernel time of the nodes that are not reorders (us), and the op types it ran."""
     profile = Path(session.end_profiling())
-    events = [e for e in json.loads(profile.read_text()) if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+    events = [e for e in json.loads(profile.read_text())
+              if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
     profile.unlink()
     ops = sorted({e["args"].get("op_name", "?") for e in events})
     layer = [e for e in events if not e["args"].get("op_name", "").startswith("Reorder")]
@@ -84,7 +88,7 @@ def ort_layer_us(session: ort.InferenceSession, calls: int) -> tuple[list[float]
     return sums, ops
 
 
-def looped(bound) -> callable:
+def looped(bound) -> Callable[[], None]:
     """The bound layer's calls through the native loop, its arrays built once (a segment's path)."""
     lib = onednn.load()
     loop = native_loop.load()
@@ -118,7 +122,8 @@ def main() -> None:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "?")
     print(f"CPU {cpu}, ATen {torch.backends.cpu.get_cpu_capability()}, "
-          f"kiln depthwise.c {depthwise.lanes()} lanes, {args.threads} thread(s), {args.stat}, load {os.getloadavg()[0]:.1f}")
+          f"kiln depthwise.c {depthwise.lanes()} lanes, {args.threads} thread(s), {args.stat}, "
+          f"load {os.getloadavg()[0]:.1f}")
     print("| model | layer | kiln us | oneDNN us (kernel) | ORT us | kiln/ORT | oneDNN/ORT | load |")
     print("|---|---|---|---|---|---|---|---|")
     ratios = []

@@ -5,8 +5,8 @@ Why: MobileNetV2's and EfficientNet-B0's depthwise layers ran on oneDNN's jit_dw
 at stride 2 under the AVX2 cap (bench/results/zoo-cpu-avx2-2026-12-06.md) and slow with EfficientNet's SiLU (its
 swish post-op). depthwise.c vectorises over channels (NHWC needs no deinterleave at stride 2), blocks each output
 row by pixels, and skips padding instead of materialising it: per layer it runs 0.6-0.75x oneDNN's time with SiLU
-on large maps, and 0.8-1.2x with ReLU6 (bench/results/dw-avx2-2026-12-06.md). Which kernel a layer runs is the autotuner's pick between this and oneDNN, timed on
-the machine (kiln/tactics/cpu/depthwise.py).
+on large maps, and 0.8-1.2x with ReLU6 (bench/results/dw-avx2-2026-12-06.md). Which kernel a layer runs is the
+autotuner's pick between this and oneDNN, timed on the machine (kiln/tactics/cpu/depthwise.py).
 
 A DepthwiseConv is one layer at one input size (weights packed at build); `bind(src, dst)` gives a segment its
 call on memory objects of its own, as oneDNN primitives do (kiln/kernels/cpu/onednn.py Bound), and `__call__`
@@ -66,7 +66,8 @@ def refusal(weight_shape: tuple[int, ...], input_size: tuple[int, ...], groups: 
         return "only 2-D convolutions (4-D input and weight)"
     c = int(input_size[1])
     if not (groups == c and weight_shape[0] == c and weight_shape[1] == 1):
-        return f"not depthwise: {groups} groups, weight {list(weight_shape)} on {c} channels (needs C groups, [C, 1, K, K])"
+        return (f"not depthwise: {groups} groups, weight {list(weight_shape)} on {c} channels "
+                "(needs C groups, [C, 1, K, K])")
     if any(d != 1 for d in dilations):
         return f"dilations {list(dilations)}"
     if any(not 1 <= k <= MAX_KERNEL for k in weight_shape[2:]):
@@ -115,7 +116,8 @@ class DepthwiseConv:
         self.library = library
         self.implementation = f"kiln depthwise.c ({width} lanes)"
         self.what = f"depthwise {kh}x{kw}/{sh} {list(self.input_size)} -> {list(self.output_size)}"
-        self.fields = dict(w=self._w.data_ptr(), b=self._b.data_ptr(), zeros=self._zeros.data_ptr(), N=n, C=c, Cp=cp, H=h, W=wd, OH=oh, OW=ow,
+        self.fields = dict(w=self._w.data_ptr(), b=self._b.data_ptr(), zeros=self._zeros.data_ptr(),
+                           N=n, C=c, Cp=cp, H=h, W=wd, OH=oh, OW=ow,
                            KH=kh, KW=kw, SH=sh, SW=sw, PT=pt, PL=pl, activation=ACTIVATIONS[activation],
                            alpha=float(alpha), beta=float(beta))
         self._lock = threading.Lock()
