@@ -291,7 +291,11 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
     per_tensor_weights = per_tensor_fp8_weights(config)
     # W8A16 (int8 weights, 16-bit inputs: two int8 convolutions on the input's bytes) where the CPU's int8 kernels
     # run it exactly (VNNI), else a layer between int8 and float is weight-only (its input float)
-    no_wide = layer_cost.available() if cpu_kernels else f"{config.device} {dtype} builds have no W8A16 kernel"
+    # layers between int8 and float (the accuracy target's) are W8A16 (int8 weights, the input at 16 bits: two int8
+    # convolutions on its bytes) where the CPU's int8 kernels run it exactly (VNNI), and in an int8 emulation (what
+    # such a CPU engine computes); else weight-only (the input float)
+    no_kernel = layer_cost.available() if cpu_kernels else f"{config.device} {dtype} builds have no W8A16 kernel"
+    no_wide = None if dtype == "int8" and config.quantization == "emulate" else no_kernel
     if pinned_wide and no_wide is not None:
         raise KilnError(f"layer_precision w8a16 for {sorted(pinned_wide)[:3]}: {no_wide}")
     if config.accuracy_target is not None:
@@ -302,7 +306,7 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
         # an int8 CPU build chooses by milliseconds: each layer's kernels timed here in int8, W8A16 and fp32
         costs = layer_cost.layer_costs(model, [t.node.name for t in qdq.targets(model.graph, exclude |
                                                                                      pinned_weight_only)], say) \
-            if top1 and config.accuracy_weight_only and no_wide is None else None
+            if top1 and config.accuracy_weight_only and config.accuracy_by_cost and no_kernel is None else None
         # (a layer pinned weight-only is float in the search's measurements: not a candidate)
         sensitive, accuracy = choose_float_layers(model, ranges, dtype, evaluation, aim,
                                                   exclude | pinned_weight_only, say, metric=config.accuracy_metric,

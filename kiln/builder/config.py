@@ -55,6 +55,9 @@ class BuildConfig:
     # "top1": the search aims at accuracy_target + this (at most 1): its expected agreement on the calibration inputs
     # overestimates new inputs' (MobileNetV2: 0.971 expected, 96.4% of 202 held out; 0.980 -> 97.1%)
     accuracy_margin: float = 0.01
+    # "top1" on an int8 CPU build with W8A16 kernels: layers moved up from int8 by accuracy gained per millisecond
+    # (each layer's kernels timed in int8, W8A16 and fp32; kiln/builder/layer_cost.py); False: the fewest layers
+    accuracy_by_cost: bool = True
     # the inputs of depthwise convolutions quantized with one scale per channel, folded into the layer's
     # per-channel weight scales (kiln/quant/qdq.py): MobileNet-style networks' largest int8 error otherwise
     per_channel_depthwise: bool = True

@@ -83,6 +83,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-weight-only", dest="accuracy_weight_only", action="store_false",
                    help="with --accuracy-target: keep layers float only, never weight-only (weights quantized, "
                         "input float; on the CPU the fp32 kernel, so a weight-only layer costs a float layer's time)")
+    p.add_argument("--no-cost", dest="accuracy_by_cost", action="store_false",
+                   help="with --accuracy-metric top1 on an int8 CPU build: move the fewest layers up from int8, not "
+                        "the fewest milliseconds (each layer's int8, W8A16 and fp32 kernels timed)")
     p.add_argument("--accuracy-margin", type=float, default=0.01,
                    help="with --accuracy-metric top1: the search aims this much above the target (its expected "
                         "agreement on the calibration data overestimates new data's; default 0.01)")
