@@ -27,3 +27,26 @@ void kiln_split16(const float *x, uint8_t *hi, uint8_t *lo, long n, float scale,
         lo[i] = (uint8_t)(u & 255u);
     }
 }
+
+/* The split as a call of a native segment's loop (kiln/kernels/cpu/segment_loop.c call_fn): the float input's
+ * address read from its dnnl_memory_t at each run (a segment points its entry at each call's tensor). */
+typedef int (*get_handle_fn)(void *memory, void **handle);
+
+typedef struct {
+    get_handle_fn get_handle;
+    void *src;                /* dnnl_memory_t of the float32 input */
+    uint8_t *hi, *lo;         /* the bytes, x's element order (NHWC) */
+    long n;
+    float scale;
+    long zero, low, high;
+} split16_plan;
+
+int kiln_split16_call(void *object, void *stream, int nargs, const void *args)
+{
+    (void)stream; (void)nargs; (void)args;
+    const split16_plan *p = (const split16_plan *)object;
+    void *x = 0;
+    if (p->get_handle(p->src, &x) || !x) return 2;
+    kiln_split16((const float *)x, p->hi, p->lo, p->n, p->scale, p->zero, p->low, p->high);
+    return 0;
+}

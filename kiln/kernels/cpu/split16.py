@@ -18,13 +18,19 @@ SOURCE = Path(__file__).with_name("split16.c").read_text()
 RANGES = {torch.uint16: (0, 65535), torch.int16: (-32768, 32767)}  # the 16-bit types, ONNX's saturation bounds
 
 
+class Plan(ctypes.Structure):  # split16_plan in split16.c
+    _fields_ = [("get_handle", ctypes.c_void_p), ("src", ctypes.c_void_p), ("hi", ctypes.c_void_p),
+                ("lo", ctypes.c_void_p), ("n", ctypes.c_long), ("scale", ctypes.c_float), ("zero", ctypes.c_long),
+                ("low", ctypes.c_long), ("high", ctypes.c_long)]
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     lib.kiln_split16.restype = None
     lib.kiln_split16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_float,
                                  ctypes.c_long, ctypes.c_long, ctypes.c_long]
 
 
-_LIBRARY = native_loop.KernelLibrary("split16", SOURCE, [], setup=_declare)
+_LIBRARY = native_loop.KernelLibrary("split16", SOURCE, ["kiln_split16_call"], setup=_declare)
 load, available, reason = _LIBRARY.load, _LIBRARY.available, _LIBRARY.reason  # built on first use
 
 

@@ -22,12 +22,13 @@ from typing import Any
 
 import torch
 
-from kiln.kernels.cpu import onednn, onednn_int8, split16
+from kiln.kernels.cpu import onednn, onednn_int8, split16, w8a16
 from kiln.plan.spec import StepSpec
 from kiln.tactics.cpu.quantized import _activation, _built, _configure, _constants_refusal, _residual_refusal, \
     _safe_weight, _y
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, Tactic, conv_geometry, conv_operands_refusal
+from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, conv_geometry, conv_operands_refusal, resizable, \
+    same_primitive
 from kiln.tactics.tactic import attribute as _attr
 
 _CL = torch.channels_last
@@ -76,12 +77,12 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
     activation, alpha, beta = _activation(step)
     tuned = tuple(step.tactic_config["input_size"])
 
-    def build(size: tuple[int, ...]) -> tuple:
+    def build(size: tuple[int, ...]) -> w8a16.W8A16Layer:
         conv = onednn_int8.W8A16Conv2d(w, w_scale, real_bias, list(size), strides, pads, dilations, groups, s_x,
                                        wide == torch.int16, activation, alpha, beta)
         quantize = None if y is None else onednn_int8.ScaledReorder(list(conv.output_size), torch.float32, y[0],
                                                                       y[1], y[2], True)
-        return conv, quantize
+        return w8a16.W8A16Layer(conv, wide, zero, quantize)
 
     primitives = {tuned: build(tuned)}
     lock = threading.Lock()
@@ -89,16 +90,23 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
     def launch(ctx, x, *_inputs, **_attributes):
         x = x.contiguous(memory_format=_CL)  # [N, C, H, W] float32, NHWC in memory
         with lock:
-            conv, quantize = _built(primitives, tuple(x.shape), build, tuned)
-        r = conv(*split16.split(x, s_x, zero, wide))  # [N, O, H', W'] float32 channels-last
-        return r if quantize is None else quantize(r)
+            layer = _built(primitives, tuple(x.shape), build, tuned)
+        return layer(x)  # [N, O, H', W'] channels-last, float32 or 8-bit
 
+    @resizable
+
+    def native_at(size: tuple[int, ...]) -> NativeStep:  # inside a native segment (kiln/runtime/native.py)
+        with lock:
+            layer = _built(primitives, tuple(size), build, tuned)
+        return NativeStep(tuple(size), layer.output_size, same_primitive(layer), output_dtype=layer.out_dtype)
+
+    launch.native = native_at(tuned)
     return launch
 
 
 register(Tactic(
     name="cpu.qconv.w8a16", op_type="QConv", domain="kiln", device="cpu", dtypes=(torch.float32,),
     supports=_supports, configure=_configure, prepare=_prepare, layout="channels_last",
-    available=onednn.available,
+    available=onednn.available, native=True,
     description="a 16-bit input's two bytes (one C pass) through two oneDNN int8 convolutions summed in float32",
 ))
