@@ -190,3 +190,57 @@ def test_the_build_aims_above_the_target_by_the_margin_and_records_w8a16(net):
         assert q.op_type == "QuantizeLinear" and q.inputs[2].const_value.dtype in (ir.DataType.UINT16,
                                                                                   ir.DataType.INT16)
     assert set(info["w8a16"]) == set(info["weight_only"]) & set(convs)
+
+
+def _chain(rng: np.random.Generator) -> ir.Model:
+    """conv 3x3 8->16 + ReLU6 -> depthwise 3x3 -> 1x1 16->12: its input and weights, unquantized."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 12, 12])
+    inits = [numpy_helper.from_array(rng.normal(0, 0.3, (16, 8, 3, 3)).astype(np.float32), "w1"),
+             numpy_helper.from_array(rng.normal(0, 0.1, 16).astype(np.float32), "b1"),
+             numpy_helper.from_array(rng.normal(0, 0.3, (16, 1, 3, 3)).astype(np.float32), "w2"),
+             numpy_helper.from_array(rng.normal(0, 0.3, (12, 16, 1, 1)).astype(np.float32), "w3"),
+             numpy_helper.from_array(np.array(0, np.float32), "lo"), numpy_helper.from_array(np.array(6, np.float32), "hi")]
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="first", pads=[1, 1, 1, 1]),
+             helper.make_node("Clip", ["c1", "lo", "hi"], ["r1"], name="relu6"),
+             helper.make_node("Conv", ["r1", "w2"], ["c2"], name="dw", pads=[1, 1, 1, 1], group=16),
+             helper.make_node("Conv", ["c2", "w3"], ["y"], name="project")]
+    graph = helper.make_graph(nodes, "chain", [x], [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    return ir.from_proto(onnx.shape_inference.infer_shapes(helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17)])))
+
+
+def test_w8a16_layers_in_a_native_segment_are_the_emulation(monkeypatch):
+    """int8 first layer, W8A16 depthwise (uint16 input) and projection (int16 input) from qdq.insert: the CPU engine
+    runs both W8A16 layers inside one native segment, equal to the same engine layer by layer, and to the emulation
+    (kiln's reference ops on the Q/DQ graph, 16-bit quantization included) within what a near-tie 16-bit rounding
+    moves (the int8 layer's float output and the reference's differ in float32 summation order)."""
+    from kiln.builder.lower import lower
+    from kiln.quant import qdq
+    from kiln.runtime.program import Program
+    rng = _rng("chain")
+    model = _chain(rng)
+    qdq.insert(model, {"x": 3.0, "r1": 6.0, "c2": 20.0}, "int8", unsigned=True, wide={"dw", "project"})
+    proto = ir.to_proto(model)
+    engine = kiln.build(proto, device="cpu")
+    tactics = {s.name: s.tactic for s in engine.plan.program.steps}
+    assert tactics["dw"] == tactics["project"] == "cpu.qconv.w8a16"
+    assert any({"dw", "project"} <= {m.ctx.name for m in s.members} for s in engine.program.segments)
+    monkeypatch.setenv("KILN_NATIVE_SEGMENTS", "0")
+    alone = kiln.build(proto, device="cpu")
+    assert not alone.program.segments
+    program, weights, _, _ = lower(ir.from_proto(proto))
+    emulation = Program(program, weights)
+    eight = ir.from_proto(ir.to_proto(_chain(_rng("chain"))))  # the same chain, every layer int8
+    qdq.insert(eight, {"x": 3.0, "r1": 6.0, "c2": 20.0}, "int8", unsigned=True)
+    program8, weights8, _, _ = lower(eight)
+    all_int8 = Program(program8, weights8)
+    for k in range(3):
+        x = rng.normal(0, 1, (1, 8, 12, 12)).astype(np.float32)
+        got = engine.create_execution_context().run({"x": x})["y"]
+        np.testing.assert_array_equal(got, alone.create_execution_context().run({"x": x})["y"])
+        with torch.inference_mode():
+            want = emulation.run([torch.from_numpy(x)])[0].numpy()
+            int8 = all_int8.run([torch.from_numpy(x)])[0].numpy()
+        off, int8_off = np.abs(got - want).max(), np.abs(int8 - want).max()
+        print(f"engine off the emulation by {off:.3g}, the int8 chain by {int8_off:.3g}, of {np.abs(want).max():.3g}")
+        assert off < 3e-4 * np.abs(want).max() and off < int8_off / 30
