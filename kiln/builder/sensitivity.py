@@ -34,7 +34,8 @@ relerr 0.02-0.04 of int8's 0.12).
 With layer costs (kiln/builder/layer_cost.py: ms per layer in int8, W8A16 and fp32 on this CPU; an int8 CPU build
 whose kernels run W8A16), "top1" ranks moves by accuracy gained per millisecond instead (_cheapest_for_top1): each
 layer's cheaper-per-gain move (to W8A16: its input sensitivity for the W8A16 time over int8's; to fp32: its
-sensitivity for the fp32 time over int8's), the fewest of that ranking by the same bisection, and of the plans that
+sensitivity for the fp32 time over int8's), the fewest of that ranking by the same bisection (and of the float ranking,
+each layer to its faster precision), and of the plans that
 reach the target (that one, the float one, the weight-only one) the one of the fewest milliseconds. W8A16 is
 measured as weight-only: its 16-bit input is 2^-16 of the range from the float one (2^-8 for int8).
 
@@ -360,8 +361,9 @@ def _cheapest_for_top1(switched: SwitchedModel, target: float, say: Callable[[st
     of the larger gain per extra ms: to W8A16, gain = the softmax KL of its input alone quantized (what the 16-bit
     input saves), extra = w8a16 - int8 ms; to fp32, gain = the KL of the layer alone quantized, extra = fp32 - int8
     ms. Layers ranked by that ratio; the fewest of the top of that ranking moved that reach the target, by bisection.
-    The float-only and weight-only plans are searched as _fewest_for_top1 does, and of the plans that reach the
-    target the fastest by `costs` is chosen (the record's "plans": each one's layers and ms)."""
+    A second ranking: the float search's (by the KL of the layer alone quantized), each layer moved to the faster of
+    W8A16 and fp32. The float-only and weight-only plans are searched as _fewest_for_top1 does, and of the plans that
+    reach the target the fastest by `costs` is chosen (the record's "plans": each one's layers and ms)."""
     def agreement(quantized: set[str], weights: set[str] = frozenset()) -> float:
         return expected_top1(switched.outputs(quantized, weight_only=weights), switched.reference)
 
@@ -408,6 +410,21 @@ def _cheapest_for_top1(switched: SwitchedModel, target: float, say: Callable[[st
         plans["ms per accuracy"] = {"kept_float": kept, "w8a16": wide, "top1": found[k]}
     record["measured_cost_aware"] = {str(k): round(v, 6) for k, v in sorted(found.items())}
     by_full = sorted(layers, key=lambda n: -full[n])
+    # the float ranking, each layer moved to its faster precision above int8: the layers that matter most first (the
+    # gain-per-ms ranking moves many cheap layers of little gain before an expensive one that the target needs)
+    faster = {n: "w8a16" if costs[n]["w8a16"] < costs[n]["fp32"] else "fp32" for n in layers}
+
+    def ranked(k: int) -> tuple[set[str], set[str]]:
+        return ({n for n in by_full[:k] if faster[n] == "fp32"}, {n for n in by_full[:k] if faster[n] == "w8a16"})
+
+    kept, wide = ranked(len(by_full))
+    tried = {0: all_on, len(by_full): agreement(set(layers) - kept - wide, wide)}
+    if tried[len(by_full)] >= target:
+        k = _fewest(by_full, lambda k: agreement(set(layers) - ranked(k)[0] - ranked(k)[1], ranked(k)[1]),
+                    lambda v: v >= target, tried, say, "sensitive, each to its faster precision: expected top-1")
+        kept, wide = ranked(k)
+        plans["sensitivity, faster precision"] = {"kept_float": kept, "w8a16": wide, "top1": tried[k]}
+    record["measured_faster_precision"] = {str(k): round(v, 6) for k, v in sorted(tried.items())}
     floats = {0: all_on, len(by_full): 1.0}
     count = _fewest(by_full, lambda k: agreement(set(by_full[k:])), lambda v: v >= target, floats, say,
                     "float: expected top-1")
