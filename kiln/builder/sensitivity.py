@@ -34,9 +34,9 @@ relerr 0.02-0.04 of int8's 0.12).
 With layer costs (kiln/builder/layer_cost.py: ms per layer in int8, W8A16 and fp32 on this CPU; an int8 CPU build
 whose kernels run W8A16), "top1" ranks moves by accuracy gained per millisecond instead (_cheapest_for_top1): each
 layer's cheaper-per-gain move (to W8A16: its input sensitivity for the W8A16 time over int8's; to fp32: its
-sensitivity for the fp32 time over int8's), the fewest of that ranking by the same bisection (and of the float ranking,
-each layer to its faster precision), and of the plans that
-reach the target (that one, the float one, the weight-only one) the one of the fewest milliseconds. W8A16 is
+sensitivity for the fp32 time over int8's), the fewest of that ranking by the same bisection, the same for the float
+ranking with each layer moved to its faster precision, and of the plans that reach the target (those two, the float
+one, the weight-only one) the one of the fewest milliseconds. W8A16 is
 measured as weight-only: its 16-bit input is 2^-16 of the range from the float one (2^-8 for int8).
 
 One program serves every measurement: the model with every layer's Q/DQ, lowered without folding, run
