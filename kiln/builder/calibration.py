@@ -314,7 +314,7 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
                                                   channel_means=channel_means, lows=lows,
                                                   moments=moments, weight_only=config.accuracy_weight_only,
                                                   costs=costs)
-        if top1 and config.accuracy_margin:
+        if aim != config.accuracy_target:  # the margin moved it (a target of 1 is not raised)
             accuracy.update({"asked": config.accuracy_target, "margin": config.accuracy_margin})
     if config.bias_correction and not channel_means:
         say("bias correction: the ranges came from the cache, which holds no channel means: not corrected")
