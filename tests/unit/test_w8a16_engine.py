@@ -244,3 +244,25 @@ def test_w8a16_layers_in_a_native_segment_are_the_emulation(monkeypatch):
         off, int8_off = np.abs(got - want).max(), np.abs(int8 - want).max()
         print(f"engine off the emulation by {off:.3g}, the int8 chain by {int8_off:.3g}, of {np.abs(want).max():.3g}")
         assert off < 3e-4 * np.abs(want).max() and off < int8_off / 30
+
+
+def test_a_16bit_tensor_read_by_another_op_is_not_folded():
+    """fold_wide_quantize_into_layer refuses where the 16-bit tensor has a reader besides QConv layers (here a
+    DequantizeLinear -> Relu output): the QuantizeLinear stays a step, the layer reads its 16-bit output (the
+    reference QConv then: no CPU kernel reads a stored 16-bit tensor), and the engine is still the graph."""
+    from kiln.passes import PassOptions, optimize
+    rng = _rng("two readers")
+    model = _layer_model((1, 8, 6, 6), 8, 1, [1, 1], [0, 0, 0, 0], 1, "uint16", "Clip", False, rng)
+    graph = model.graph
+    graph.node.extend([helper.make_node("DequantizeLinear", ["q", "s", "z"], ["xd2"]),
+                       helper.make_node("Relu", ["xd2"], ["side"])])
+    graph.output.append(helper.make_tensor_value_info("side", TensorProto.FLOAT, None))
+    optimized = optimize(ir.from_proto(model), PassOptions(cpu_rules=True))
+    layer = next(n for n in optimized.graph if n.name == "layer")
+    assert layer.op_type == "QConv" and layer.inputs[0].producer().op_type == "QuantizeLinear"
+    engine = kiln.build(model, device="cpu")
+    x = rng.uniform(0, 6, (1, 8, 6, 6)).astype(np.float32)
+    got = engine.create_execution_context().run({"x": x})
+    want = ReferenceEvaluator(model).run(None, {"x": x})
+    np.testing.assert_allclose(got["y"], want[0], rtol=0, atol=1e-4 * np.abs(want[0]).max())
+    np.testing.assert_allclose(got["side"], want[1], rtol=0, atol=1e-6)

@@ -444,7 +444,8 @@ def fold_wide_quantize_into_layer(node: ir.Node, report: PassReport) -> bool:
     why = None
     if not params.per_tensor:
         why = "the 16-bit input is quantized per channel"
-    elif any(not is_op(use.node, "QConv", domain=KILN_DOMAIN) for use in node.inputs[0].uses()):
+    elif node.inputs[0].is_graph_output() or \
+            any(not is_op(use.node, "QConv", domain=KILN_DOMAIN) for use in node.inputs[0].uses()):
         why = "the 16-bit input has readers other than QConv layers: it stays a tensor of its own"
     elif len(node.inputs) > 9 and node.inputs[9] is not None:
         why = "a residual layer"
