@@ -289,8 +289,6 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
     # the int8 kernels of a CPU without VNNI: 7-bit weights (any two products with a uint8 activation fit int16)
     weight_max = 64.0 if cpu_kernels and not has_int8_dot_product() else None
     per_tensor_weights = per_tensor_fp8_weights(config)
-    # W8A16 (int8 weights, 16-bit inputs: two int8 convolutions on the input's bytes) where the CPU's int8 kernels
-    # run it exactly (VNNI), else a layer between int8 and float is weight-only (its input float)
     # layers between int8 and float (the accuracy target's) are W8A16 (int8 weights, the input at 16 bits: two int8
     # convolutions on its bytes) where the CPU's int8 kernels run it exactly (VNNI), and in an int8 emulation (what
     # such a CPU engine computes); else weight-only (the input float)
