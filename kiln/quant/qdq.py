@@ -37,6 +37,7 @@ FP8_MAX = 448.0  # float8e4m3fn
 WEIGHT_ONLY = "weight_only"  # a layer_precision value: the layer's weights quantized, its input float (insert)
 W8A16 = "w8a16"  # a layer_precision value (int8 CPU builds): int8 weights, the input quantized to 16 bits (insert)
 WIDE_MAX = {"uint16": 65535.0, "int16": 32767.0}  # a W8A16 input's steps: [0, amax] unsigned, symmetric signed
+WIDE_HEADROOM = 1.0  # a W8A16 input's range: this times the calibrated amax (a Clip's bound at most)
 ASYMMETRIC = 0.5  # int8: an activation whose negative side reaches at most this fraction of amax is uint8 + zero point
 
 
@@ -273,7 +274,7 @@ def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, e
 def _wide_pair(graph: ir.Graph, t: Target, amax: np.ndarray, pairs: dict[str, ir.Value]) -> ir.Value:
     """The 16-bit pair of a W8A16 layer's input (insert's `wide`), registered in `pairs` as <activation>_w16."""
     base = f"{t.activation.name}_w16"
-    amax = float(np.max(amax))  # one scale per tensor: the kernel's
+    amax = float(np.max(amax)) * WIDE_HEADROOM  # one scale per tensor: the kernel's
     high = _clip_max(t.activation)
     if high is not None and high > 0:
         amax = min(amax, high)
