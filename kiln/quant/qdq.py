@@ -161,7 +161,7 @@ def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, e
     those of one shared pair.
     wide (layer names; int8, Convs): W8A16, those layers' weights quantized as weight_only's but their input through a
     16-bit pair (opset 21's uint16/int16 QuantizeLinear; uint16 over [0, amax] for a non-negative input, else
-    symmetric int16, zero point 0, one scale per tensor over WIDE_HEADROOM x the calibrated amax: no outlier clipped,
+    symmetric int16, zero point 0, one scale per tensor over WIDE_HEADROOM x the calibrated amax (outliers kept),
     and still finer than any per-channel int8 scale of MobileNetV2's depthwise inputs): what the CPU's two-byte int8
     convolution reads
     (kiln/tactics/cpu/w8a16.py), 2^-16 of the range from weight_only's float input. One pair per activation for
