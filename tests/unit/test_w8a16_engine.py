@@ -243,7 +243,9 @@ def test_w8a16_layers_in_a_native_segment_are_the_emulation(monkeypatch):
             int8 = all_int8.run([torch.from_numpy(x)])[0].numpy()
         off, int8_off = np.abs(got - want).max(), np.abs(int8 - want).max()
         print(f"engine off the emulation by {off:.3g}, the int8 chain by {int8_off:.3g}, of {np.abs(want).max():.3g}")
-        assert off < 3e-4 * np.abs(want).max() and off < int8_off / 30
+        # project's int16 step is 4·20/32767 = 2.4e-3 (qdq.WIDE_HEADROOM): a near-tie rounded the other way moves y
+        # by |w|·that; the int8 chain is ~100x further
+        assert off < 1e-3 * np.abs(want).max() and off < int8_off / 30
 
 
 def test_a_16bit_tensor_read_by_another_op_is_not_folded():
