@@ -69,7 +69,8 @@ def conv_costs(target: qdq.Target) -> dict[str, float] | None:
         return None
     size = [int(d) for d in shape]
     groups, stride = int(_attr(node, "group", 1)), [int(s) for s in _attr(node, "strides", [1, 1])]
-    pads, dilation = [int(p) for p in _attr(node, "pads", [0, 0, 0, 0])], [int(d) for d in _attr(node, "dilations", [1, 1])]
+    pads = [int(p) for p in _attr(node, "pads", [0, 0, 0, 0])]
+    dilation = [int(d) for d in _attr(node, "dilations", [1, 1])]
     generator = torch.Generator().manual_seed(zlib.crc32(node.name.encode()))
     x = torch.rand(size, generator=generator).contiguous(memory_format=torch.channels_last)  # [N, C, H, W] in [0, 1)
     wf = torch.from_numpy(np.array(w, np.float32)).contiguous(memory_format=torch.channels_last)
@@ -77,7 +78,8 @@ def conv_costs(target: qdq.Target) -> dict[str, float] | None:
     w_scale = torch.full((w.shape[0],), 0.01)
     int8 = onednn_int8.QConv2d(w_q, w_scale, None, size, stride, pads, dilation, groups, torch.uint8, 1 / 255, 0, None)
     wide = onednn_int8.W8A16Conv2d(w_q, w_scale, None, size, stride, pads, dilation, groups, 1 / 65535, False)
-    x8 = torch.randint(0, 256, size, generator=generator, dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
+    x8 = torch.randint(0, 256, size, generator=generator, dtype=torch.uint8)
+    x8 = x8.contiguous(memory_format=torch.channels_last)
     with torch.inference_mode():
         return {
             "int8": _median_ms(lambda: int8(x8)),

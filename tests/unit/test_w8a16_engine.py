@@ -199,7 +199,8 @@ def _chain(rng: np.random.Generator) -> ir.Model:
              numpy_helper.from_array(rng.normal(0, 0.1, 16).astype(np.float32), "b1"),
              numpy_helper.from_array(rng.normal(0, 0.3, (16, 1, 3, 3)).astype(np.float32), "w2"),
              numpy_helper.from_array(rng.normal(0, 0.3, (12, 16, 1, 1)).astype(np.float32), "w3"),
-             numpy_helper.from_array(np.array(0, np.float32), "lo"), numpy_helper.from_array(np.array(6, np.float32), "hi")]
+             numpy_helper.from_array(np.array(0, np.float32), "lo"),
+             numpy_helper.from_array(np.array(6, np.float32), "hi")]
     nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="first", pads=[1, 1, 1, 1]),
              helper.make_node("Clip", ["c1", "lo", "hi"], ["r1"], name="relu6"),
              helper.make_node("Conv", ["r1", "w2"], ["c2"], name="dw", pads=[1, 1, 1, 1], group=16),

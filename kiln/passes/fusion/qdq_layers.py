@@ -426,7 +426,7 @@ RULE_WIDE = "fold_wide_quantize_into_layer"
 
 
 def fold_wide_quantize_into_layer(node: ir.Node, report: PassReport) -> bool:
-    # QConv(Q(x; s, z) 16-bit, s, z, ...) -> QConv(x, s, z, ...)    x float: the layer quantizes it (kiln/ops/quantized.py)
+    # QConv(Q16(x; s, z), s, z, ...) -> QConv(x, s, z, ...)    x float: the layer quantizes it (kiln/ops/quantized.py)
     """A W8A16 layer's 16-bit QuantizeLinear into the layer (CPU builds): its kernel (kiln/tactics/cpu/w8a16.py)
     splits the float input into the 16-bit value's two bytes in one pass, so the 16-bit tensor is never stored and
     read again. Every reader of the 16-bit tensor is a QConv of the same scale and zero point (the 16-bit pairs
