@@ -17,6 +17,7 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
+from kiln.builder import layer_cost
 from kiln.builder.lower import lower
 from kiln.builder.sensitivity import choose_float_layers
 from kiln.errors import KilnError
@@ -223,7 +224,9 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
     """
     dtype = config.precision
     # layer_precision: "fp32" pins a layer float, "weight_only" its weights quantized and its input float
-    pinned_weight_only = {name for name, p in config.layer_precision.items() if p == qdq.WEIGHT_ONLY}
+    # (int8 CPU builds) "w8a16": its weights int8 and its input at 16 bits, on the CPU's two-byte int8 convolution
+    pinned_wide = {name for name, p in config.layer_precision.items() if p == qdq.W8A16}
+    pinned_weight_only = {name for name, p in config.layer_precision.items() if p == qdq.WEIGHT_ONLY} | pinned_wide
     exclude = set(config.layer_precision) - pinned_weight_only
     if config.quantization not in ("auto", "emulate"):
         raise KilnError(f"quantization {config.quantization!r}: 'auto' or 'emulate'")
@@ -286,13 +289,31 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
     # the int8 kernels of a CPU without VNNI: 7-bit weights (any two products with a uint8 activation fit int16)
     weight_max = 64.0 if cpu_kernels and not has_int8_dot_product() else None
     per_tensor_weights = per_tensor_fp8_weights(config)
+    # layers between int8 and float (the accuracy target's) are W8A16 (int8 weights, the input at 16 bits: two int8
+    # convolutions on its bytes) where the CPU's int8 kernels run it exactly (VNNI), and in an int8 emulation (what
+    # such a CPU engine computes); else weight-only (the input float)
+    no_kernel = layer_cost.available() if cpu_kernels else f"{config.device} {dtype} builds have no W8A16 kernel"
+    no_wide = None if dtype == "int8" and config.quantization == "emulate" else no_kernel
+    if pinned_wide and no_wide is not None:
+        raise KilnError(f"layer_precision w8a16 for {sorted(pinned_wide)[:3]}: {no_wide}")
     if config.accuracy_target is not None:
+        top1 = config.accuracy_metric == "top1"
+        # the search's expected agreement on the calibration images is optimistic on new ones (0.971 expected ->
+        # 96.4% of 202 held out on MobileNetV2, bench/results/quantacc4-2026-12-06.md): it aims this much higher
+        aim = min(config.accuracy_target + config.accuracy_margin, 1.0) if top1 else config.accuracy_target
+        # an int8 CPU build chooses by milliseconds: each layer's kernels timed here in int8, W8A16 and fp32
+        costs = layer_cost.layer_costs(model, [t.node.name for t in qdq.targets(model.graph, exclude |
+                                                                                     pinned_weight_only)], say) \
+            if top1 and config.accuracy_weight_only and config.accuracy_by_cost and no_kernel is None else None
         # (a layer pinned weight-only is float in the search's measurements: not a candidate)
-        sensitive, accuracy = choose_float_layers(model, ranges, dtype, evaluation, config.accuracy_target,
+        sensitive, accuracy = choose_float_layers(model, ranges, dtype, evaluation, aim,
                                                   exclude | pinned_weight_only, say, metric=config.accuracy_metric,
                                                   unsigned=unsigned, weight_max=weight_max,
                                                   channel_means=channel_means, lows=lows,
-                                                  moments=moments, weight_only=config.accuracy_weight_only)
+                                                  moments=moments, weight_only=config.accuracy_weight_only,
+                                                  costs=costs)
+        if aim != config.accuracy_target:  # the margin moved it (a target of 1 is not raised)
+            accuracy.update({"asked": config.accuracy_target, "margin": config.accuracy_margin})
     if config.bias_correction and not channel_means:
         say("bias correction: the ranges came from the cache, which holds no channel means: not corrected")
     if config.gptq and dtype != "int8":
@@ -302,17 +323,21 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
     # weight-only layers (the search's precision between): their weights quantized, their inputs float
     chosen_weight_only = {**{name: "pinned" for name in pinned_weight_only}, **(accuracy.get("weight_only") or {})}
     weight_only = set(chosen_weight_only)
+    convs = {t.node.name for t in qdq.targets(model.graph, exclude) if t.node.op_type == "Conv"}
+    wide = pinned_wide | ({n for n in weight_only - pinned_weight_only if n in convs} if no_wide is None else set())
     # readers kept float or weight-only (a float input): their Adds too
     adds = residual.plan(model.graph, exclude | sensitive | weight_only) if adds else []
     skipped = qdq.insert(model, ranges, dtype, exclude | sensitive, unsigned=unsigned, weight_max=weight_max,
                          channel_means=channel_means, lows=lows, per_tensor_weights=per_tensor_weights,
-                         moments=moments, weight_only=weight_only)
+                         moments=moments, weight_only=weight_only - wide, wide=wide)
     residual_adds = residual.insert(model, adds, ranges, unsigned)
     quantized = [name for name in layers if name not in skipped and name not in sensitive | weight_only]
     kept = {**skipped, **{name: "pinned" for name in exclude}, **(accuracy.get("kept_float") or {})}
     return model, {"dtype": dtype, "mode": "kernels" if kernels else "emulate", "calibration": record,
                    "quantized": quantized, "kept_float": kept, "accuracy": accuracy,
                    "weight_only": {name: why for name, why in chosen_weight_only.items() if name not in skipped},
+                   # the weight-only layers whose input is 16-bit (W8A16, kiln/tactics/cpu/w8a16.py)
+                   "w8a16": sorted(n for n in wide if n not in skipped),
                    "weights": f"{'7' if weight_max else '8'}-bit per {'tensor' if per_tensor_weights else 'channel'}"
                    + (f" (this CPU: {cpu_features.describe()})" if weight_max else ""),
                    "ranges": {k: np.asarray(v).tolist() for k, v in sorted(ranges.items())},
@@ -348,6 +373,9 @@ def summarize(program, tactics: dict, quantization: dict | None = None,
                     ((quantization.get("accuracy") or {}).get("kept_float") or {}).items()},
                  **{name: (f"{dtype} weights, {storage} input", why if why == "pinned" else f"accuracy target: {why}")
                     for name, why in (quantization.get("weight_only") or {}).items()}}
+    for name in quantization.get("w8a16") or ():  # W8A16: the 16-bit input on the int8 kernels
+        why = (quantization.get("weight_only") or {}).get(name, "pinned")
+        by_target[name] = ("w8a16 (int8 weights, 16-bit input)", why if why == "pinned" else f"accuracy target: {why}")
     for step in program.steps:
         layer_names = [step.name, *(step.fused_from or ())]
         chose = next((by_target[n] for n in layer_names if n in by_target), None)

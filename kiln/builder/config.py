@@ -19,7 +19,8 @@ class BuildConfig:
     profiles: list[dict[str, Any]] = field(default_factory=list)
     # symbolic dims where zero padding is exact, besides batch and a masked sequence (runtime/buckets.py)
     pad_dims: list[str] = field(default_factory=list)
-    # layer name -> "fp32" (pinned float) or, in an int8/fp8 build, "weight_only" (its weights quantized, input float)
+    # layer name -> "fp32" (pinned float) or, in an int8/fp8 build, "weight_only" (its weights quantized, input float),
+    # or in an int8 CPU build "w8a16" (int8 weights, the input at 16 bits: kiln/tactics/cpu/w8a16.py)
     layer_precision: dict[str, str] = field(default_factory=dict)
     cuda_graphs: bool = True  # capture the whole engine per input shape on CUDA
     timing_cache: str | None = None  # JSON file of tactic timings, reused by later builds (kiln/tactics)
@@ -51,6 +52,12 @@ class BuildConfig:
     # float (kiln/builder/sensitivity.py; on the CPU the fp32 kernel on int8-grid weights, so such a layer costs a
     # float layer's time); False: float layers only, as before
     accuracy_weight_only: bool = True
+    # "top1": the search aims at accuracy_target + this (at most 1): its expected agreement on the calibration inputs
+    # overestimates new inputs' (MobileNetV2: 0.971 expected, 96.4% of 202 held out; 0.980 -> 97.1%)
+    accuracy_margin: float = 0.01
+    # "top1" on an int8 CPU build with W8A16 kernels: layers moved up from int8 by accuracy gained per millisecond
+    # (each layer's kernels timed in int8, W8A16 and fp32; kiln/builder/layer_cost.py); False: the fewest layers
+    accuracy_by_cost: bool = True
     # the inputs of depthwise convolutions quantized with one scale per channel, folded into the layer's
     # per-channel weight scales (kiln/quant/qdq.py): MobileNet-style networks' largest int8 error otherwise
     per_channel_depthwise: bool = True

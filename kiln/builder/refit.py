@@ -302,6 +302,7 @@ def _requantize(model: ir.Model, config: BuildConfig, built: dict, recalibrate: 
     pinned = dict(config.layer_precision)
     pinned.update({name: "fp32" for name in (built.get("accuracy") or {}).get("kept_float") or {}})
     pinned.update({name: qdq.WEIGHT_ONLY for name in built.get("weight_only") or {}})  # as the build chose
+    pinned.update({name: qdq.W8A16 for name in built.get("w8a16") or ()})  # ... their inputs at 16 bits
     with tempfile.TemporaryDirectory(prefix="kiln-refit-") as folder:
         cache = os.path.join(folder, "ranges.json")
         calibration_cache.save(cache, config.calibrator, config.precision, ranges,

@@ -31,6 +31,14 @@ relerr 0.02-0.04 of int8's 0.12).
             CPU: fewer layers away from int8 is the faster engine).
     "error": when every layer weight-only meets it, the most sensitive go weight-only one by one instead of float.
 
+With layer costs (kiln/builder/layer_cost.py: ms per layer in int8, W8A16 and fp32 on this CPU; an int8 CPU build
+whose kernels run W8A16), "top1" ranks moves by accuracy gained per millisecond instead (_cheapest_for_top1): each
+layer's cheaper-per-gain move (to W8A16: its input sensitivity for the W8A16 time over int8's; to fp32: its
+sensitivity for the fp32 time over int8's), the fewest of that ranking by the same bisection, the same for the float
+ranking with each layer moved to its faster precision, and of the plans that reach the target (those two, the float
+one, the weight-only one) the one of the fewest milliseconds. W8A16 is
+measured as weight-only: its 16-bit input is 2^-16 of the range from the float one (2^-8 for int8).
+
 One program serves every measurement: the model with every layer's Q/DQ, lowered without folding, run
 with each layer's quantization switched on, weight-only or off (an off layer's Q/DQ pass values through and
 its weight and bias are the float ones; a weight-only layer's input pair passes through). Each layer has its own
@@ -201,7 +209,8 @@ def choose_float_layers(model: ir.Model, ranges: dict[str, float], dtype: str, b
                         channel_means: dict[str, np.ndarray] | None = None,
                         lows: dict[str, float] | None = None,
                         moments: dict[str, np.ndarray] | None = None,
-                        weight_only: bool = False) -> tuple[set[str], dict]:
+                        weight_only: bool = False,
+                        costs: dict[str, dict[str, float]] | None = None) -> tuple[set[str], dict]:
     """(layer names to keep in float, the record for the header); unsigned, weight_max, channel_means (bias
     correction), lows, moments (GPTQ): as the build's qdq.insert will quantize. metric (METRICS): "error", the
     target is the largest max |error| / max |output| on the batches; "top1", the target is the smallest expected share of
@@ -212,6 +221,8 @@ def choose_float_layers(model: ir.Model, ranges: dict[str, float], dtype: str, b
         raise KilnError(f"accuracy metric {metric!r}: kiln knows {list(METRICS)}")
     switched = SwitchedModel(model, ranges, dtype, exclude, batches, unsigned=unsigned, weight_max=weight_max,
                              channel_means=channel_means, lows=lows, moments=moments)
+    if metric == "top1" and costs is not None and weight_only:
+        return _cheapest_for_top1(switched, target, say, costs)
     if metric == "top1":
         return _fewest_for_top1(switched, target, say, weight_only)
     return _greedy_for_error(switched, target, say, weight_only)
@@ -333,3 +344,121 @@ def _fewest_for_top1(switched: SwitchedModel, target: float, say: Callable[[str]
         name: f"input sensitivity {inputs[name]:.3g} (softmax KL with its input alone quantized)"
         for name in by_input[:moved]}})
     return set(), record
+
+
+MOVE_FLOOR_MS = 1e-3  # a move's extra time is at least this: a layer costed alike in every precision ranks by gain
+
+
+def plan_ms(costs: dict[str, dict[str, float]], kept_float: set[str], wide: set[str]) -> float:
+    """The layers' time in ms with `kept_float` fp32, `wide` W8A16 and the rest int8 (per-layer kernels alone)."""
+    return sum(c["fp32"] if name in kept_float else c["w8a16"] if name in wide else c["int8"]
+               for name, c in costs.items())
+
+
+def _cheapest_for_top1(switched: SwitchedModel, target: float, say: Callable[[str], None],
+                       costs: dict[str, dict[str, float]]) -> tuple[set[str], dict]:
+    """The top-1 target by the fewest milliseconds away from int8 (module docstring). Each layer's move is the one
+    of the larger gain per extra ms: to W8A16, gain = the softmax KL of its input alone quantized (what the 16-bit
+    input saves), extra = w8a16 - int8 ms; to fp32, gain = the KL of the layer alone quantized, extra = fp32 - int8
+    ms. Layers ranked by that ratio; the fewest of the top of that ranking moved that reach the target, by bisection.
+    A second ranking: the float search's (by the KL of the layer alone quantized), each layer moved to the faster of
+    W8A16 and fp32. The float-only and weight-only plans are searched as _fewest_for_top1 does, and of the plans that
+    reach the target the fastest by `costs` is chosen (the record's "plans": each one's layers and ms)."""
+    def agreement(quantized: set[str], weights: set[str] = frozenset()) -> float:
+        return expected_top1(switched.outputs(quantized, weight_only=weights), switched.reference)
+
+    layers = switched.layers
+    costs = {name: costs.get(name) or {"int8": 0.0, "w8a16": 0.0, "fp32": 0.0} for name in layers}
+    all_on = agreement(set(layers))
+    record: dict[str, Any] = {"metric": "top1", "target": target, "top1_all_quantized": round(all_on, 6),
+                              "search": "ms per accuracy", "layer_ms": {k: {p: round(v, 4) for p, v in c.items()}
+                                                                        for k, c in costs.items()}}
+    if all_on >= target:
+        say(f"accuracy: every layer quantized keeps an expected {all_on:.4f} of top-1s >= target {target:g}")
+        return set(), {**record, "top1": all_on, "kept_float": {}, "weight_only": {}}
+    say(f"accuracy: every layer quantized keeps an expected {all_on:.4f} of top-1s < target {target:g}: "
+        "measuring each layer")
+    closest = lowest_margins(switched.reference, RANK_BATCHES)
+    reference = [switched.reference[k] for k in closest]
+    full = {name: softmax_kl(switched.outputs({name}, closest), reference) for name in layers}
+    inputs = {name: softmax_kl(switched.outputs(set(), closest, input_only={name}), reference) for name in layers}
+    record["sensitivity"] = {k: round(v, 8) for k, v in sorted(full.items(), key=lambda kv: -kv[1])}
+    record["input_sensitivity"] = {k: round(v, 8) for k, v in sorted(inputs.items(), key=lambda kv: -kv[1])}
+    move: dict[str, tuple[str, float]] = {}  # layer -> (precision, gain per ms)
+    for name, c in costs.items():
+        wide = inputs[name] / max(c["w8a16"] - c["int8"], MOVE_FLOOR_MS)
+        whole = full[name] / max(c["fp32"] - c["int8"], MOVE_FLOOR_MS)
+        move[name] = ("w8a16", wide) if wide > whole else ("fp32", whole)
+    order = sorted(layers, key=lambda n: -move[n][1])
+
+    def moved(k: int) -> tuple[set[str], set[str]]:
+        """(float, W8A16) with the first k of `order` moved."""
+        return ({n for n in order[:k] if move[n][0] == "fp32"}, {n for n in order[:k] if move[n][0] == "w8a16"})
+
+    def measure(k: int) -> float:
+        kept, wide = moved(k)
+        return agreement(set(layers) - kept - wide, wide)
+
+    every = agreement(set(), set(layers))  # every layer weight-only: what the ranking's end can reach at most
+    found = {0: all_on}
+    plans: dict[str, dict] = {}
+    kept, wide = moved(len(order))
+    found[len(order)] = agreement(set(layers) - kept - wide, wide)
+    if found[len(order)] >= target:
+        k = _fewest(order, measure, lambda v: v >= target, found, say, "moved by ms per accuracy: expected top-1")
+        kept, wide = moved(k)
+        plans["ms per accuracy"] = {"kept_float": kept, "w8a16": wide, "top1": found[k]}
+    record["measured_cost_aware"] = {str(k): round(v, 6) for k, v in sorted(found.items())}
+    by_full = sorted(layers, key=lambda n: -full[n])
+    # the float ranking, each layer moved to its faster precision above int8: the layers that matter most first (the
+    # gain-per-ms ranking moves many cheap layers of little gain before an expensive one that the target needs)
+    faster = {n: "w8a16" if costs[n]["w8a16"] < costs[n]["fp32"] else "fp32" for n in layers}
+
+    def ranked(k: int) -> tuple[set[str], set[str]]:
+        return ({n for n in by_full[:k] if faster[n] == "fp32"}, {n for n in by_full[:k] if faster[n] == "w8a16"})
+
+    kept, wide = ranked(len(by_full))
+    tried = {0: all_on, len(by_full): agreement(set(layers) - kept - wide, wide)}
+    if tried[len(by_full)] >= target:
+        k = _fewest(by_full, lambda k: agreement(set(layers) - ranked(k)[0] - ranked(k)[1], ranked(k)[1]),
+                    lambda v: v >= target, tried, say, "sensitive, each to its faster precision: expected top-1")
+        kept, wide = ranked(k)
+        plans["sensitivity, faster precision"] = {"kept_float": kept, "w8a16": wide, "top1": tried[k]}
+    record["measured_faster_precision"] = {str(k): round(v, 6) for k, v in sorted(tried.items())}
+    floats = {0: all_on, len(by_full): 1.0}
+    count = _fewest(by_full, lambda k: agreement(set(by_full[k:])), lambda v: v >= target, floats, say,
+                    "float: expected top-1")
+    plans["float"] = {"kept_float": set(by_full[:count]), "w8a16": set(), "top1": floats[count]}
+    record["measured"] = {str(k): round(v, 6) for k, v in sorted(floats.items())}
+    record["top1_all_weight_only"] = round(every, 6)
+    if every >= target:
+        by_input = sorted(layers, key=lambda n: -inputs[n])
+        weights = {0: all_on, len(by_input): every}
+        count = _fewest(by_input, lambda k: agreement(set(by_input[k:]), set(by_input[:k])), lambda v: v >= target,
+                        weights, say, "weight-only: expected top-1")
+        plans["weight-only"] = {"kept_float": set(), "w8a16": set(by_input[:count]), "top1": weights[count]}
+        record["measured_weight_only"] = {str(k): round(v, 6) for k, v in sorted(weights.items())}
+    for plan in plans.values():
+        plan["ms"] = plan_ms(costs, plan["kept_float"], plan["w8a16"])
+    chosen = min(plans, key=lambda p: plans[p]["ms"])
+    best = plans[chosen]
+    say("accuracy: plans " + ", ".join(f"{p}: {len(v['kept_float'])} fp32 + {len(v['w8a16'])} w8a16, "
+                                       f"{v['ms']:.2f} ms" for p, v in plans.items()) + f": {chosen}")
+    record["plans"] = {p: {"kept_float": sorted(v["kept_float"]), "w8a16": sorted(v["w8a16"]),
+                           "top1": round(v["top1"], 6), "ms": round(v["ms"], 4)} for p, v in plans.items()}
+    record["plan_ms_all_int8"] = round(plan_ms(costs, set(), set()), 4)
+    record["plan_ms_all_fp32"] = round(plan_ms(costs, set(layers), set()), 4)
+
+    def why(name: str) -> str:
+        c = costs[name]
+        if name in best["w8a16"]:
+            return (f"input sensitivity {inputs[name]:.3g} (softmax KL with its input alone quantized) for "
+                    f"{c['w8a16'] - c['int8']:.3f} ms over int8 ({chosen} plan)")
+        return (f"sensitivity {full[name]:.3g} (softmax KL with it alone quantized) for {c['fp32'] - c['int8']:.3f} "
+                f"ms over int8 ({chosen} plan)")
+
+    record.update({"top1": best["top1"], "met": True, "chosen_plan": chosen,
+                   "kept_float": {n: why(n) for n in order if n in best["kept_float"]} if chosen != "float" else
+                   {n: why(n) for n in by_full if n in best["kept_float"]},
+                   "weight_only": {n: why(n) for n in layers if n in best["w8a16"]}})
+    return set(best["kept_float"]), record

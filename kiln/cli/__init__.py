@@ -83,6 +83,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-weight-only", dest="accuracy_weight_only", action="store_false",
                    help="with --accuracy-target: keep layers float only, never weight-only (weights quantized, "
                         "input float; on the CPU the fp32 kernel, so a weight-only layer costs a float layer's time)")
+    p.add_argument("--no-cost", dest="accuracy_by_cost", action="store_false",
+                   help="with --accuracy-metric top1 on an int8 CPU build: move the fewest layers up from int8, not "
+                        "the fewest milliseconds (each layer's int8, W8A16 and fp32 kernels timed)")
+    p.add_argument("--accuracy-margin", type=float, default=0.01,
+                   help="with --accuracy-metric top1: the search aims this much above the target (its expected "
+                        "agreement on the calibration data overestimates new data's; default 0.01)")
     p.add_argument("--accuracy-metric", choices=["error", "top1"], default="error",
                    help="what --accuracy-target bounds: error (default) or top1 (classifiers; layers ranked by "
                         "their softmax KL divergence from fp32)")
@@ -103,6 +109,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pin-weight-only", action="append", metavar="LAYER",
                    help="with --int8/--fp8: quantize this layer's (ONNX node name) weights only, its input stays "
                         "float; repeatable")
+    p.add_argument("--pin-w8a16", action="append", metavar="LAYER",
+                   help="with --int8 on a CPU with VNNI: this Conv's weights int8 and its input at 16 bits (two int8 "
+                        "convolutions on the input's bytes); repeatable")
     p.add_argument("--pin-fp32", action="append", metavar="LAYER",
                    help="keep this layer (ONNX node name) in fp32 in a half-precision engine; repeatable")
     p.add_argument("--timing-cache", metavar="FILE.json",

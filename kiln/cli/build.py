@@ -40,6 +40,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         "compile_workers": args.compile_workers,
         "in_context": args.in_context,
         "layer_precision": {**{name: "weight_only" for name in args.pin_weight_only or []},
+                            **{name: "w8a16" for name in args.pin_w8a16 or []},
                             **{name: "fp32" for name in args.pin_fp32 or []}},
         "calibration": args.calib,
         "calibrator": args.calibrator,
@@ -49,6 +50,8 @@ def cmd_build(args: argparse.Namespace) -> int:
         "accuracy_target": args.accuracy_target,
         "accuracy_metric": args.accuracy_metric,
         "accuracy_weight_only": args.accuracy_weight_only,
+        "accuracy_margin": args.accuracy_margin,
+        "accuracy_by_cost": args.accuracy_by_cost,
         "smoothquant": args.smoothquant,
         "equalize": args.equalize,
         "gptq": args.gptq,
@@ -128,13 +131,18 @@ def _quantization_rows(q: dict) -> list[tuple[str, str]]:
     source = "the cache" if calibration.get("from_cache") else f"{calibration.get('batches', '?')} batch(es)"
     how = "emulated" if q.get("mode") == "emulate" else "kernels"
     rows = [("quantization", f"{q['dtype']} ({how}): {len(q.get('quantized', []))} layer(s) quantized, "
-                             + (f"{len(weight_only)} weight-only ({q['dtype']} weights, float input), "
-                                if weight_only else "")
+                             + (f"{len(weight_only) - len(q.get('w8a16') or ())} weight-only ({q['dtype']} "
+                                "weights, float input), " if len(weight_only) > len(q.get('w8a16') or ()) else "")
+                             + (f"{len(q['w8a16'])} w8a16 (int8 weights, 16-bit input), " if q.get("w8a16") else "")
                              + f"{len(kept)} kept float; ranges by {calibration.get('calibrator')} from {source}")]
     rows += _precision_row(q.get("layers") or {})
     accuracy = q.get("accuracy") or {}
     if accuracy.get("metric") == "top1":
-        rows.append(("accuracy", f"expected top-1 agreement {accuracy['top1']:.4f} (target {accuracy['target']:g}; "
+        margin = f" = {accuracy['asked']:g} + margin {accuracy['margin']:g}" if "margin" in accuracy else ""
+        plan = f"; {accuracy['chosen_plan']} plan, the fastest of {len(accuracy['plans'])} by layer ms" \
+            if "chosen_plan" in accuracy else ""
+        rows.append(("accuracy", f"expected top-1 agreement {accuracy['top1']:.4f} (target {accuracy['target']:g}"
+                                 f"{margin}{plan}; "
                                  f"every layer quantized: {accuracy['top1_all_quantized']:.4f})"
                                  + ("" if accuracy.get("met", True) else ": NOT met")))
     elif accuracy:

@@ -35,6 +35,14 @@ QUANTIZABLE = ("Conv", "Gemm", "MatMul")
 INT8_MAX = 127.0
 FP8_MAX = 448.0  # float8e4m3fn
 WEIGHT_ONLY = "weight_only"  # a layer_precision value: the layer's weights quantized, its input float (insert)
+W8A16 = "w8a16"  # a layer_precision value (int8 CPU builds): int8 weights, the input quantized to 16 bits (insert)
+WIDE_MAX = {"uint16": 65535.0, "int16": 32767.0}  # a W8A16 input's steps: [0, amax] unsigned, symmetric signed
+# a W8A16 input's range: this times the calibrated amax (a Clip's bound at most). The calibrator's amax clips the
+# outliers for int8's resolution (percentile: 99.99%); at 16 bits there is resolution to spare (4·amax/32767 is 64x
+# finer than int8's step) and the clipping was the W8A16 layers' error: MobileNetV2, 12 fp32 + 25 W8A16 layers,
+# 202 held out x 3 draws: at the percentile amax 195, 193, 195 (relerr 0.034); x4 199, 200, 200 (0.021); the same
+# layers with float inputs 198 x 3 (0.021) (bench/results/quantacc4-2026-12-06.md, h-w8a16e)
+WIDE_HEADROOM = 4.0
 ASYMMETRIC = 0.5  # int8: an activation whose negative side reaches at most this fraction of amax is uint8 + zero point
 
 
@@ -109,8 +117,8 @@ def _clip_max(value: ir.Value) -> float | None:
 
 
 def _zero_point(name: str, dtype: str, shape: tuple[int, ...] = (), value: int = 0) -> ir.Value:
-    if dtype in ("int8", "uint8"):
-        tensor = ir.tensor(np.full(shape, value, np.int8 if dtype == "int8" else np.uint8), name=name)
+    if dtype in ("int8", "uint8", "int16", "uint16"):
+        tensor = ir.tensor(np.full(shape, value, np.dtype(dtype)), name=name)
     else:
         tensor = ir.tensor(np.zeros(shape, ml_dtypes.float8_e4m3fn), name=name)
     return ir.Value(name=name, const_value=tensor)
@@ -139,7 +147,7 @@ def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, e
            channel_means: dict[str, np.ndarray] | None = None,
            lows: dict[str, float] | None = None, per_tensor_weights: bool = False,
            moments: dict[str, np.ndarray] | None = None, weight_only: set[str] = frozenset(),
-           private_pairs: bool = False) -> dict[str, str]:
+           private_pairs: bool = False, wide: set[str] = frozenset()) -> dict[str, str]:
     """Quantize every target layer whose activation has a measured range (in place). Returns
     {layer name: why it was left in float} for the targets it skipped.
 
@@ -151,6 +159,13 @@ def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, e
     private_pairs: each layer its own activation Q/DQ pair even where several read one tensor (named
     <activation>_<layer>_q/_dq), so that each can be switched alone (the search's SwitchedModel); the values are
     those of one shared pair.
+    wide (layer names; int8, Convs): W8A16, those layers' weights quantized as weight_only's but their input through a
+    16-bit pair (opset 21's uint16/int16 QuantizeLinear; uint16 over [0, amax] for a non-negative input, else
+    symmetric int16, zero point 0, one scale per tensor over WIDE_HEADROOM x the calibrated amax (outliers kept),
+    and still finer than any per-channel int8 scale of MobileNetV2's depthwise inputs): what the CPU's two-byte int8
+    convolution reads
+    (kiln/tactics/cpu/w8a16.py), 2^-16 of the range from weight_only's float input. One pair per activation for
+    its W8A16 readers, apart from its 8-bit pair. A layer in `wide` that is not a Conv is weight-only.
 
     unsigned (int8 only): an activation that cannot be negative (a Relu's, a ReLU6's) is quantized to
     uint8 with zero point 0, all 256 steps over [0, amax], instead of int8's 128. weight_max: the largest
@@ -186,9 +201,12 @@ def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, e
     weight integers are GPTQ's (kiln/quant/gptq.py) instead of the nearest, the scales unchanged."""
     if dtype not in ("int8", "fp8"):
         raise KilnError(f"quantization to {dtype!r}: kiln quantizes to int8 or fp8")
+    if wide and dtype != "int8":
+        raise KilnError(f"W8A16 layers {sorted(wide)[:3]} in a {dtype} build: 16-bit inputs go with int8 weights")
     graph = model.graph
     qmax = INT8_MAX if dtype == "int8" else FP8_MAX
-    model.opset_imports[""] = max(model.opset_imports.get("", 13), 19 if dtype == "fp8" else 13)
+    # E4M3 Q/DQ: opset 19; uint16/int16 (W8A16 inputs): 21
+    model.opset_imports[""] = max(model.opset_imports.get("", 13), 19 if dtype == "fp8" else 21 if wide else 13)
     skipped: dict[str, str] = {}
     pairs: dict[str, ir.Value] = {}  # activation name -> its dequantized value
     shared_amax: dict[str, float] = {}  # per_tensor_weights: activation name -> the largest |w| of its readers
@@ -209,7 +227,9 @@ def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, e
             skipped[t.node.name] = f"its input {t.activation.name!r} has per-channel ranges: only a depthwise " \
                                    "convolution folds them into its weight scales"
             continue
-        if t.node.name in weight_only:  # the float input: no pair, the weight alone quantized (below)
+        if t.node.name in wide and t.node.op_type == "Conv":  # W8A16: a 16-bit pair (one per activation)
+            dq = pairs.get(f"{t.activation.name}_w16") or _wide_pair(graph, t, amax, pairs)
+        elif t.node.name in weight_only or t.node.name in wide:  # the float input: the weight alone quantized
             dq = t.activation
         else:
             dq = pairs.get(f"{t.activation.name}_{t.node.name}" if private_pairs else t.activation.name)
@@ -249,12 +269,29 @@ def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, e
         mean = (channel_means or {}).get(t.activation.name)
         if mean is not None:
             _correct_bias(graph, t, weight_dq, mean)
-        if t.node.name in weight_only and not private_pairs:
+        if (t.node.name in weight_only or (t.node.name in wide and t.node.op_type != "Conv")) and not private_pairs:
             weight_dq = _folded_weight(graph, weight_dq)
         t.node.replace_input_with(1, weight_dq)
         if not t.weight.uses() and t.weight.name in graph.initializers:  # the float weight: no reader left
             graph.initializers.pop(t.weight.name)
     return skipped
+
+
+def _wide_pair(graph: ir.Graph, t: Target, amax: np.ndarray, pairs: dict[str, ir.Value]) -> ir.Value:
+    """The 16-bit pair of a W8A16 layer's input (insert's `wide`), registered in `pairs` as <activation>_w16."""
+    base = f"{t.activation.name}_w16"
+    amax = float(np.max(amax)) * WIDE_HEADROOM  # one scale per tensor: the kernel's
+    high = _clip_max(t.activation)
+    if high is not None and high > 0:
+        amax = min(amax, high)
+    wide = "uint16" if non_negative(t.activation) else "int16"
+    s = np.float32(amax / WIDE_MAX[wide])
+    if high is not None and high > 0 and float(s) * WIDE_MAX[wide] > high:  # the top step within the Clip's bound
+        s = np.nextafter(s, np.float32(0))
+    scale = _initializer(graph, _scalar(f"{base}_qscale", float(s)))
+    zero = _initializer(graph, _zero_point(f"{base}_qzero", wide))
+    pairs[base] = quantize_dequantize(graph, t.node, t.activation, scale, zero, {}, base)
+    return pairs[base]
 
 
 def quantize_dequantize(graph: ir.Graph, before: ir.Node, value: ir.Value, scale: ir.Value, zero: ir.Value,

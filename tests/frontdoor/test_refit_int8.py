@@ -184,7 +184,8 @@ def test_the_layers_an_accuracy_target_kept_float_stay_float(tmp_path, weight_on
     # (a weight-only layer's weights are rounded again too, but it is not a quantized layer)
     assert report.requantized == [n for n in ("conv1", "conv2", "fc") if n not in kept]
     fresh = _build(paths[1], tmp_path, "conv", "emulate", calibration_cache=cache,
-                   layer_precision={name: "weight_only" if weight_only else "fp32" for name in kept})
+                   layer_precision={name: ("w8a16" if name in quantization.get("w8a16", ()) else "weight_only")
+                                    if weight_only else "fp32" for name in kept})  # as the build: 16-bit inputs
     _same_as_fresh(engine, fresh, "conv")
 
 

@@ -104,8 +104,10 @@ def test_mobilenet_v2_int8_target_on_the_real_cpu_engine(capsys):
     path = str(zoo.mobilenet_v2())
     fp32 = kiln.build(path)
     want = [np.asarray(next(iter(fp32.run({"pixel_values": v}).values()))) for v in held]
+    # the search as it was (no margin, the fewest layers, float ones here): tests/models/test_quant_w8a16.py has
+    # today's default (a margin, W8A16 layers chosen by milliseconds)
     engine = kiln.build(path, precision="int8", calibration=calibration, calibrator="percentile", gptq=True,
-                        accuracy_target=0.97, accuracy_metric="top1")
+                        accuracy_target=0.97, accuracy_metric="top1", accuracy_margin=0.0, accuracy_by_cost=False)
     record = engine.plan.header["quantization"]
     assert record["accuracy"]["met"] and len(record["kept_float"]) <= 21
     ran = [v["precision"] for v in record["layers"].values()]

@@ -22,7 +22,8 @@ from kiln.passes.fusion.layernorm import fuse_layer_norm
 from kiln.passes.fusion.layernorm_quantize import fuse_dequantize_into_layer_norm_quantize, fuse_layer_norm_quantize
 from kiln.passes.fusion.packed_rotary import fuse_packed_rotary
 from kiln.passes.fusion.parallel_gemm import merge_parallel_gemms
-from kiln.passes.fusion.qdq_layers import fold_quantize_into_stem, fuse_quantized_add, fuse_quantized_layer
+from kiln.passes.fusion.qdq_layers import (fold_quantize_into_stem, fold_wide_quantize_into_layer, fuse_quantized_add,
+                                          fuse_quantized_layer)
 from kiln.passes.fusion.qdq_propagate import hoist_quantize, remove_qdq_round_trips, sink_dequantize
 from kiln.passes.fusion.qdq_residual import fuse_quantized_residual, fuse_quantized_residual_fp8
 from kiln.passes.fusion.qgemm_epilogue import fuse_elementwise_into_qgemm, fuse_quantize_through_layout_into_qgemm
@@ -49,6 +50,7 @@ RULES = [
     ("fuse_quantized_residual", fuse_quantized_residual),  # QConv -> QAdd: the add in the conv's epilogue
     ("fuse_quantized_residual_fp8", fuse_quantized_residual_fp8),  # the same on E4M3 layers (opt_level 3)
     ("fold_quantize_into_stem", fold_quantize_into_stem),  # after the residual fusions: the stem's QConv is final
+    ("fold_wide_quantize_into_layer", fold_wide_quantize_into_layer),  # a W8A16 layer reads its float input
     ("global_average_pool", pool_as_global_mean),  # one window over the whole input: a plain mean
     ("causal_conv_pads", trim_conv_padding),  # before fuse_conv: the chomp sat between the conv and its ReLU
     ("fuse_conv", fuse_conv),
@@ -88,7 +90,7 @@ RULES = [
 # unfused layers are what was measured.
 CPU_RULES = {"fuse_squeeze_excite", "fuse_conv_final_activation", "conv1d_as_conv2d", "conv1d_mean_as_global_pool",
              "drop_zero_initial_states", "constant_reshape_target", "split_as_slices", "fuse_relayout",
-             "flatten_channels_last_runs"}
+             "flatten_channels_last_runs", "fold_wide_quantize_into_layer"}
 # (fuse_packed_rotary and fuse_split_swiglu run for both: CUDA has cuda.rotary.triton over a packed q|k|v,
 # the Triton attention's qkv_split, and kiln/tactics/cuda/swiglu.py for the gated GEMM)
 # Rules only a build for CUDA asks for (PassOptions.cuda_rules): every CUDA tactic of their fused op takes

@@ -63,6 +63,8 @@ from kiln.passes.fusion.qdq_propagate import QParams, dequantized, qparams, quan
 RULE_LAYER = "fuse_quantized_layers"
 RULE_ADD = "fuse_quantized_add"
 ACTIVATION_TYPES = (ir.DataType.UINT8, ir.DataType.INT8, ir.DataType.FLOAT8E4M3FN)
+# a W8A16 layer's input (kiln/quant/qdq.py insert's `wide`): a convolution only, the CPU's two-byte int8 kernel's
+WIDE_TYPES = (ir.DataType.UINT16, ir.DataType.INT16)
 WEIGHT_TYPES = (ir.DataType.INT8, ir.DataType.FLOAT8E4M3FN)
 INT32_LIMIT = 2**31 - 1
 
@@ -179,10 +181,11 @@ def _activation_behind_round_trip(value: ir.Value) -> tuple[list[ir.Node], tuple
 
 def _quantized_output(value: ir.Value, channels: int | None = None) -> tuple[ir.Node, QParams] | None:
     """The QuantizeLinear alone reading `value`: per tensor, or (channels: a convolution's output channels)
-    per channel along axis 1 with one zero point for all."""
+    per channel along axis 1 with one zero point for all. Not a 16-bit one (a W8A16 layer's input): no kernel
+    writes 16 bits; it stays its own step, folded into its readers (fold_wide_quantize_into_layer)."""
     q = only_user(value)
     p = qparams(q) if is_op(q, "QuantizeLinear") else None
-    if p is None or p.zero_value is None or attr(q, "saturate", 1) != 1:
+    if p is None or p.zero_value is None or attr(q, "saturate", 1) != 1 or p.zero_point.dtype in (np.uint16, np.int16):
         return None
     if not p.per_tensor and (channels is None or not _per_channel_along(p, value, 1, channels)):
         return None
@@ -248,7 +251,8 @@ def fuse_quantized_layer(node: ir.Node, report: PassReport) -> bool:
         return False  # a float layer
     dq_x, px = found
     x_q = dq_x.inputs[0]
-    if quantized_type(x_q) not in ACTIVATION_TYPES:
+    if quantized_type(x_q) not in ACTIVATION_TYPES and not (
+            quantized_type(x_q) in WIDE_TYPES and node.op_type == "Conv" and px.per_tensor):
         report.refuse(RULE_LAYER, node, "the input is quantized to a type no kernel reads")
         return False
     weight = _weight(node, report)
@@ -411,6 +415,45 @@ def fold_quantize_into_stem(node: ir.Node, report: PassReport) -> bool:
         why = "the layer's x scale / zero point are not the QuantizeLinear's"
     if why is not None:
         report.refuse(RULE_STEM, node, why)
+        return False
+    node.replace_input_with(0, x)
+    if not q.outputs[0].uses():
+        node.graph.remove(q, safe=True)
+    return True
+
+
+RULE_WIDE = "fold_wide_quantize_into_layer"
+
+
+def fold_wide_quantize_into_layer(node: ir.Node, report: PassReport) -> bool:
+    # QConv(Q16(x; s, z), s, z, ...) -> QConv(x, s, z, ...)    x float: the layer quantizes it (kiln/ops/quantized.py)
+    """A W8A16 layer's 16-bit QuantizeLinear into the layer (CPU builds): its kernel (kiln/tactics/cpu/w8a16.py)
+    splits the float input into the 16-bit value's two bytes in one pass, so the 16-bit tensor is never stored and
+    read again. Every reader of the 16-bit tensor is a QConv of the same scale and zero point (the 16-bit pairs
+    qdq.insert makes are one per activation, read by the W8A16 layers alone); each then reads the float x."""
+    if not is_op(node, "QConv", domain=KILN_DOMAIN):
+        return False
+    q = producer(node.inputs[0], "QuantizeLinear")
+    if q is None:
+        return False
+    x, params = q.inputs[0], qparams(q)
+    if x is None or x.dtype != ir.DataType.FLOAT or const(x) is not None:
+        return False
+    if params is None or params.zero_point.dtype not in (np.int16, np.uint16):
+        return False  # an 8-bit input: fold_quantize_into_stem's, on CUDA
+    why = None
+    if not params.per_tensor:
+        why = "the 16-bit input is quantized per channel"
+    elif node.inputs[0].is_graph_output() or \
+            any(not is_op(use.node, "QConv", domain=KILN_DOMAIN) for use in node.inputs[0].uses()):
+        why = "the 16-bit input has readers other than QConv layers: it stays a tensor of its own"
+    elif len(node.inputs) > 9 and node.inputs[9] is not None:
+        why = "a residual layer"
+    elif not (np.array_equal(const(node.inputs[1]), params.scale) and
+              np.array_equal(const(node.inputs[2]), params.zero_point)):
+        why = "the layer's x scale / zero point are not the QuantizeLinear's"
+    if why is not None:
+        report.refuse(RULE_WIDE, node, why)
         return False
     node.replace_input_with(0, x)
     if not q.outputs[0].uses():

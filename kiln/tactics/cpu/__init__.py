@@ -8,6 +8,7 @@
     gemm_packed.py kiln's own packed GEMM (kiln/kernels/cpu/gemm.c), runnable inside native segments
     quantized.py   kiln::QConv / QGemm on oneDNN's int8 primitives (kiln/ops/quantized.py)
     qdq.py         per-tensor Q/DQ and the 8-bit ops between quantized layers: QAdd, MaxPool
+    w8a16.py       kiln::QConv of a float input quantized to 16 bits: two int8 convolutions on its bytes
     native_member.py  a kiln C kernel as a layer's launch, runnable inside native segments (prepared_native)
     transformer.py kiln's C kernels for LayerNorm, RMSNorm, Add and embedding Gather, native-segment members
     attention.py   ... and for kiln::Attention (attention_plan: q/k/v/mask views from the sizes alone)
@@ -31,6 +32,7 @@ import kiln.tactics.cpu.transformer  # noqa: F401
 import kiln.tactics.cpu.attention  # noqa: F401
 import kiln.tactics.cpu.quantized  # noqa: F401
 import kiln.tactics.cpu.qdq  # noqa: F401
+import kiln.tactics.cpu.w8a16  # noqa: F401
 import kiln.tactics.cpu.broadcast  # noqa: F401
 import kiln.tactics.cpu.elementwise  # noqa: F401
 import kiln.tactics.cpu.rotary  # noqa: F401

@@ -1,0 +1,105 @@
+"""What each quantizable layer costs on this CPU in each precision the accuracy target can give it: int8, W8A16
+(int8 weights, the input at 16 bits: two int8 convolutions on its bytes) and fp32, in ms at the build's shapes.
+
+Why: the accuracy target moves layers up from int8 until the expected agreement is met (kiln/builder/sensitivity.py),
+and which layers to move decides the engine's speed more than how many. MobileNetV2's 112x112 layers cost 3-6x its
+7x7 ones (bench/results/quantacc4-2026-12-06.md), and W8A16 beats fp32 on the 1x1 layers from 56x56 down while it
+loses on the 112x112 and most depthwise ones (bench/w8a16_conv.py). So the search ranks moves by accuracy gained per
+millisecond, with these times.
+
+Each is the layer's kernel alone on random inputs of its input's shape, one thread, the thread's CPU time (a
+shared machine's waits left out), the median of a few calls: the same kernels the engine's tactics run
+(onednn_int8.QConv2d, onednn_int8.W8A16Conv2d with kiln's one-pass split, torch's channels-last float convolution, as
+cpu.conv.onednn_direct is). A layer not a 2-D Conv (a classifier's Gemm) has no W8A16 kernel (weight-only: the fp32
+kernel) and is costed alike in every precision: it is small beside the convolutions, and its moves are ranked by
+accuracy alone.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Callable
+
+import numpy as np
+import onnx_ir as ir
+import torch
+
+from kiln.kernels.cpu import onednn, onednn_int8, split16
+from kiln.kernels.cpu.cpu_features import has_int8_dot_product
+from kiln.quant import qdq
+
+PRECISIONS = ("int8", "w8a16", "fp32")
+CALLS = 7  # timed calls per kernel (after one warm-up); the median
+
+
+def available() -> str | None:
+    """Why W8A16 layers cannot run on this CPU (None: they can): oneDNN, VNNI (without it the two bytes' int8
+    kernels saturate on full-range weights), kiln's split kernel."""
+    if not onednn.available():
+        return "libdnnl.so.3 cannot be loaded"
+    if not has_int8_dot_product():
+        return "no VNNI on this CPU (int8 kernels with full 8-bit weights would saturate)"
+    if not split16.available():
+        return f"kiln's split16 kernel: {split16.reason()}"
+    return None
+
+
+def _median_ms(fn: Callable[[], object]) -> float:
+    fn()
+    samples = []
+    for _ in range(CALLS):
+        start = time.thread_time()
+        fn()
+        samples.append((time.thread_time() - start) * 1e3)
+    return float(np.median(samples))
+
+
+def _attr(node: ir.Node, name: str, default):
+    a = node.attributes.get(name)
+    return default if a is None else a.value
+
+
+def conv_costs(target: qdq.Target) -> dict[str, float] | None:
+    """{precision: ms} of one Conv target (None: not a 2-D convolution of a static input shape)."""
+    node, shape = target.node, target.activation.shape
+    w = target.weight.const_value.numpy()
+    if node.op_type != "Conv" or w.ndim != 4 or shape is None or len(shape) != 4 \
+            or not all(isinstance(d, int) for d in shape) or _attr(node, "auto_pad", "NOTSET") not in ("NOTSET", ""):
+        return None
+    size = [int(d) for d in shape]
+    groups, stride = int(_attr(node, "group", 1)), [int(s) for s in _attr(node, "strides", [1, 1])]
+    pads = [int(p) for p in _attr(node, "pads", [0, 0, 0, 0])]
+    dilation = [int(d) for d in _attr(node, "dilations", [1, 1])]
+    generator = torch.Generator().manual_seed(zlib.crc32(node.name.encode()))
+    x = torch.rand(size, generator=generator).contiguous(memory_format=torch.channels_last)  # [N, C, H, W] in [0, 1)
+    wf = torch.from_numpy(np.array(w, np.float32)).contiguous(memory_format=torch.channels_last)
+    w_q = torch.randint(-127, 128, tuple(w.shape), generator=generator, dtype=torch.int8)
+    w_scale = torch.full((w.shape[0],), 0.01)
+    int8 = onednn_int8.QConv2d(w_q, w_scale, None, size, stride, pads, dilation, groups, torch.uint8, 1 / 255, 0, None)
+    wide = onednn_int8.W8A16Conv2d(w_q, w_scale, None, size, stride, pads, dilation, groups, 1 / 65535, False)
+    x8 = torch.randint(0, 256, size, generator=generator, dtype=torch.uint8)
+    x8 = x8.contiguous(memory_format=torch.channels_last)
+    with torch.inference_mode():
+        return {
+            "int8": _median_ms(lambda: int8(x8)),
+            "w8a16": _median_ms(lambda: wide(*split16.split(x, 1 / 65535, 0, torch.uint16))),
+            "fp32": _median_ms(lambda: torch.nn.functional.conv2d(x, wf, None, stride, pads[:2], dilation, groups)),
+        }
+
+
+def layer_costs(model: ir.Model, layers: list[str], say: Callable[[str], None]) -> dict[str, dict[str, float]]:
+    """{layer: {precision: ms}} for `layers` (target names) at the model's shapes, one thread."""
+    by_name = {t.node.name: t for t in qdq.targets(model.graph)}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        costs = {}
+        for name in layers:
+            found = conv_costs(by_name[name]) if name in by_name else None
+            costs[name] = found if found is not None else dict.fromkeys(PRECISIONS, 0.0)
+    finally:
+        torch.set_num_threads(threads)
+    total = {p: sum(c[p] for c in costs.values()) for p in PRECISIONS}
+    say("layer costs (ms, 1 thread): " + ", ".join(f"every layer {p} {total[p]:.2f}" for p in PRECISIONS))
+    return costs
