@@ -183,8 +183,9 @@ class BatchPlan:
 
 def another_batch(planned: tuple, key: tuple) -> bool:
     """Whether entries of sizes `key` are another batch of the `planned` ones: each entry's first dim scaled by one
-    factor (a window mask [B·windows, ...] beside the images scales with them), its other dims as planned."""
-    if len(key) != len(planned) or key == planned or not key or not key[0] or not planned[0]:
+    factor (a window mask [B·windows, ...] beside the images scales with them), its other dims as planned. An entry
+    of no dims (a scalar: a token segment's step or length) scales with nothing: never another batch."""
+    if len(key) != len(planned) or key == planned or not key or not all(key) or not all(planned):
         return False
     n, b = key[0][0], planned[0][0]
     return all(len(k) == len(p) and k[0] * b == p[0] * n and k[1:] == p[1:] for k, p in zip(key, planned)) and n > 0

@@ -442,6 +442,9 @@ def test_a_segment_without_batch_runs_binds_a_batch_met_often(resnet, monkeypatc
     assert segment._batch_runs(((5, 3, 32, 32),)) is None
     assert native_batches.another_batch(((2, 8), (32, 8)), ((3, 8), (48, 8)))  # a window mask scales alike
     assert not native_batches.another_batch(((2, 8), (32, 8)), ((3, 8), (32, 8)))
+    # a scalar entry (a token segment's length beside its rows) scales with nothing: not a batch (it raised before)
+    assert not native_batches.another_batch(((2, 8), ()), ((3, 8), ()))
+    assert not native_batches.another_batch(((), (2, 8)), ((), (3, 8)))
 
 
 def test_plans_let_go_while_binding_leave_no_bound_batch_behind(resnet, monkeypatch):

@@ -394,6 +394,21 @@ def qdq_stem_whose_8bit_image_is_an_output():
     return m
 
 
+def w8a16_conv_whose_16bit_input_is_an_output():
+    """Q16(x) -> DQ -> Conv(DQ(w_q)) with a uint16 input pair (a W8A16 layer, kiln/quant/qdq.py), the 16-bit tensor
+    also a graph output: the QuantizeLinear must stay a tensor of its own."""
+    inits = [("x_s", np.array(0.001, np.float32)), ("x_z", np.array(32768, np.uint16)),
+             ("wq", rng.integers(-64, 65, (4, 3, 3, 3)).astype(np.int8)), ("ws", np.full(4, 0.01, np.float32)),
+             ("wz", np.zeros(4, np.int8))]
+    nodes = [node("QuantizeLinear", ["x", "x_s", "x_z"], ["x_q"]),
+             node("DequantizeLinear", ["x_q", "x_s", "x_z"], ["x_dq"]),
+             node("DequantizeLinear", ["wq", "ws", "wz"], ["w"], axis=0),
+             node("Conv", ["x_dq", "w"], ["y"], pads=[1, 1, 1, 1])]
+    m = model(nodes, [value("x", [1, 3, 6, 6])], [value("y", None), value("x_q", None, TensorProto.UINT16)], inits)
+    m.opset_import[0].version = 21  # 16-bit QuantizeLinear
+    return m
+
+
 def qdq_conv_relu_residual():
     """DQ(x) -> Conv -> Relu -> Q -> DQ -> + DQ(r) -> Q: the convolution's own Relu comes before the add (the
     fused epilogue applies one activation, after it)."""
@@ -631,6 +646,9 @@ CASES = {
                                                  before=["fuse_quantized_layers", "fuse_quantized_add"]),
     "quantize_into_stem/image_read_twice": Case("fold_quantize_into_stem", qdq_stem_whose_8bit_image_is_an_output,
                                                 "other readers", before=["fuse_quantized_layers"]),
+    "wide_quantize_into_layer/16bit_input_read_twice": Case("fold_wide_quantize_into_layer",
+                                                            w8a16_conv_whose_16bit_input_is_an_output,
+                                                            "other than QConv", before=["fuse_quantized_layers"]),
     "hoist_quantize/after_a_head_merge": Case("hoist_quantize", quantize_after_a_head_merge, "follow a MatMul"),
     "sink_dequantize/concat_of_two_scales": Case("sink_dequantize", qdq_concat_of_two_scales, "different scales"),
     # These rules take what they can and never refuse: a near match is declined without a reason.
