@@ -34,7 +34,10 @@ code the process runs there waits the same way.
 Not governed, and said so (`describe()`, `kiln inspect`, the engine's log): a policy the user set
 (OMP_WAIT_POLICY / GOMP_SPINCOUNT: theirs wins), KILN_OMP_GOVERN=0, no native loop library (no C compiler), a
 libgomp where the count is not found once or the check fails (another OpenMP runtime, a libgomp that changed).
-Then libgomp waits as it was told when it loaded, as before this module.
+Then libgomp waits as it was told when it loaded, as before this module. And where the process's OpenMP teams
+hold more threads than there are CPUs (several threads with teams of their own: contexts on threads, a background
+bind), libgomp waits on its throttled count instead (`gomp_throttled_spin_count_var`, 100), whatever this one says;
+the same makes the check fail on the real count (so the find runs as an engine loads, on the loading thread).
 """
 
 from __future__ import annotations
