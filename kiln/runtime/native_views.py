@@ -378,7 +378,9 @@ class _CallImage:
     def of(cls, template: Any, members: list[tuple]) -> _CallImage | None:
         """The image, or None where a member is neither kind, makes another count of calls than one, or the
         template's call of a oneDNN member is not oneDNN's execute (then views assemble their calls member by
-        member)."""
+        member; also where the template runs no loop in C: no native loop library, or its Python loop forced)."""
+        if template._c is None:
+            return None
         loop = template._c[False, PARALLEL]
         functions, objects, nargs, args = loop[1], loop[8], loop[9], loop[10]
         if set(template._call_counts) != {1} or len(functions) != len(template.bound):

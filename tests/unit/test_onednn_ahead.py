@@ -161,3 +161,18 @@ def test_a_loaded_engine_makes_its_segments_plan_rewrite_ahead(built, monkeypatc
     one_shape = [Profile({name: ShapeRange(r.opt, r.opt, r.opt) for name, r in p.inputs.items()})
                  for p in engine.profiles]
     assert rewrites(one_shape) == []  # an engine of one shape has no other sizes to view
+
+
+def test_a_job_that_raises_leaves_the_queue_working():
+    """Work made ahead is an optimisation: a job that raises (a segment whose rewrite cannot be made ahead, as CI once
+    saw) is counted and logged, and the jobs queued after it are still made."""
+    done = []
+
+    def fails():
+        raise TypeError("not made ahead")
+
+    ahead = onednn_ahead.Ahead()
+    ahead.schedule([onednn_ahead.Job(("raises",), 0, fails), onednn_ahead.Job(("after",), 1, lambda: done.append(1))],
+                   threads=1)
+    assert ahead.wait(timeout=30)
+    assert ahead.failed == 1 and done == [1]

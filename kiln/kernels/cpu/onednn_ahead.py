@@ -29,6 +29,7 @@ jobs: +108 MiB on a 642 MiB process, ~1.2 s on another core), so at most AHEAD_P
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import threading
 from collections import deque
@@ -37,6 +38,8 @@ from dataclasses import dataclass
 
 from kiln.kernels.cpu.onednn import creating_with_threads
 from kiln.kernels.cpu.onednn_primitives import _SHARED_PRIMITIVES, InnerProduct, _shared_inner_product
+
+log = logging.getLogger("kiln.runtime")
 
 AHEAD_ROWS = 255  # the largest row count made ahead (past it a call's work makes creation a small share)
 AHEAD_PRIMITIVES = 3 * _SHARED_PRIMITIVES.size // 4  # jobs made ahead at most, per process: the cache keeps them all
@@ -76,6 +79,7 @@ class Ahead:
     def __init__(self, budget: int = AHEAD_PRIMITIVES):
         self.budget = budget  # jobs still to schedule
         self.made = 0  # jobs that made something (not found made)
+        self.failed = 0  # jobs that raised (their first call makes what they would have)
         self._queue: deque[tuple[Job, int]] = deque()  # (job, OpenMP threads)
         self._scheduled: set[tuple] = set()  # (job key, threads)
         self._lock = threading.Lock()
@@ -123,8 +127,12 @@ class Ahead:
                     return
                 job, threads = self._queue.popleft()
             with creating_with_threads(threads):
-                if job.make():
-                    self.made += 1
+                try:
+                    if job.make():
+                        self.made += 1
+                except Exception:  # noqa: BLE001  work ahead is an optimisation: a call makes what a job could not
+                    self.failed += 1
+                    log.debug("kiln: a job made ahead failed; its first call makes it", exc_info=True)
 
 
 def _lowest_priority() -> None:
