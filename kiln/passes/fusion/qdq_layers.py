@@ -413,13 +413,7 @@ def fold_quantize_into_stem(node: ir.Node, report: PassReport) -> bool:
     elif not (np.array_equal(const(node.inputs[1]), params.scale) and
               np.array_equal(const(node.inputs[2]), params.zero_point)):
         why = "the layer's x scale / zero point are not the QuantizeLinear's"
-    if why is not None:
-        report.refuse(RULE_STEM, node, why)
-        return False
-    node.replace_input_with(0, x)
-    if not q.outputs[0].uses():
-        node.graph.remove(q, safe=True)
-    return True
+    return _fold_quantize(node, q, x, RULE_STEM, why, report)
 
 
 RULE_WIDE = "fold_wide_quantize_into_layer"
@@ -452,8 +446,14 @@ def fold_wide_quantize_into_layer(node: ir.Node, report: PassReport) -> bool:
     elif not (np.array_equal(const(node.inputs[1]), params.scale) and
               np.array_equal(const(node.inputs[2]), params.zero_point)):
         why = "the layer's x scale / zero point are not the QuantizeLinear's"
+    return _fold_quantize(node, q, x, RULE_WIDE, why, report)
+
+
+def _fold_quantize(node: ir.Node, q: ir.Node, x: ir.Value, rule: str, why: str | None, report: PassReport) -> bool:
+    """The layer reads the float x its QuantizeLinear q read (the layer quantizes it), or `why` not, refused for
+    `rule`; q goes once nothing reads it (fold_quantize_into_stem's and fold_wide_quantize_into_layer's end)."""
     if why is not None:
-        report.refuse(RULE_WIDE, node, why)
+        report.refuse(rule, node, why)
         return False
     node.replace_input_with(0, x)
     if not q.outputs[0].uses():
