@@ -41,7 +41,7 @@ if [ "${1:-}" = "--fetch" ]; then  # here: pinned wheels for the device's CPytho
     typing-inspection==0.4.5 annotated-doc==0.0.7 opentelemetry-api==1.45.2 uvicorn==0.54.0 h11==0.16.0 \
     tritonclient==2.73.0 python-rapidjson==1.25 gevent==26.9.0 geventhttpclient==2.6.1 greenlet==3.3.2 \
     zope.event==6.2 zope.interface==8.7 brotli==1.2.1 grpcio==1.85.3 protobuf==6.33.6 typing-extensions==4.16.0 \
-    anyio==4.16.0 click==8.5.1 prometheus-client==0.26.0 urllib3==2.8.0 httptools==0.9.0 hpack==4.2.0
+    anyio==4.16.0 click==8.5.1 prometheus-client==0.26.0 urllib3==2.8.0 httptools==0.9.0 uvloop==0.23.0 hpack==4.2.0
   git archive HEAD -o .whl-serve/kiln-src.tar
   du -sh .whl-serve; echo "kiln-src.tar: $(git rev-parse --short HEAD)"
   exit 0
