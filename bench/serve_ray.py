@@ -143,9 +143,12 @@ def arm(root: Path, autoscale: bool, port: int, args, tag: str) -> dict:
     timeline: list[tuple[float, int]] = []
     stop = threading.Event()
 
-    def watch():
+    def watch():  # never raises: a status read that fails is skipped
         while not stop.is_set():
-            timeline.append((time.monotonic(), _running()))
+            try:
+                timeline.append((time.monotonic(), _running()))
+            except Exception as e:  # noqa: BLE001 - the controller busy or restarting: the next poll may answer
+                print(f"serve.status(): {type(e).__name__}: {e}", file=sys.stderr)
             stop.wait(0.5)
 
     watcher = threading.Thread(target=watch, daemon=True)
@@ -154,8 +157,8 @@ def arm(root: Path, autoscale: bool, port: int, args, tag: str) -> dict:
     stop.set()
     watcher.join()
     end = start + args.seconds
-    most = max(count for _, count in timeline)
-    reached = next(t for t, count in timeline if count == most) - start
+    most = max((count for _, count in timeline), default=0)
+    reached = next((t for t, count in timeline if count == most), start) - start
     row = {"arm": "autoscale 1-3" if autoscale else "fixed 1", "tag": tag, "most": most, "reached_s": max(0.0, reached),
            "answered": len(load.done), "failures": len(load.failures), "answering": len(load.replicas),
            "all": _stats(load.done, start, end), "second_half": _stats(load.done, start + args.seconds / 2, end),
