@@ -16,9 +16,9 @@ from kiln.runtime.bindings import _numpy_signature, _to_user
 from kiln.runtime.direct_run import torch_signature
 
 # torch.inference_mode() as its C guard alone: the Python wrapper (a class instance, a scripting check, then the same
-# guard) costs ~4-5 us more per use, and the direct paths enter it once per engine call (a served request at
-# concurrency 1 is ~130 us of server CPU on the 2-vCPU AMD VM: bench/results/serve-ray-2026-12-06.md). The wrapper
-# where a torch lacks the private guard.
+# guard) is ~1.5 us of a ~10 us engine call on the empty model, measured interleaved (10.36 -> 8.98 us a call,
+# bench/engine_call_inference_guard.py; bench/results/serve-ray-2026-12-06.md), and these paths enter it once per
+# call. torch's wrapper where a torch lacks the private guard.
 _GUARD = getattr(torch._C, "_InferenceMode", None)
 inference_mode = functools.partial(_GUARD, True) if _GUARD is not None else torch.inference_mode
 
