@@ -78,6 +78,18 @@ def add_parser(verbs) -> None:
     ray.add_argument("--target-ongoing-requests", type=float, metavar="N",
                      help="with --autoscale: ongoing requests per replica to scale towards (default: half of "
                           "the replica's maximum)")
+    ray.add_argument("--upscale-delay", type=float, metavar="S",
+                     help="with --autoscale: seconds the load stays above target before replicas are added "
+                          "(default: Ray's, 30)")
+    ray.add_argument("--downscale-delay", type=float, metavar="S",
+                     help="with --autoscale: seconds the load stays below target before replicas are removed "
+                          "(default: Ray's, 600)")
+    ray.add_argument("--look-back-period", type=float, metavar="S",
+                     help="with --autoscale: seconds over which the ongoing requests are averaged (default: Ray's, 30)")
+    ray.add_argument("--autoscale-metrics-interval", type=float, metavar="S",
+                     help="with --autoscale: how often the load is reported to Ray's autoscaler (default: Ray's 10 s; "
+                          "half the look-back period where that is 20 s or less); a model's config may set each of "
+                          "these as a parameter ray_upscale_delay_s etc. (docs/serving.md)")
     ray.add_argument("--replica-cpus", type=float, default=1, metavar="N",
                      help="CPUs each replica reserves (default 1); a KIND_GPU model's replica also reserves one GPU")
     ray.add_argument("--max-replicas-per-node", type=int, metavar="N",
@@ -234,10 +246,20 @@ def _serve_ray(args: argparse.Namespace) -> int:
                         "on every node")
     if args.autoscale and args.replicas != 1:
         raise KilnError("give --replicas or --autoscale, not both")
+    timing = {"upscale_delay_s": args.upscale_delay, "downscale_delay_s": args.downscale_delay,
+              "look_back_period_s": args.look_back_period, "metrics_interval_s": args.autoscale_metrics_interval}
+    given = [flag for flag, value in (("--target-ongoing-requests", args.target_ongoing_requests),
+                                      ("--upscale-delay", args.upscale_delay),
+                                      ("--downscale-delay", args.downscale_delay),
+                                      ("--look-back-period", args.look_back_period),
+                                      ("--autoscale-metrics-interval", args.autoscale_metrics_interval))
+             if value is not None]
+    if given and not args.autoscale:
+        raise KilnError(f"{', '.join(given)}: settings of autoscaling; give --autoscale MIN-MAX too")
     replicas = ReplicaOptions(num_replicas=args.replicas, num_cpus=args.replica_cpus,
                               autoscaling=parse_autoscale(args.autoscale) if args.autoscale else None,
                               target_ongoing_requests=args.target_ongoing_requests,
-                              max_replicas_per_node=args.max_replicas_per_node)
+                              max_replicas_per_node=args.max_replicas_per_node, **timing)
     options = RayOptions(repository=args.repository, model=args.model, model_name=args.name, replicas=replicas,
                          max_queue_size=args.max_queue_size, max_request_bytes=int(args.max_request_mb * (1 << 20)),
                          shutdown_timeout=args.shutdown_timeout, address=args.ray_address, host=args.host,

@@ -5,6 +5,7 @@ then straight to the program or to one call of its segment's compiled loop (kiln
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -13,6 +14,13 @@ import torch
 from kiln.ir import dtypes
 from kiln.runtime.bindings import _numpy_signature, _to_user
 from kiln.runtime.direct_run import torch_signature
+
+# torch.inference_mode() as its C guard alone: the Python wrapper (a class instance, a scripting check, then the same
+# guard) is ~1.5 us of a ~10 us engine call on the empty model, measured interleaved (10.36 -> 8.98 us a call,
+# bench/engine_call_inference_guard.py; bench/results/serve-ray-2026-12-06.md), and these paths enter it once per
+# call. torch's wrapper where a torch lacks the private guard.
+_GUARD = getattr(torch._C, "_InferenceMode", None)
+inference_mode = functools.partial(_GUARD, True) if _GUARD is not None else torch.inference_mode
 
 
 class CpuPaths:
@@ -43,7 +51,7 @@ class CpuPaths:
             if results is not None:
                 return {b.name: v for b, v in zip(self.engine.outputs, results)}
         args = [torch.from_numpy(feeds[n]) for n in names]
-        with torch.inference_mode():
+        with inference_mode():
             results = self._run_program(args, self._packed_rows(args, self._host_tokens(feeds)))
         return {b.name: _to_user(v, False) for b, v in zip(self.engine.outputs, results)}
 
@@ -81,7 +89,7 @@ class CpuPaths:
             if results is not None:
                 return {b.name: r for b, r in zip(outputs, results)}
         args = [torch.from_numpy(a) for a in arrays]
-        with torch.inference_mode():
+        with inference_mode():
             results = self.program.run(args)
         return {b.name: _to_user(v, False) for b, v in zip(outputs, results)}  # real dtypes: one .numpy() each
 

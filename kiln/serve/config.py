@@ -20,7 +20,11 @@ its name, never silently dropped. What kiln serve reads:
                             --warm-up; "false" also skips a CUDA instance's graph captures at load;
                             Triton's model_warmup, sample requests, is refused: kiln makes its own);
                             cuda_sync: spin | blocking (how a CUDA instance waits for its stream,
-                            kiln/serve/instances.py; default: the server's --cuda-sync)
+                            kiln/serve/instances.py; default: the server's --cuda-sync);
+                            under --ray, with --autoscale: ray_target_ongoing_requests and the
+                            autoscaler's timing, ray_upscale_delay_s, ray_downscale_delay_s,
+                            ray_look_back_period_s, ray_metrics_interval_s (seconds; default: the
+                            CLI's, else Ray's; kiln/serve/ray/app.py autoscaling_timing)
 
 A config that leaves out inputs and outputs is completed from the engine's bindings (Triton's
 auto-complete); with max_batch_size also 0, batching is inferred: an engine whose inputs and
@@ -47,7 +51,11 @@ from kiln.serve.errors import ModelLoadError
 
 PLATFORMS = {"", "kiln", "onnxruntime_onnx", "onnxruntime"}
 # parameters { key: ... }: build options for a model.onnx, and the batcher's own
-PARAMETERS = {"precision", "opt_level", "profile", "pad_dims", "pad_to_merge", "buckets", "warm_up", "cuda_sync"}
+# and Ray Serve's autoscaling settings of the model's deployment (kiln/serve/ray/app.py; kiln serve alone ignores them)
+RAY_PARAMETERS = {"ray_target_ongoing_requests", "ray_upscale_delay_s", "ray_downscale_delay_s",
+                  "ray_look_back_period_s", "ray_metrics_interval_s"}
+PARAMETERS = {"precision", "opt_level", "profile", "pad_dims", "pad_to_merge", "buckets", "warm_up", "cuda_sync",
+              *RAY_PARAMETERS}
 UNSUPPORTED = ["sequence_batching", "ensemble_scheduling", "batch_input", "batch_output", "response_cache",
                "model_transaction_policy", "model_repository_agents"]
 # warm_up's default (ServeOptions.warm_up, `kiln serve --warm-up`): a CPU instance binds the profile's shapes for at
@@ -277,6 +285,11 @@ def from_proto(message: pb.ModelConfig, where: str) -> ModelConfig:
                 parse(parameters[key], f"parameter {key}")
             except ValueError as e:
                 problems.append(str(e))
+    for key in sorted(RAY_PARAMETERS & set(parameters)):
+        try:
+            parse_seconds(parameters[key], f"parameter {key}", positive=not key.endswith("_delay_s"))
+        except ValueError as e:
+            problems.append(str(e))
     if problems:
         raise ModelLoadError(f"{where}:\n  " + "\n  ".join(problems))
     return ModelConfig(
@@ -302,6 +315,17 @@ def parse_warm_up(value: str, what: str) -> float | None:
         raise ValueError(f"{what} {value!r}: expected true, false or the most seconds a CPU instance's warm-up may "
                          "take (a number > 0)")
     return seconds
+
+
+def parse_seconds(value: str, what: str, positive: bool = False) -> float:
+    """A finite number >= 0 (> 0 where `positive`), ValueError naming `what` otherwise."""
+    try:
+        number = float(value.strip())
+    except ValueError:
+        number = math.nan
+    if not math.isfinite(number) or number < 0 or (positive and number == 0):
+        raise ValueError(f"{what} {value!r}: expected a number {'>' if positive else '>='} 0")
+    return number
 
 
 def parse_cuda_sync(value: str, what: str) -> str:

@@ -22,7 +22,7 @@ from kiln.cli import main
 from kiln.errors import KilnError
 from kiln.serve.config import DynamicBatching, ModelConfig
 from kiln.serve.core import InferRequest, InferResponse
-from kiln.serve.errors import InvalidRequest, QueueFull, Unavailable
+from kiln.serve.errors import InvalidRequest, ModelLoadError, QueueFull, Unavailable
 from kiln.serve.ray import (
     RayOptions,
     ReplicaOptions,
@@ -97,6 +97,52 @@ def test_autoscaling_on_ongoing_requests():
         parse_autoscale("four")
 
 
+def test_autoscaler_timing_from_options_and_model_config():
+    """upscale/downscale delays, look-back and report interval: the model config's ray_* parameter over the
+    ReplicaOptions (the CLI's) over Ray's default; a short look-back gets reports twice within it."""
+    fast = ReplicaOptions(autoscaling=(1, 3), upscale_delay_s=0.5, downscale_delay_s=2, look_back_period_s=1)
+    options = _accepted_by_ray(deployment_options(_config(), fast))
+    assert options["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 32,
+                                             "upscale_delay_s": 0.5, "downscale_delay_s": 2,
+                                             "look_back_period_s": 1, "metrics_interval_s": 0.5}
+    # only the delays: Ray's 30 s look-back and 10 s reports stay Ray's
+    delays = deployment_options(_config(), ReplicaOptions(autoscaling=(1, 3), downscale_delay_s=0))
+    assert delays["autoscaling_config"]["downscale_delay_s"] == 0
+    assert "look_back_period_s" not in delays["autoscaling_config"]
+    assert "metrics_interval_s" not in delays["autoscaling_config"]
+    configured = _config()
+    configured.parameters = {"ray_upscale_delay_s": "4", "ray_target_ongoing_requests": "3",
+                             "ray_metrics_interval_s": "0.25"}
+    scaled = _accepted_by_ray(deployment_options(configured, fast))["autoscaling_config"]
+    assert (scaled["upscale_delay_s"], scaled["downscale_delay_s"], scaled["target_ongoing_requests"],
+            scaled["metrics_interval_s"]) == (4.0, 2, 3.0, 0.25)
+    assert "autoscaling_config" not in deployment_options(configured, ReplicaOptions(num_replicas=2))
+    with pytest.raises(KilnError, match="look_back_period_s 5.0 must exceed metrics_interval_s 10"):
+        deployment_options(_config(), ReplicaOptions(autoscaling=(1, 2), look_back_period_s=5.0,
+                                                     metrics_interval_s=10))
+    with pytest.raises(KilnError, match="upscale_delay_s -1: expected >= 0"):
+        deployment_options(_config(), ReplicaOptions(autoscaling=(1, 2), upscale_delay_s=-1))
+    with pytest.raises(KilnError, match="look_back_period_s 0: expected > 0"):
+        deployment_options(_config(), ReplicaOptions(autoscaling=(1, 2), look_back_period_s=0))
+
+
+def test_model_config_checks_its_ray_parameters(tmp_path):
+    from kiln.serve.config import read_model_config
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.pbtxt").write_text(
+        'parameters { key: "ray_downscale_delay_s" value: { string_value: "0" } }\n'
+        'parameters { key: "ray_look_back_period_s" value: { string_value: "2.5" } }\n')
+    assert read_model_config(tmp_path / "m").parameters == {"ray_downscale_delay_s": "0",
+                                                           "ray_look_back_period_s": "2.5"}
+    (tmp_path / "m" / "config.pbtxt").write_text(
+        'parameters { key: "ray_look_back_period_s" value: { string_value: "0" } }\n'
+        'parameters { key: "ray_upscale_delay_s" value: { string_value: "soon" } }\n')
+    with pytest.raises(ModelLoadError) as error:
+        read_model_config(tmp_path / "m")
+    assert "parameter ray_look_back_period_s '0': expected a number > 0" in str(error.value)
+    assert "parameter ray_upscale_delay_s 'soon': expected a number >= 0" in str(error.value)
+
+
 def _repository(tmp_path: Path, *names: str) -> Path:
     for name in names:
         (tmp_path / name / "1").mkdir(parents=True)
@@ -118,6 +164,10 @@ def test_application_builder_arguments(tmp_path):
     root = _repository(tmp_path, "a")
     assert build({"repository": str(root), "replicas": "2", "cpus": "0.5", "max_replicas_per_node": "1"}) is not None
     assert build({"repository": str(root), "autoscale": "1-3"}) is not None
+    assert build({"repository": str(root), "autoscale": "1-3", "upscale_delay_s": "1", "downscale_delay_s": "5",
+                  "look_back_period_s": "2", "target_ongoing_requests": "2"}) is not None
+    with pytest.raises(KilnError, match="downscale_delay_s is a setting of autoscaling"):
+        build({"repository": str(root), "downscale_delay_s": "5"})
     with pytest.raises(KilnError, match=r"unknown argument\(s\) \['replica'\]"):
         build({"repository": str(root), "replica": "2"})
     with pytest.raises(KilnError, match="one of repository=, model="):
@@ -206,6 +256,10 @@ def test_replica_errors_and_back_pressure_keep_their_status(tmp_path):
     (["--replicas", "2", "--autoscale", "1-3"], "not both"),
     (["--model-control-mode", "explicit"], "explicit model control"),
     (["--http-port", "0"], "fixed --http-port"),
+    (["--downscale-delay", "5", "--look-back-period", "2"], "--downscale-delay, --look-back-period: settings of "
+                                                            "autoscaling"),
+    (["--autoscale", "1-2", "--look-back-period", "2", "--autoscale-metrics-interval", "3"],
+     "look_back_period_s 2.0 must exceed metrics_interval_s 3.0"),
 ])
 def test_cli_refusals(tmp_path, capsys, extra, message):
     assert main(["serve", "--ray", str(_repository(tmp_path, "m")), *extra]) == 1

@@ -49,6 +49,18 @@ class ReplicaOptions:
     num_cpus: float = 1.0
     num_gpus: float | None = None  # None: 1 for a KIND_GPU model, else 0
     max_replicas_per_node: int | None = None
+    # Ray Serve's autoscaler timing, for autoscaling (None: the model config's ray_* parameter, else Ray's default)
+    upscale_delay_s: float | None = None  # load above target this long before replicas are added (Ray: 30)
+    downscale_delay_s: float | None = None  # load below target this long before replicas are removed (Ray: 600)
+    look_back_period_s: float | None = None  # the ongoing requests are averaged over this window (Ray: 30)
+    metrics_interval_s: float | None = None  # how often the handles report them (Ray: 10; None with a look-back
+    #                                          under 20 s: half the look-back, so the window holds two reports)
+
+
+# Ray's AutoscalingConfig defaults (ray.serve.config), which its autoscaler uses for a setting left out
+RAY_AUTOSCALING_DEFAULTS = {"upscale_delay_s": 30.0, "downscale_delay_s": 600.0, "look_back_period_s": 30.0,
+                            "metrics_interval_s": 10.0}
+AUTOSCALING_TIMING = tuple(RAY_AUTOSCALING_DEFAULTS)
 
 
 @dataclass
@@ -115,9 +127,10 @@ def deployment_options(config: ModelConfig, replicas: ReplicaOptions,
         if not 0 <= low <= high or high < 1:
             raise KilnError(f"model {config.name!r}: autoscaling between {low} and {high} replicas: "
                             "expected 0 <= min <= max, max >= 1")
+        target = ray_parameter(config, "target_ongoing_requests", replicas.target_ongoing_requests)
         options["autoscaling_config"] = {"min_replicas": low, "max_replicas": high,
-                                         "target_ongoing_requests": replicas.target_ongoing_requests
-                                         or max(1, ongoing // 2)}
+                                         "target_ongoing_requests": target or max(1, ongoing // 2),
+                                         **autoscaling_timing(config, replicas)}
     else:
         if replicas.num_replicas < 1:
             raise KilnError(f"model {config.name!r}: num_replicas {replicas.num_replicas}: expected >= 1")
@@ -125,6 +138,34 @@ def deployment_options(config: ModelConfig, replicas: ReplicaOptions,
     if replicas.max_replicas_per_node is not None:
         options["max_replicas_per_node"] = replicas.max_replicas_per_node
     return options
+
+
+def ray_parameter(config: ModelConfig, key: str, given: float | None) -> float | None:
+    """The model config's `parameters { key: "ray_<key>" }` (checked when the config was read), else `given`
+    (the CLI's or RayOptions' value for every model)."""
+    value = config.parameters.get(f"ray_{key}")
+    return float(value) if value is not None else given
+
+
+def autoscaling_timing(config: ModelConfig, replicas: ReplicaOptions) -> dict[str, float]:
+    """The autoscaler timing settings of a model's autoscaling_config: each from the model config's ray_<setting>
+    parameter, else the ReplicaOptions, else left to Ray. Ray's defaults (decide 30 s after the load rises and 10
+    minutes after it falls, on a 30 s average reported every 10 s) suit a long-running service; a test or a bursty
+    load wants seconds. A look-back of 20 s or less with no report interval given is reported every half look-back,
+    so that the window averages at least two reports (Ray only warns when the window holds fewer than one)."""
+    timing = {k: v for k in AUTOSCALING_TIMING if (v := ray_parameter(config, k, getattr(replicas, k))) is not None}
+    for key, value in timing.items():
+        if value < 0 or (value == 0 and key in ("look_back_period_s", "metrics_interval_s")):
+            raise KilnError(f"model {config.name!r}: autoscaling {key} {value}: expected "
+                            + ("> 0" if key in ("look_back_period_s", "metrics_interval_s") else ">= 0") + " seconds")
+    look_back = timing.get("look_back_period_s", RAY_AUTOSCALING_DEFAULTS["look_back_period_s"])
+    if "metrics_interval_s" not in timing and look_back <= 2 * RAY_AUTOSCALING_DEFAULTS["metrics_interval_s"]:
+        timing["metrics_interval_s"] = look_back / 2
+    interval = timing.get("metrics_interval_s", RAY_AUTOSCALING_DEFAULTS["metrics_interval_s"])
+    if look_back <= interval:
+        raise KilnError(f"model {config.name!r}: autoscaling look_back_period_s {look_back} must exceed "
+                        f"metrics_interval_s {interval} (the window averages the reports within it)")
+    return timing
 
 
 def deployment(repository: str | Path | ModelRepository, options: RayOptions | None = None) -> Application:
@@ -156,8 +197,11 @@ def deployment(repository: str | Path | ModelRepository, options: RayOptions | N
 
 def build(args: dict[str, str]) -> Application:
     """Ray Serve's application builder: `serve run kiln.serve.ray:build repository=models/ replicas=2`
-    (keys: repository or model, name, replicas, autoscale=MIN-MAX, cpus, max_replicas_per_node)."""
-    known = {"repository", "model", "name", "replicas", "autoscale", "cpus", "max_replicas_per_node"}
+    (keys: repository or model, name, replicas, autoscale=MIN-MAX, target_ongoing_requests, cpus,
+    max_replicas_per_node, and with autoscale the autoscaler's timing: upscale_delay_s, downscale_delay_s,
+    look_back_period_s, metrics_interval_s)."""
+    known = {"repository", "model", "name", "replicas", "autoscale", "target_ongoing_requests", "cpus",
+             "max_replicas_per_node", *AUTOSCALING_TIMING}
     extra = sorted(set(args) - known)
     if extra:
         raise KilnError(f"unknown argument(s) {extra}; kiln.serve.ray:build takes {sorted(known)}")
@@ -165,6 +209,11 @@ def build(args: dict[str, str]) -> Application:
                               autoscaling=parse_autoscale(args["autoscale"]) if "autoscale" in args else None)
     if "max_replicas_per_node" in args:
         replicas.max_replicas_per_node = int(args["max_replicas_per_node"])
+    for key in ("target_ongoing_requests", *AUTOSCALING_TIMING):
+        if key in args:
+            if replicas.autoscaling is None:
+                raise KilnError(f"{key} is a setting of autoscaling: give autoscale=MIN-MAX too")
+            setattr(replicas, key, float(args[key]))
     options = RayOptions(repository=args.get("repository"), model=args.get("model"), model_name=args.get("name"),
                          replicas=replicas)
     return deployment(options.repository_of(), options)
