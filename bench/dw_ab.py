@@ -47,6 +47,8 @@ def main() -> None:
     parser.add_argument("--models", default="mnv2,b0")
     parser.add_argument("--layers", default="", help="comma-separated CxHW filters (e.g. 96x112,144x56)")
     parser.add_argument("--activation", default="", help="Clip (ReLU6), SiLU, Relu or none for every layer")
+    parser.add_argument("--also", action="append", default=[],
+                        help="another depthwise.c (a path) timed beside them as C, D, ... (a variant under trial)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     root = Path(__file__).resolve().parents[1]
@@ -54,6 +56,11 @@ def main() -> None:
                          capture_output=True, text=True).stdout
     base = native_loop.KernelLibrary("depthwise_base", old, ["kiln_depthwise", "kiln_depthwise_lanes"]).load()
     assert base is not None
+    extra = {}
+    for k, path in enumerate(args.also):
+        extra[chr(ord("C") + k)] = native_loop.KernelLibrary(f"depthwise_{k}", Path(path).read_text(),
+                                                             ["kiln_depthwise", "kiln_depthwise_lanes"]).load()
+        print(f"{chr(ord('C') + k)} = {path}")
     clock = time.thread_time_ns if args.threads == 1 else time.perf_counter_ns
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "?")
@@ -76,6 +83,9 @@ def main() -> None:
         layers = {"A": depthwise.DepthwiseConv(wt, bt, (1, c, hw, hw), [s, s], [p] * 4, act, alpha, beta),
                   "B": depthwise.DepthwiseConv(wt, bt, (1, c, hw, hw), [s, s], [p] * 4, act, alpha, beta)}
         layers["A"].library = base
+        for name, lib in extra.items():
+            layers[name] = depthwise.DepthwiseConv(wt, bt, (1, c, hw, hw), [s, s], [p] * 4, act, alpha, beta)
+            layers[name].library = lib
         dnnl = onednn_primitives.Conv2d(wt, bt, [1, c, hw, hw], [s, s], [p] * 4, [1, 1], c,
                                         onednn.eltwise_for(act, alpha, beta) if act else None, False, False,
                                         prefer="jit_dw:")
@@ -83,8 +93,8 @@ def main() -> None:
         ref = {"SiLU": torch.nn.functional.silu, "Clip": lambda r: r.clamp(0, 6), "Relu": torch.relu,
                "": lambda r: r}[act](ref)
         size = layers["B"].output_size
-        out = {n: torch.empty(size).contiguous(memory_format=torch.channels_last) for n in ("A", "B", "oneDNN")}
-        runs = {n: looped(layers[n].bind(nhwc.data_ptr(), out[n].data_ptr())) for n in ("A", "B")}
+        out = {n: torch.empty(size).contiguous(memory_format=torch.channels_last) for n in (*layers, "oneDNN")}
+        runs = {n: looped(layers[n].bind(nhwc.data_ptr(), out[n].data_ptr())) for n in layers}
         runs["oneDNN"] = looped(dnnl.bind(nhwc.data_ptr(), out["oneDNN"].data_ptr()))
         for n, run in runs.items():
             run()
@@ -109,7 +119,9 @@ def main() -> None:
         print(f"| {model} | {c}x{hw}² k{k} s{s} | {act or 'none'} | {a:.1f} | {b:.1f} | {d:.1f} | "
               f"{statistics.median(ratio):.2f} ({min(ratio):.2f}-{max(ratio):.2f}) | "
               f"{statistics.median(b_ / d_ for b_, d_ in zip(medians['B'], medians['oneDNN'])):.2f} | "
-              f"{min(loads):.1f}-{max(loads):.1f} |", flush=True)
+              f"{min(loads):.1f}-{max(loads):.1f} |"
+              + "".join(f" {n}/A {statistics.median(v / a_ for a_, v in zip(medians['A'], medians[n])):.2f}"
+                        for n in extra), flush=True)
 
 
 if __name__ == "__main__":

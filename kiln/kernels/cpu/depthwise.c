@@ -12,7 +12,9 @@
  * the input, s·C floats apart, so a stride-2 layer needs no deinterleave or gather. The work is a sweep over output
  * rows (split among threads); a row is cut into blocks of U output pixels, and per channel vector (or 2-4 of them
  * for short blocks) each input vector of a tap row is loaded once and meets every tap that reads it, every channel
- * vector of a block before the next block (its input pixels are read in address order). Padding is never
+ * vector of a block before the next block (its input pixels are read in address order). A 3x3 layer at stride 1
+ * (and at stride 2 on maps up to 16 wide) takes two output rows a pass (block2): each input row the two read is
+ * loaded once for both, 4 rows where two passes load 6 (bench/results/dw-avx2-2026-12-06.md). Padding is never
  * materialised: tap rows above or below the input are skipped, an edge block reads its padding columns from a
  * zero row through a table of column pointers, and an interior block addresses its columns from the row pointer.
  *
@@ -313,6 +315,7 @@ typedef void (*block2_fn)(const dw_plan *, const float *const *, const float *co
 #endif
 BLOCKS2(3, 1)
 BLOCKS2(3, 2)
+#define PAIR_S2_MAX_OW 16  /* output width up to which a stride-2 layer takes pairs of rows (kiln_depthwise) */
 
 /* cols[kh][j] for the U pixels from `ow` of output row `oh`: input column ow·S - pl + j of tap row kh, or the
    zero row where that column is padding (the padding is never written out), for the tap rows inside the input;
@@ -414,9 +417,13 @@ int kiln_depthwise(void *object, void *stream, int nargs, const void *args) {
     PICK(3, 1) PICK(3, 2) PICK(5, 1) PICK(5, 2)
 #undef PICK
     const block2_fn *pairs = NULL;  /* two output rows a pass (block2): square kernels and strides */
-    if (p->KH == p->KW && p->SH == p->SW) {
+    /* not on a map narrower than one block of pairs: 7 wide under AVX-512 (MobileNetV2's 960x7², B0's 1152x7²)
+       pairs were 1.05x one row's time (one block of 7 either way); under AVX2 0.84x (4 + 3 against 6 + 1) */
+    if (p->KH == p->KW && p->SH == p->SW && p->OW >= U2MAX) {
         if (p->KW == 3 && p->SW == 1) pairs = blocks2_3_1;
-        if (p->KW == 3 && p->SW == 2) pairs = blocks2_3_2;
+        /* at stride 2 only on narrow maps: there (MobileNetV2's 192x28² and 576x14², B0's 240x28², AVX2) pairs were
+           0.88-0.95x one row's time, where on 56-112-wide maps, which stream their input from L3, 1.02-1.03x */
+        if (p->KW == 3 && p->SW == 2 && p->OW <= PAIR_S2_MAX_OW) pairs = blocks2_3_2;
     }
     #pragma omp parallel num_threads(p->threads) if (p->threads > 1)
     {
