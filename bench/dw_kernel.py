@@ -113,6 +113,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--models", default="mnv2,b0")
+    parser.add_argument("--layers", default="", help="comma-separated CxHW filters (e.g. 96x112,144x56)")
     parser.add_argument("--stat", choices=("median", "p10"), default="median",
                         help="per peer: the median of the rounds' medians, or the 10th percentile of every call (a "
                              "loaded machine: at 2 threads a descheduled worker stalls a call ~24 ms)")
@@ -128,7 +129,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     ratios = []
     for model, c, hw, k, s in LAYERS:
-        if model not in args.models.split(","):
+        if model not in args.models.split(",") or (args.layers and f"{c}x{hw}" not in args.layers.split(",")):
             continue
         silu = model == "b0"
         p = k // 2

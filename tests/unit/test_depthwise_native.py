@@ -104,6 +104,44 @@ def test_kernel_matches_float64_conv2d(case, activation, threads):
         torch.set_num_threads(saved)
 
 
+def _random_case(k: int) -> tuple:
+    """A random 3x3 layer for the two-row pass (block2; at stride 2 on maps up to 16 outputs wide): odd heights (the
+    last row alone), a map of one or two output rows, asymmetric pads, a batch of 2 (a pair never spans two
+    images), channel tails."""
+    rng = np.random.default_rng(_seed("pairs", k))
+    stride = int(rng.integers(1, 3))
+    pads = [int(p) for p in rng.integers(0, 3, 4)]
+    h, wd = int(rng.integers(1, 12)), int(rng.integers(1, 34))  # pairs need 4 (AVX2) or 8 (AVX-512) outputs a row
+    h, wd = max(h, 3 - pads[0] - pads[2]), max(wd, 3 - pads[1] - pads[3])
+    return int(rng.integers(1, 3)), int(rng.choice([8, 16, 24, 40, 19])), h, wd, stride, pads
+
+
+# maps past PARALLEL_ELEMENTS with an odd number of output rows: at 2 threads a thread's run of rows ends in a row
+# of its own, or a pair would straddle the split
+_LARGE = [(1, 40, 27, 29, 1, [1, 1, 1, 1]), (1, 96, 33, 29, 2, [1, 1, 1, 1]), (2, 24, 25, 30, 1, [0, 1, 2, 1])]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("k", range(12 + len(_LARGE)))
+def test_two_row_pass_matches_float64_conv2d_at_random_shapes(k, threads):
+    n, c, h, wd, stride, pads = _random_case(k) if k < 12 else _LARGE[k - 12]
+    rng = np.random.default_rng(_seed("pairs-data", k, threads))
+    w = torch.from_numpy(rng.standard_normal((c, 1, 3, 3)).astype(np.float32))
+    b = torch.from_numpy(rng.standard_normal(c).astype(np.float32))
+    x = torch.from_numpy(rng.standard_normal((n, c, h, wd)).astype(np.float32) * 4)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        layer = depthwise.DepthwiseConv(w, b, (n, c, h, wd), [stride, stride], pads, "Clip", 0.0, 6.0)
+        got = layer(x.contiguous(memory_format=torch.channels_last))
+    finally:
+        torch.set_num_threads(saved)
+    want = _reference(x, w, b, stride, pads, "Clip")
+    assert tuple(got.shape) == tuple(want.shape), (got.shape, want.shape)
+    err = ((got.double() - want).abs() / (1 + want.abs())).max().item()
+    assert err < 1e-5, f"{(n, c, h, wd, stride, pads)}: {err:.2e}"
+
+
 def test_kernel_rejects_what_it_cannot_run():
     w = torch.ones(8, 1, 3, 3)
     with pytest.raises(ValueError, match="not depthwise"):

@@ -12,7 +12,9 @@
  * the input, s·C floats apart, so a stride-2 layer needs no deinterleave or gather. The work is a sweep over output
  * rows (split among threads); a row is cut into blocks of U output pixels, and per channel vector (or 2-4 of them
  * for short blocks) each input vector of a tap row is loaded once and meets every tap that reads it, every channel
- * vector of a block before the next block (its input pixels are read in address order). Padding is never
+ * vector of a block before the next block (its input pixels are read in address order). A 3x3 layer at stride 1
+ * (and at stride 2 on maps up to 16 wide) takes two output rows a pass (block2): each input row the two read is
+ * loaded once for both, 4 rows where two passes load 6 (bench/results/dw-avx2-2026-12-06.md). Padding is never
  * materialised: tap rows above or below the input are skipped, an edge block reads its padding columns from a
  * zero row through a table of column pointers, and an interior block addresses its columns from the row pointer.
  *
@@ -166,6 +168,55 @@ static inline __attribute__((always_inline)) void block(const dw_plan *p, const 
     }
 }
 
+/* block() for two output rows at once (rows oh and oh + 1 of a K x K layer at stride S, KH = KW = K, SH = SW = S),
+   one channel vector at a time: input row ir (0 <= ir < K + S, from the first row's top tap row) is tap row ir of
+   the first output row and tap row ir - S of the second, so each input vector of a row both read is loaded once
+   for both (at stride 1 a 3x3 pair loads 4 input rows where two passes loaded 6; at stride 2, 5 where they
+   loaded 6). rows/cols are indexed by ir; ir in [ir0, ir1): the rows inside the input (the others skipped).
+   Registers: 2U accumulators, the 2K weight vectors of the row's two taps, one input vector. */
+static inline __attribute__((always_inline)) void block2(const dw_plan *p, const float *const *rows,
+                                                         const float *const cols[][JMAX], int ir0, int ir1,
+                                                         float *out0, float *out1, long c0, long c1, vf lo, vf hi,
+                                                         const int K, const int S, const int U, const int EDGE) {
+    const long C = p->C, Cp = p->Cp;
+    const int J = (U - 1) * S + K;
+    for (long c = c0; c + LANES <= c1; c += LANES) {
+        vf a0[8], a1[8];
+        const vf bias = load(p->b + c);
+        #pragma GCC unroll 8
+        for (int u = 0; u < U; ++u) a0[u] = a1[u] = bias;
+        #pragma GCC unroll 8
+        for (int ir = 0; ir < K + S; ++ir) {
+            if (ir < ir0 || ir >= ir1) continue;
+            const int first = ir < K, second = ir >= S;  /* constants once the ir loop is unrolled */
+            vf w0[KMAX], w1[KMAX];
+            #pragma GCC unroll 8
+            for (int kw = 0; kw < K; ++kw) {
+                if (first) w0[kw] = load(p->w + ((long)ir * K + kw) * Cp + c);
+                if (second) w1[kw] = load(p->w + ((long)(ir - S) * K + kw) * Cp + c);
+            }
+            #pragma GCC unroll 32
+            for (int j = 0; j < J; ++j) {
+                vf x = load((EDGE ? cols[ir][j] : rows[ir] + j * C) + c);
+                __asm__("" : VECTOR_REGISTER(x));
+                #pragma GCC unroll 8
+                for (int kw = 0; kw < K; ++kw) {
+                    const int u = (j - kw) / S;
+                    if (j >= kw && (j - kw) % S == 0 && u < U) {
+                        if (first) a0[u] += x * w0[kw];
+                        if (second) a1[u] += x * w1[kw];
+                    }
+                }
+            }
+        }
+        #pragma GCC unroll 8
+        for (int u = 0; u < U; ++u) {
+            store(out0 + u * C + c, activate(a0[u], p->activation, lo, hi));
+            store(out1 + u * C + c, activate(a1[u], p->activation, lo, hi));
+        }
+    }
+}
+
 /* one pixel, any kernel width and stride (the layers the specialised blocks do not cover), channel vectors
    [0, Cv) four at a time: four independent chains of FMAs */
 static void pixel_any(const dw_plan *p, const float *const cols[][JMAX], int kh0, int kh1, float *out, long c0,
@@ -237,12 +288,43 @@ BLOCKS(3, 2)
 BLOCKS(5, 1)
 BLOCKS(5, 2)
 
+/* two rows' blocks, U = 1..U2MAX pixels, the whole vectors of [c0, c1) (block2) */
+#define BLOCK2(K, S, U)                                                                                           \
+    static void block2_##K##_##S##_##U(const dw_plan *p, const float *const *rows,                               \
+                                       const float *const cols[][JMAX], int ir0, int ir1, float *out0,           \
+                                       float *out1, long c0, long c1, vf lo, vf hi) {                            \
+        if (rows != NULL)                                                                                       \
+            block2(p, rows, cols, ir0, ir1, out0, out1, c0, c1, lo, hi, K, S, U, 0);                            \
+        else                                                                                                    \
+            block2(p, rows, cols, ir0, ir1, out0, out1, c0, c1, lo, hi, K, S, U, 1);                            \
+    }
+typedef void (*block2_fn)(const dw_plan *, const float *const *, const float *const[][JMAX], int, int, float *,
+                          float *, long, long, vf, vf);
+#if LANES == 16
+#define U2MAX 8
+#define BLOCKS2(K, S) BLOCK2(K, S, 1) BLOCK2(K, S, 2) BLOCK2(K, S, 3) BLOCK2(K, S, 4) BLOCK2(K, S, 5)              \
+    BLOCK2(K, S, 6) BLOCK2(K, S, 7) BLOCK2(K, S, 8)                                                              \
+    static const block2_fn blocks2_##K##_##S[9] = {NULL, block2_##K##_##S##_1, block2_##K##_##S##_2,              \
+        block2_##K##_##S##_3, block2_##K##_##S##_4, block2_##K##_##S##_5, block2_##K##_##S##_6,                    \
+        block2_##K##_##S##_7, block2_##K##_##S##_8};
+#else
+#define U2MAX 4
+#define BLOCKS2(K, S) BLOCK2(K, S, 1) BLOCK2(K, S, 2) BLOCK2(K, S, 3) BLOCK2(K, S, 4)                             \
+    static const block2_fn blocks2_##K##_##S[9] = {NULL, block2_##K##_##S##_1, block2_##K##_##S##_2,              \
+        block2_##K##_##S##_3, block2_##K##_##S##_4, NULL, NULL, NULL, NULL};
+#endif
+BLOCKS2(3, 1)
+BLOCKS2(3, 2)
+#define PAIR_S2_MAX_OW 16  /* output width up to which a stride-2 layer takes pairs of rows (kiln_depthwise) */
+
 /* cols[kh][j] for the U pixels from `ow` of output row `oh`: input column ow·S - pl + j of tap row kh, or the
-   zero row where that column is padding (the padding is never written out), for the tap rows inside the input */
-static void columns(const dw_plan *p, const float *x, long n, long oh, long ow, int U, const float *cols[][JMAX]) {
+   zero row where that column is padding (the padding is never written out), for the tap rows inside the input;
+   taps: KH, or KH + SH for a pair of output rows (block2's input rows) */
+static void columns(const dw_plan *p, const float *x, long n, long oh, long ow, int U, const float *cols[][JMAX],
+                    int taps) {
     const long C = p->C, W = p->W, ih0 = oh * p->SH - p->PT, iw = ow * p->SW - p->PL;
     const int J = (U - 1) * p->SW + p->KW;
-    const int kh0 = ih0 < 0 ? (int)-ih0 : 0, kh1 = ih0 + p->KH > p->H ? (int)(p->H - ih0) : p->KH;
+    const int kh0 = ih0 < 0 ? (int)-ih0 : 0, kh1 = ih0 + taps > p->H ? (int)(p->H - ih0) : taps;
     for (int kh = kh0; kh < kh1; ++kh) {
         const float *r = x + ((n * p->H) + ih0 + kh) * W * C;
         for (int j = 0; j < J; ++j) cols[kh][j] = iw + j >= 0 && iw + j < W ? r + (iw + j) * C : p->zeros;
@@ -268,11 +350,39 @@ static void row(const dw_plan *p, const float *x, float *y, long n, long oh, lon
             for (int kh = kh0; kh < kh1; ++kh) rows[kh] = x + ((n * p->H + ih0 + kh) * p->W + iw) * C;
             blocks[U](p, (const float *const *)rows, c, kh0, kh1, o, c0, c1, lo, hi);
         } else {
-            columns(p, x, n, oh, ow, U, cols);
+            columns(p, x, n, oh, ow, U, cols, p->KH);
             if (blocks == NULL)
                 pixel_any(p, c, kh0, kh1, o, c0, c1, lo, hi);
             else
                 blocks[U](p, NULL, c, kh0, kh1, o, c0, c1, lo, hi);
+        }
+        ow += U;
+    }
+}
+
+/* channels [c0, c1) (whole vectors) of output rows oh and oh + 1 of image `n` (block2): blocks of U2MAX pixels,
+   then one of what is left */
+static void row2(const dw_plan *p, const float *x, float *y, long n, long oh, long c0, long c1,
+                 const block2_fn *blocks) {
+    const long C = p->C, OW = p->OW;
+    const int taps = p->KH + p->SH;
+    const vf lo = (vf){0} + p->alpha, hi = (vf){0} + p->beta;
+    float *out = y + (n * p->OH + oh) * OW * C;
+    const float *cols[KMAX][JMAX], *rows[KMAX];
+    const long ih0 = oh * p->SH - p->PT;
+    const int ir0 = ih0 < 0 ? (int)-ih0 : 0, ir1 = ih0 + taps > p->H ? (int)(p->H - ih0) : taps;
+    long ow = 0;
+    while (ow < OW) {
+        const int U = OW - ow < U2MAX ? (int)(OW - ow) : U2MAX;
+        const long iw = ow * p->SW - p->PL;
+        float *o = out + ow * C;
+        if (iw >= 0 && iw + (U - 1) * p->SW + p->KW <= p->W) {  /* every column inside the row */
+            for (int ir = ir0; ir < ir1; ++ir) rows[ir] = x + ((n * p->H + ih0 + ir) * p->W + iw) * C;
+            blocks[U](p, (const float *const *)rows, (const float *const(*)[JMAX])cols, ir0, ir1, o, o + OW * C, c0,
+                      c1, lo, hi);
+        } else {
+            columns(p, x, n, oh, ow, U, cols, taps);
+            blocks[U](p, NULL, (const float *const(*)[JMAX])cols, ir0, ir1, o, o + OW * C, c0, c1, lo, hi);
         }
         ow += U;
     }
@@ -285,7 +395,7 @@ static void row_tail(const dw_plan *p, const float *x, float *y, long n, long oh
     const long ih0 = oh * p->SH - p->PT;
     const int kh0 = ih0 < 0 ? (int)-ih0 : 0, kh1 = ih0 + p->KH > p->H ? (int)(p->H - ih0) : p->KH;
     for (long ow = 0; ow < p->OW; ++ow) {
-        columns(p, x, n, oh, ow, 1, cols);
+        columns(p, x, n, oh, ow, 1, cols, p->KH);
         pixel_tail(p, (const float *const(*)[JMAX])cols, kh0, kh1, out + ow * p->C, Cv);
     }
 }
@@ -306,11 +416,27 @@ int kiln_depthwise(void *object, void *stream, int nargs, const void *args) {
 #define PICK(K, SS) if (p->KW == K && p->SW == SS) blocks = blocks_##K##_##SS;
     PICK(3, 1) PICK(3, 2) PICK(5, 1) PICK(5, 2)
 #undef PICK
+    const block2_fn *pairs = NULL;  /* two output rows a pass (block2): square kernels and strides */
+    /* not on a map narrower than one block of pairs: 7 wide under AVX-512 (MobileNetV2's 960x7², B0's 1152x7²)
+       pairs were 1.05x one row's time (one block of 7 either way); under AVX2 0.84x (4 + 3 against 6 + 1) */
+    if (p->KH == p->KW && p->SH == p->SW && p->OW >= U2MAX) {
+        if (p->KW == 3 && p->SW == 1) pairs = blocks2_3_1;
+        /* at stride 2 only on narrow maps: there (MobileNetV2's 192x28² and 576x14², B0's 240x28², AVX2) pairs were
+           0.88-0.95x one row's time, where on 56-112-wide maps, which stream their input from L3, 1.02-1.03x */
+        if (p->KW == 3 && p->SW == 2 && p->OW <= PAIR_S2_MAX_OW) pairs = blocks2_3_2;
+    }
     #pragma omp parallel num_threads(p->threads) if (p->threads > 1)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const long lo = rows * t / nt, hi = rows * (t + 1) / nt;
-        for (long r = lo; r < hi; ++r) row(p, x, y, r / p->OH, r % p->OH, 0, Cv, blocks);
+        for (long r = lo; r < hi; ++r) {
+            if (pairs != NULL && r + 1 < hi && (r + 1) % p->OH != 0) {  /* the next row of the same image */
+                row2(p, x, y, r / p->OH, r % p->OH, 0, Cv, pairs);
+                ++r;
+            } else {
+                row(p, x, y, r / p->OH, r % p->OH, 0, Cv, blocks);
+            }
+        }
         if (Cv < p->C)
             for (long r = lo; r < hi; ++r) row_tail(p, x, y, r / p->OH, r % p->OH, Cv);
     }

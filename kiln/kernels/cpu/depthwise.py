@@ -17,12 +17,11 @@ CPU has it and KILN_CPU_ISA does not cap it, else AVX2); `load()` is None withou
 from __future__ import annotations
 
 import ctypes
-import threading
 from pathlib import Path
 
 import torch
 
-from kiln.kernels.cpu import native_loop, onednn, onednn_primitives
+from kiln.kernels.cpu import native_loop, onednn, onednn_primitives, plan_member
 
 SOURCE = Path(__file__).with_name("depthwise.c").read_text()
 
@@ -80,10 +79,12 @@ def refusal(weight_shape: tuple[int, ...], input_size: tuple[int, ...], groups: 
     return None
 
 
-class DepthwiseConv:
+class DepthwiseConv(plan_member.PlanKernel):
     """y = act(depthwise(x, w) + b), x [N, C, H, W] channels-last float32, w [C, 1, KH, KW];
     pads [top, left, bottom, right], strides [sh, sw]; activation one of ACTIVATIONS (Clip: alpha = min,
-    beta = max)."""
+    beta = max). `bind(src, dst)` reads and writes NHWC."""
+
+    NO_RESIDUAL = "the depthwise kernel adds no residual"
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None, input_size: tuple[int, ...], strides: list[int],
                  pads: list[int], activation: str = "", alpha: float = 0.0, beta: float = 0.0,
@@ -120,14 +121,7 @@ class DepthwiseConv:
                            N=n, C=c, Cp=cp, H=h, W=wd, OH=oh, OW=ow,
                            KH=kh, KW=kw, SH=sh, SW=sw, PT=pt, PL=pl, activation=ACTIVATIONS[activation],
                            alpha=float(alpha), beta=float(beta))
-        self._lock = threading.Lock()
-        self._alone: _Bound | None = None
-
-    def bind(self, src: int, dst: int, residual: int | None = None) -> _Bound:
-        """The layer's call reading src, writing dst (NHWC)."""
-        if residual is not None:
-            raise ValueError("the depthwise kernel adds no residual")
-        return _Bound(self, src, dst)
+        self._own_calls()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, C, H, W] channels-last float32 of the built size -> a new channels-last y."""
@@ -136,57 +130,26 @@ class DepthwiseConv:
             raise ValueError(f"{self.what}: given {x.dtype} {list(x.shape)} (channels-last float32 of the built size)")
         n, c, h, w = self.output_size
         y = torch.empty_strided(self.output_size, (c * h * w, 1, w * c, c), dtype=torch.float32)
-        with self._lock:
-            if self._alone is None:
-                self._alone = self.bind(0, 0)
-            bound = self._alone
-            bound.rebind("src", x.data_ptr())
-            bound.rebind("dst", y.data_ptr())
-            bound.run()
+        self.run_into(x.data_ptr(), y.data_ptr())
         return y
 
 
-class _Bound:
+class _Bound(plan_member.PlanMember):
     """A DepthwiseConv's call for one segment (or its own per-call path): a parallel form over output rows on
     OpenMP's count, and a serial one where the layer is small enough for the segment's chooser to time both
     (onednn_primitives.thread_forms, as the oneDNN layers around it)."""
 
+    FUNCTION = "kiln_depthwise"
+
     def __init__(self, layer: DepthwiseConv, src: int, dst: int):
-        lib = onednn.load()
-        self.what = layer.what
-        self._layer = layer  # owns the packed weights the plan points at
-        self._md = onednn.memory_desc([1], onednn.TAG_A)  # only the address of an operand matters
-        self._memories = {"src": onednn._memory(self._md.value, src), "dst": onednn._memory(self._md.value, dst)}
+        super().__init__(layer, src, dst)
         n, c, oh, ow = layer.output_size
         elements = n * c * oh * ow
         forms = onednn_primitives.thread_forms(elements, elements * layer.fields["KH"] * layer.fields["KW"])
         threads = torch.get_num_threads() if elements >= PARALLEL_ELEMENTS and forms[0] is None else 1
-        get_handle = ctypes.cast(lib.lib.dnnl_memory_get_data_handle, ctypes.c_void_p).value
+        base = self.plan_base()
+        self._plans(_Plan(**base, threads=threads, **layer.fields),
+                    _Plan(**base, threads=1, **layer.fields) if threads > 1 and len(forms) > 1 else None)
 
-        def plan(count: int) -> _Plan:
-            return _Plan(get_handle=get_handle, x=self._memories["src"].value, y=self._memories["dst"].value,
-                         threads=count, **layer.fields)
 
-        self._plan = plan(threads)
-        self._serial_plan = plan(1) if threads > 1 and len(forms) > 1 else None
-        self._function = ctypes.cast(layer.library.kiln_depthwise, ctypes.c_void_p).value
-
-    def calls(self) -> list[tuple[int | None, int, int, int]]:
-        return [(self._function, ctypes.addressof(self._plan), 0, 0)]
-
-    def serial_calls(self) -> list[tuple[int | None, int, int, int]] | None:
-        """calls() of the serial form (one thread), or None without one."""
-        if self._serial_plan is None:
-            return None
-        return [(self._function, ctypes.addressof(self._serial_plan), 0, 0)]
-
-    def memory(self, role: str) -> int:
-        return self._memories[role].value
-
-    def rebind(self, role: str, address: int) -> None:
-        onednn.load().lib.dnnl_memory_set_data_handle(self._memories[role].value, address)
-
-    def run(self) -> None:
-        status = self._layer.library.kiln_depthwise(ctypes.addressof(self._plan), None, 0, None)
-        if status:
-            onednn._check(status, self.what)
+DepthwiseConv.MEMBER = _Bound

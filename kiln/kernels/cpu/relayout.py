@@ -15,14 +15,13 @@ own, as oneDNN primitives do (kiln/kernels/cpu/onednn.py Bound), and `__call__` 
 from __future__ import annotations
 
 import ctypes
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from kiln.kernels.cpu import native_loop, onednn
+from kiln.kernels.cpu import native_loop, onednn, plan_member
 from kiln.ops.relayout import TABLE_LIMIT, strided_form
 
 SOURCE = Path(__file__).with_name("relayout.c").read_text()
@@ -88,9 +87,12 @@ def relayout_move(dims: list[int], perm: list[int], output_size: tuple[int, ...]
     return lambda x: x.reshape(dims).permute(perm).reshape(output_size)
 
 
-class Relayout:
+class Relayout(plan_member.PlanKernel):
     """y = move(x) on float32 values as a segment lays them out (4-D: NHWC), one strided walk of x's memory;
-    move: kiln::Relayout's reshape-permute-reshape (relayout_move), or a Slice."""
+    move: kiln::Relayout's reshape-permute-reshape (relayout_move), or a Slice. `bind(src, dst)` reads and writes
+    each in a segment's layout."""
+
+    NO_RESIDUAL = "a relayout has no residual"
 
     def __init__(self, input_size: tuple[int, ...], move: Callable[[torch.Tensor], torch.Tensor],
                  what: str = "relayout", rows_input: bool = False):
@@ -106,14 +108,7 @@ class Relayout:
         self.moves_nothing = self.base == 0 and [tuple(d) for d in self.walk] == [(numel, 1)]
         self.library = library
         self.what = f"{what} {list(self.input_size)} -> {list(self.output_size)}"
-        self._lock = threading.Lock()
-        self._alone: _Bound | None = None
-
-    def bind(self, src: int, dst: int, residual: int | None = None) -> _Bound:
-        """The layer's call reading src, writing dst (each in a segment's layout)."""
-        if residual is not None:
-            raise ValueError("a relayout has no residual")
-        return _Bound(self, src, dst)
+        self._own_calls()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x of the built size (4-D: channels-last, else contiguous) -> a new y in the same convention."""
@@ -125,43 +120,21 @@ class Relayout:
         if not laid_out:  # (torch's test ignores the strides of size-1 dims, which address nothing)
             x = torch.empty_strided(self.input_size, want, dtype=torch.float32).copy_(x)
         y = torch.empty_strided(self.output_size, _strides(self.output_size), dtype=torch.float32)
-        with self._lock:
-            if self._alone is None:
-                self._alone = self.bind(0, 0)
-            bound = self._alone
-            bound.rebind("src", x.data_ptr())
-            bound.rebind("dst", y.data_ptr())
-            bound.run()
+        self.run_into(x.data_ptr(), y.data_ptr())
         return y
 
 
-class _Bound:
+class _Bound(plan_member.PlanMember):
     """A Relayout's call for one segment (or its own per-call path)."""
 
+    FUNCTION = "kiln_relayout"
+
     def __init__(self, layer: Relayout, src: int, dst: int):
-        lib = onednn.load()
-        self.what = layer.what
-        self._layer = layer
-        handle_md = onednn.memory_desc([1], onednn.TAG_A)  # only the address of an operand matters
-        self._memories = {"src": onednn._memory(handle_md.value, src), "dst": onednn._memory(handle_md.value, dst)}
-        self._md = handle_md
+        super().__init__(layer, src, dst)
         sizes = [s for s, _ in layer.walk]
         strides = [t for _, t in layer.walk]
-        self._plan = _Plan(get_handle=ctypes.cast(lib.lib.dnnl_memory_get_data_handle, ctypes.c_void_p).value,
-                           x=self._memories["src"].value, y=self._memories["dst"].value, base=layer.base, rank=len(sizes),
-                           size=(ctypes.c_long * MAX_DIMS)(*sizes), stride=(ctypes.c_long * MAX_DIMS)(*strides))
-        self._function = ctypes.cast(layer.library.kiln_relayout, ctypes.c_void_p).value
+        self._plans(_Plan(**self.plan_base(), base=layer.base, rank=len(sizes),
+                          size=(ctypes.c_long * MAX_DIMS)(*sizes), stride=(ctypes.c_long * MAX_DIMS)(*strides)))
 
-    def calls(self) -> list[tuple[int | None, int, int, int]]:
-        return [(self._function, ctypes.addressof(self._plan), 0, 0)]
 
-    def memory(self, role: str) -> int:
-        return self._memories[role].value
-
-    def rebind(self, role: str, address: int) -> None:
-        onednn.load().lib.dnnl_memory_set_data_handle(self._memories[role].value, address)
-
-    def run(self) -> None:
-        status = self._layer.library.kiln_relayout(ctypes.addressof(self._plan), None, 0, None)
-        if status:
-            onednn._check(status, self.what)
+Relayout.MEMBER = _Bound

@@ -16,12 +16,11 @@ Built by native_loop.build with the machine's C compiler; `load()` is None witho
 from __future__ import annotations
 
 import ctypes
-import threading
 from pathlib import Path
 
 import torch
 
-from kiln.kernels.cpu import native_loop, onednn, onednn_primitives
+from kiln.kernels.cpu import native_loop, onednn, onednn_primitives, plan_member
 
 SOURCE = Path(__file__).with_name("se.c").read_text()
 
@@ -53,9 +52,12 @@ def _vector(v: torch.Tensor | None) -> torch.Tensor | None:
     return None if v is None else v.detach().to(torch.float32).reshape(-1).contiguous()
 
 
-class SqueezeExcite:
+class SqueezeExcite(plan_member.PlanKernel):
     """y = x · gate(W2 act(W1 mean_hw(x) + b1) + b2) per (image, channel), x [N, C, H, W] channels-last.
-    w1 [R, C], w2 [C, R] (the 1x1 convolutions' weights, any trailing 1s)."""
+    w1 [R, C], w2 [C, R] (the 1x1 convolutions' weights, any trailing 1s). `bind(src, dst)` reads and writes
+    NHWC."""
+
+    NO_RESIDUAL = "a squeeze-excitation block has no residual"
 
     def __init__(self, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor, b2: torch.Tensor | None,
                  input_size: tuple[int, ...], activation: str, alpha: float, beta: float,
@@ -84,39 +86,23 @@ class SqueezeExcite:
                              gate_kind=ACTIVATIONS[gate], gate_alpha=float(gate_alpha), gate_beta=float(gate_beta))
         self.weights = dict(w1=self._w1.data_ptr(), b1=self._b1.data_ptr() if self._b1 is not None else None,
                             w2t=self._w2t.data_ptr(), b2=self._b2.data_ptr() if self._b2 is not None else None)
-        self._lock = threading.Lock()
-        self._alone: _Bound | None = None
-
-    def bind(self, src: int, dst: int, residual: int | None = None) -> _Bound:
-        """The layer's call reading src, writing dst (NHWC), on scratch of its own."""
-        if residual is not None:
-            raise ValueError("a squeeze-excitation block has no residual")
-        return _Bound(self, src, dst)
+        self._own_calls()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, C, H, W] channels-last float32 of the built size -> a new channels-last y."""
         n, c, h, w = self.output_size
         y = torch.empty_strided(self.output_size, (c * h * w, 1, w * c, c), dtype=torch.float32)
-        with self._lock:
-            if self._alone is None:
-                self._alone = self.bind(0, 0)
-            bound = self._alone
-            bound.rebind("src", x.data_ptr())
-            bound.rebind("dst", y.data_ptr())
-            bound.run()
+        self.run_into(x.data_ptr(), y.data_ptr())
         return y
 
 
-class _Bound:
-    """A SqueezeExcite's call for one segment (or its own per-call path)."""
+class _Bound(plan_member.PlanMember):
+    """A SqueezeExcite's call for one segment (or its own per-call path), on scratch of its own."""
+
+    FUNCTION = "kiln_squeeze_excite"
 
     def __init__(self, layer: SqueezeExcite, src: int, dst: int):
-        lib = onednn.load()
-        self.what = layer.what
-        self._layer = layer  # owns the weights the plan points at
-        handle_md = onednn.memory_desc([1], onednn.TAG_A)  # only the address of an operand matters
-        self._memories = {"src": onednn._memory(handle_md.value, src), "dst": onednn._memory(handle_md.value, dst)}
-        self._md = handle_md
+        super().__init__(layer, src, dst)
         s = layer.shape
         elements = s["N"] * s["HW"] * s["C"]
         # one thread for a small map; a map the oneDNN layers around it call small has a serial form as they
@@ -129,32 +115,11 @@ class _Bound:
         self._hidden = torch.empty(s["N"] * s["R"], dtype=torch.float32)
 
         def plan(count: int) -> _Plan:
-            return _Plan(get_handle=ctypes.cast(lib.lib.dnnl_memory_get_data_handle, ctypes.c_void_p).value,
-                         x=self._memories["src"].value, y=self._memories["dst"].value, **layer.weights,
-                         partial=self._partial.data_ptr(), block=self._block.data_ptr(),
-                         gate=self._gate.data_ptr(), hidden=self._hidden.data_ptr(), **s, **layer.epilogue,
-                         threads=count)
+            return _Plan(**self.plan_base(), **layer.weights, partial=self._partial.data_ptr(),
+                         block=self._block.data_ptr(), gate=self._gate.data_ptr(), hidden=self._hidden.data_ptr(),
+                         **s, **layer.epilogue, threads=count)
 
-        self._plan = plan(threads)
-        self._serial_plan = plan(1) if threads > 1 and len(forms) > 1 else None
-        self._function = ctypes.cast(layer.library.kiln_squeeze_excite, ctypes.c_void_p).value
+        self._plans(plan(threads), plan(1) if threads > 1 and len(forms) > 1 else None)
 
-    def calls(self) -> list[tuple[int | None, int, int, int]]:
-        return [(self._function, ctypes.addressof(self._plan), 0, 0)]
 
-    def serial_calls(self) -> list[tuple[int | None, int, int, int]] | None:
-        """calls() of the serial form (the same scratch, one thread), or None without one."""
-        if self._serial_plan is None:
-            return None
-        return [(self._function, ctypes.addressof(self._serial_plan), 0, 0)]
-
-    def memory(self, role: str) -> int:
-        return self._memories[role].value
-
-    def rebind(self, role: str, address: int) -> None:
-        onednn.load().lib.dnnl_memory_set_data_handle(self._memories[role].value, address)
-
-    def run(self) -> None:
-        status = self._layer.library.kiln_squeeze_excite(ctypes.addressof(self._plan), None, 0, None)
-        if status:
-            onednn._check(status, self.what)
+SqueezeExcite.MEMBER = _Bound

@@ -23,19 +23,18 @@ import torch
 
 from kiln.kernels.cpu import depthwise
 from kiln.plan.spec import StepSpec
+from kiln.tactics.cpu.native_member import (float_constant_refusal, input_size_config, not_built_refusal,
+                                            prepared_sized)
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import (InputMeta, NativeStep, Tactic, conv_geometry, conv_operands_refusal, resizable,
-                                 same_primitive)
+from kiln.tactics.tactic import InputMeta, Tactic, conv_geometry, conv_operands_refusal
 from kiln.tactics.tactic import attribute as _attr
 
-_CL = torch.channels_last
 _F32 = torch.float32
-_KEPT = 8  # kernels kept per layer for input sizes other than the tuned one
 
 
 def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
-    if not depthwise.available():
-        return f"kiln's depthwise kernel is not built: {depthwise.reason()}"
+    if (refusal := not_built_refusal(depthwise, "depthwise")) is not None:
+        return refusal
     x = inputs[0]
     w = inputs[1] if len(inputs) > 1 else None
     b = inputs[2] if len(inputs) > 2 else None
@@ -45,8 +44,8 @@ def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
         return f"input dtype {x.dtype}, only float32"
     if w is None or not w.constant or w.shape is None or len(w.shape) != 4 or w.dtype != _F32:
         return "the weight is not a constant float32 4-D tensor of the engine"
-    if b is not None and b.shape is not None and (not b.constant or b.dtype != _F32):
-        return "the bias is not a float32 constant of the engine"
+    if b is not None and b.shape is not None and (refusal := float_constant_refusal(b, "bias")) is not None:
+        return refusal
     if len(inputs) > 3 and inputs[3].shape is not None:
         return "a residual: the depthwise kernel adds none"
     if _attr(step, "final_activation", ""):
@@ -61,46 +60,19 @@ def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     return True if why is None else why
 
 
-def _configure(step: StepSpec, inputs: list[InputMeta]) -> dict[str, Any]:
-    return {"input_size": list(inputs[0].shape)}
-
-
 def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
     w = constants[1]
     b = constants[2] if len(constants) > 2 else None
     pads, strides, dilations = conv_geometry(step, tuple(w.shape))
     epilogue = dict(activation=_attr(step, "activation", ""), alpha=float(_attr(step, "alpha", 0.0)),
                     beta=float(_attr(step, "beta", 0.0)))
-    tuned = tuple(step.tactic_config["input_size"])
-    kernels: dict[tuple[int, ...], depthwise.DepthwiseConv] = {}
-
-    def kernel(size: tuple[int, ...]) -> depthwise.DepthwiseConv:
-        found = kernels.get(size)
-        if found is None:
-            if len(kernels) > _KEPT:
-                kernels.pop(next(k for k in kernels if k != tuned))
-            found = kernels[size] = depthwise.DepthwiseConv(w, b, size, strides, pads, dilations=dilations, **epilogue)
-        return found
-
-    kernel(tuned)  # at load: the tuned size's kernel
-
-    def launch(ctx, x, *_inputs, **_attributes):
-        x = x.contiguous(memory_format=_CL)  # [N, C, H, W]; free when already channels-last
-        return kernel(tuple(x.shape))(x)  # [N, C, H', W'] channels-last
-
-    @resizable
-
-    def native_at(size: tuple[int, ...]) -> NativeStep:
-        found = kernel(tuple(size))
-        return NativeStep(tuple(size), found.output_size, same_primitive(found))
-
-    launch.native = native_at(tuned)
-    return launch
+    return prepared_sized(step, lambda size: depthwise.DepthwiseConv(w, b, size, strides, pads, dilations=dilations,
+                                                                     **epilogue))
 
 
 register(Tactic(
     name="cpu.conv.depthwise_native", op_type="FusedConv", domain="kiln", device="cpu", dtypes=(_F32,),
-    supports=_supports, configure=_configure, prepare=_prepare, layout="channels_last",
+    supports=_supports, configure=input_size_config, prepare=_prepare, layout="channels_last",
     available=depthwise.available, native=True,
     description="depthwise KxK convolution + bias + ReLU/Clip/SiLU in kiln's C (AVX-512 or AVX2 by the CPU), "
                 "NHWC, a native-segment member",

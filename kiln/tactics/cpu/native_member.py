@@ -1,7 +1,8 @@
 """A kiln C kernel (kiln/kernels/cpu/transformer.py NativeKernel) as a layer's tactic, runnable inside a native
 segment: `prepared_native` gives the launch on torch tensors (outside a segment), `launch.native` (the NativeStep a
 segment binds at any sizes) and `launch.timed` (the bound call the autotuner times). The tactics on kiln's C kernels
-use it: transformer.py, attention.py, broadcast.py, elementwise.py, rotary.py, tokens.py, qdq.py.
+use it: transformer.py, attention.py, broadcast.py, elementwise.py, rotary.py, tokens.py, qdq.py. Below, the same
+for a plan kernel of one channels-last input (kiln/kernels/cpu/plan_member.py): depthwise.py, squeeze_excite.py.
 
 A kernel is bound per input sizes (`at` gets every read's size): sizes are only plan fields, so binding
 at a new shape costs a few ctypes calls, not a rebuild.
@@ -134,4 +135,58 @@ def prepared_native(step: StepSpec, reads: Callable[[dict[int, tuple[int, ...]]]
         tuned_roles = kernel(read_sizes(tuned)[1]).roles
         launch.native = native_at(tuned)
         launch.timed = timed
+    return launch
+
+
+# ---- one channels-last input: the plan kernels (kiln/kernels/cpu/plan_member.py) -------------------------------
+# depthwise.py and squeeze_excite.py: a layer of one 4-D input (its constants packed at build) whose kernel is
+# built per input size and runs on NHWC memory
+
+_SIZED_KEPT = 8  # kernels kept per layer for input sizes other than the tuned one
+
+
+def not_built_refusal(module: Any, what: str) -> str | None:
+    """Why a tactic on a plan kernel's module (depthwise, se) cannot run here: its library is not built."""
+    return None if module.available() else f"kiln's {what} kernel is not built: {module.reason()}"
+
+
+def float_constant_refusal(meta: InputMeta, name: str) -> str | None:
+    """Why `meta` cannot be a constant operand the kernel packs at build."""
+    if not meta.constant or meta.dtype != torch.float32:
+        return f"the {name} is not a float32 constant of the engine"
+    return None
+
+
+def input_size_config(step: StepSpec, inputs: list[InputMeta]) -> dict[str, Any]:
+    """The tuned size of the one activation input."""
+    return {"input_size": list(inputs[0].shape)}
+
+
+def prepared_sized(step: StepSpec, make: Callable[[tuple[int, ...]], Any]):
+    """launch(ctx, x) on the kernel `make(size)` for x's size (channels-last in and out), with launch.native at the
+    tuned size; the tuned size's kernel is made now (at load), others on first sight, a few kept."""
+    tuned = tuple(step.tactic_config["input_size"])
+    sized: dict[tuple[int, ...], Any] = {}
+
+    def kernel(size: tuple[int, ...]) -> Any:
+        found = sized.get(size)
+        if found is None:
+            if len(sized) > _SIZED_KEPT:
+                sized.pop(next(k for k in sized if k != tuned))
+            found = sized[size] = make(size)
+        return found
+
+    kernel(tuned)  # at load: the tuned size's kernel
+
+    def launch(ctx, x, *_inputs, **_attributes):
+        x = x.contiguous(memory_format=torch.channels_last)  # [N, C, H, W]; free when already channels-last
+        return kernel(tuple(x.shape))(x)  # channels-last
+
+    @resizable
+
+    def native_at(size: tuple[int, ...]) -> NativeStep:
+        found = kernel(tuple(size))
+        return NativeStep(tuple(size), found.output_size, same_primitive(found))
+
+    launch.native = native_at(tuned)
     return launch

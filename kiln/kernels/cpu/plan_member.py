@@ -1,0 +1,97 @@
+"""A C kernel over a ctypes plan as a native-segment member: the protocol depthwise.py, se.py and relayout.py share.
+
+Why: each of kiln's one-call C kernels (int f(plan, handles, count, args), native_loop.KernelLibrary) reads its
+operands through oneDNN memory objects of its own, so that a segment can point them at its planned buffers
+(`rebind`) and call the function on the plan from its compiled loop (`calls`), or time a one-thread form beside
+the parallel one (`serial_calls`, onednn_primitives.thread_forms). That protocol was written out three times;
+here it is once. A kernel's module keeps only what is its own: the plan's fields (and scratch) per thread count.
+
+`PlanKernel` is the layer side (one layer at one input size): `bind(src, dst)` gives a `PlanMember`, and
+`run_into(x, y)` runs the layer on tensors through a member of its own (its per-call path, as onednn.py's
+primitives have).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any, ClassVar
+
+from kiln.kernels.cpu import onednn
+
+
+class PlanMember:
+    """A layer's call for one segment (or its own per-call path): the C function `FUNCTION` of the layer's library
+    on a plan reading the "src" memory object and writing "dst", and a serial twin of the plan where the subclass
+    made one (`_plans`). Subclasses build their plans in `__init__` after this one's, from `plan_base()`."""
+
+    FUNCTION: ClassVar[str]  # the library's entry point
+
+    def __init__(self, layer: PlanKernel, src: int, dst: int):
+        self.what = layer.what
+        self._layer = layer  # owns the weights and sizes the plans point at
+        self._md = onednn.memory_desc([1], onednn.TAG_A)  # only the address of an operand matters
+        self._memories = {"src": onednn._memory(self._md.value, src), "dst": onednn._memory(self._md.value, dst)}
+        self._entry = getattr(layer.library, self.FUNCTION)
+        self._function = ctypes.cast(self._entry, ctypes.c_void_p).value
+        self._plan: ctypes.Structure | None = None
+        self._serial_plan: ctypes.Structure | None = None
+
+    def plan_base(self) -> dict[str, Any]:
+        """The fields every plan starts with: oneDNN's get-handle function and the two memory objects."""
+        get_handle = ctypes.cast(onednn.load().lib.dnnl_memory_get_data_handle, ctypes.c_void_p).value
+        return dict(get_handle=get_handle, x=self._memories["src"].value, y=self._memories["dst"].value)
+
+    def _plans(self, plan: ctypes.Structure, serial: ctypes.Structure | None = None) -> None:
+        self._plan, self._serial_plan = plan, serial
+
+    def calls(self) -> list[tuple[int | None, int, int, int]]:
+        return [(self._function, ctypes.addressof(self._plan), 0, 0)]
+
+    def serial_calls(self) -> list[tuple[int | None, int, int, int]] | None:
+        """calls() of the serial form (one thread, the same scratch: the two forms never run at once), or None
+        without one."""
+        if self._serial_plan is None:
+            return None
+        return [(self._function, ctypes.addressof(self._serial_plan), 0, 0)]
+
+    def memory(self, role: str) -> int:
+        return self._memories[role].value
+
+    def rebind(self, role: str, address: int) -> None:
+        onednn.load().lib.dnnl_memory_set_data_handle(self._memories[role].value, address)
+
+    def run(self) -> None:
+        status = self._entry(ctypes.addressof(self._plan), None, 0, None)
+        if status:
+            onednn._check(status, self.what)
+
+
+class PlanKernel:
+    """One layer of a plan kernel at one input size: `MEMBER` binds it, `library` and `what` are the subclass's."""
+
+    MEMBER: ClassVar[type[PlanMember]]
+    NO_RESIDUAL: ClassVar[str] = "the kernel adds no residual"
+    library: ctypes.CDLL
+    what: str
+
+    def _own_calls(self) -> None:
+        """Call from __init__: the lock and lazily bound member of the per-call path."""
+        self._lock = threading.Lock()
+        self._alone: PlanMember | None = None
+
+    def bind(self, src: int, dst: int, residual: int | None = None) -> PlanMember:
+        """The layer's call reading src, writing dst (each in a segment's layout), on scratch of its own."""
+        if residual is not None:
+            raise ValueError(self.NO_RESIDUAL)
+        return self.MEMBER(self, src, dst)
+
+    def run_into(self, x_address: int, y_address: int) -> None:
+        """The layer from x's memory into y's, on its own member (one caller at a time)."""
+        with self._lock:
+            if self._alone is None:
+                self._alone = self.bind(0, 0)
+            bound = self._alone
+            bound.rebind("src", x_address)
+            bound.rebind("dst", y_address)
+            bound.run()
