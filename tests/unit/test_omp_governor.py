@@ -231,3 +231,97 @@ def test_a_realtime_caller_has_the_cores(two_threads, monkeypatch):
     assert g._count.value == omp_governor.CALL_SPIN and "realtime" in g.last
     g.end()
     g._count.value = g._original
+
+
+def test_the_call_path_reads_no_file(two_threads, monkeypatch):
+    """begin() / end() only consult the readings: /proc/loadavg is read by the refresher thread (a daemon), every
+    REFRESH_S while calls come, never by the calling thread (a reading, ~50-100 us, made one call in each REFRESH_S
+    that much slower). Counted: every open() of the calling thread, of the real reading (openmp.runnable_tasks)."""
+    import builtins
+    import threading
+
+    monkeypatch.setattr(omp_governor, "REFRESH_S", 0.02)
+    g = _governor(openmp.runnable_tasks)
+    g.begin()  # the first decision's reading (the count was given here, not located): taken before the count
+    g.end()
+    me, opens = threading.get_ident(), {"caller": 0, "other": 0}
+    real_open, real_os_open = builtins.open, os.open
+
+    def counted(real):
+        def wrapper(*args, **kwargs):
+            opens["caller" if threading.get_ident() == me else "other"] += 1
+            return real(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(builtins, "open", counted(real_open))
+    monkeypatch.setattr(os, "open", counted(real_os_open))
+    taken = g._taken
+    deadline = time.monotonic() + 0.3
+    calls = 0
+    while time.monotonic() < deadline:
+        g.begin()
+        g.end()
+        calls += 1
+        time.sleep(0.002)
+    monkeypatch.undo()
+    assert opens["caller"] == 0, opens
+    assert g._taken - taken >= 3 and opens["other"] >= 3, (g._taken - taken, opens)  # refreshed meanwhile, off it
+    assert g._refresher is not None and g._refresher.daemon
+    g._count.value = g._original
+
+
+def test_the_refreshed_readings_decide_as_before(two_threads, monkeypatch):
+    """The decision follows the background readings by the same rule: the median of the last READINGS. The machine
+    becoming busy flips the calls to the short spin once two of three readings say so; a refresher whose reading
+    raises keeps running (a failed reading is no reading) and raises nothing out of its thread; with no call for
+    IDLE_STOP_S it stops, and the next call starts it again."""
+    import threading
+
+    if omp_governor._realtime():
+        pytest.skip("this thread runs at a realtime priority: the cores are its")
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = os.cpu_count() or 1
+    monkeypatch.setattr(omp_governor, "REFRESH_S", 0.01)
+    seen = {"runnable": 1}
+
+    def runnable(readings):
+        if seen["runnable"] is None:
+            raise RuntimeError("a reading failed")
+        return seen["runnable"]
+
+    escaped = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: escaped.append(args.exc_value))
+    g = _governor(runnable)
+
+    def settle(taken: int, more: int = 4) -> None:  # the refresher has taken `more` readings since `taken`
+        deadline = time.monotonic() + 5
+        while g._taken < taken + more and time.monotonic() < deadline:
+            g.begin()
+            g.end()
+            time.sleep(0.005)
+
+    g.begin()
+    g.end()
+    assert g._count.value == omp_governor.CALL_SPIN
+    seen["runnable"] = cpus  # cpus - 1 others: one core free for two threads
+    settle(g._taken)
+    g.begin()
+    assert g._count.value == int(openmp.SHORT_SPIN) and "oversubscribed" in g.last
+    g.end()
+    seen["runnable"] = None  # every reading raises: no reading, the decision of no reading (the cores free)
+    settle(g._taken)
+    g.begin()
+    assert g._count.value == omp_governor.CALL_SPIN
+    g.end()
+    assert g._refresher is not None and g._refresher.is_alive() and not escaped
+    monkeypatch.setattr(omp_governor, "IDLE_STOP_S", 0.05)
+    old = g._refresher
+    old.join(timeout=5)
+    assert not old.is_alive() and g._refresher is None
+    seen["runnable"] = 1
+    g.begin()
+    g.end()
+    assert g._refresher is not None and g._refresher is not old and g._refresher.is_alive()
+    g._count.value = g._original
