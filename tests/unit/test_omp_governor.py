@@ -325,3 +325,26 @@ def test_the_refreshed_readings_decide_as_before(two_threads, monkeypatch):
     g.end()
     assert g._refresher is not None and g._refresher is not old and g._refresher.is_alive()
     g._count.value = g._original
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_starts_its_own_refresher(two_threads):
+    """Threads do not survive a fork: the child's governor forgets the parent's refresher (os.register_at_fork) and its
+    next call starts one of its own, instead of trusting a field that names a thread gone with the parent."""
+    g = _governor(lambda readings: 1)
+    g.begin()
+    g.end()
+    assert g._refresher is not None
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest here, only an exit status
+        status = 1
+        try:
+            forgot = g._refresher is None
+            g.begin()
+            g.end()
+            status = 0 if forgot and g._refresher is not None and g._refresher.is_alive() else 2
+        finally:
+            os._exit(status)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    g._count.value = g._original

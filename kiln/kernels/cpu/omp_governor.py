@@ -57,6 +57,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 
 from kiln import openmp
 
@@ -144,6 +145,9 @@ def _realtime() -> bool:
         return False
 
 
+_GOVERNORS: weakref.WeakSet = weakref.WeakSet()  # every Governor of the process (a test makes its own)
+
+
 class Governor:
     """libgomp's spin count for the process: located on the first call with a team of two or more threads,
     then set per call (begin / end). Thread-safe; one per process (`governor()`)."""
@@ -154,6 +158,7 @@ class Governor:
         self._lib = lib
         self._runnable = runnable
         self._lock = threading.Lock()
+        _GOVERNORS.add(self)  # its refresher forgotten in a forked child (_after_fork)
         self._active = 0
         self._count: ctypes.c_ulonglong | None = None
         self._original = 0
@@ -299,6 +304,8 @@ class Governor:
                         return
                 reading = self._read()  # outside the lock: a call's begin() never waits for a reading
                 with self._lock:
+                    if self._refresher is not me:
+                        return
                     self._add_reading(reading)
         except BaseException:  # noqa: BLE001  interpreter shutdown (modules torn down) or anything else: just stop
             try:
@@ -308,12 +315,11 @@ class Governor:
             except BaseException:  # noqa: BLE001
                 pass
 
-    def _keep_refreshing(self, now: float) -> None:
-        """A call began (under self._lock): the refresher running, started where it is not (first call, after an
-        idle stretch, in a forked child)."""
-        self._last_begin = now
-        if self._refresher is not None and self._refresher.is_alive():
-            return
+    def _start_refresher(self) -> None:
+        """Start the refresher thread (under self._lock; a call found none: the first call, after an idle stretch,
+        in a forked child). The thread clears self._refresher itself as it stops, so that a call tells whether one
+        runs by that field alone: Thread.is_alive() on the call path cost ~15 us a call after a few ms asleep here
+        (bench/governor_call_path.py)."""
         if not self._readings:  # no reading yet (the count was given, not located here): the first decision's
             self._add_reading(self._read())
         thread = threading.Thread(target=self._refresh, name="kiln-omp-governor", daemon=True)
@@ -322,6 +328,12 @@ class Governor:
             thread.start()
         except RuntimeError:  # no thread to be had (interpreter shutting down): decide from the readings there are
             self._refresher = None
+
+    def _after_fork(self) -> None:
+        """In a forked child: no refresher runs there (threads do not survive a fork), and a lock another thread held
+        at the fork would never be released."""
+        self._lock = threading.Lock()
+        self._refresher = None
 
     def _decide(self) -> None:
         """The count of the calls begun from now on, from the last readings (no reading taken here)."""
@@ -371,7 +383,9 @@ class Governor:
                 if self._reason is not None:
                     log.info("kiln: OpenMP wait not governed: %s", self._reason)
                     return
-            self._keep_refreshing(time.monotonic())
+            self._last_begin = time.monotonic()  # the refresher runs while calls come (_refresh)
+            if self._refresher is None:
+                self._start_refresher()
             if self._decided_on != self._taken:  # a new reading since the last decision
                 first, spinning = self._decided_on < 0, self._spinning
                 self._decide()
@@ -408,6 +422,15 @@ class Governor:
 
 _GOVERNOR: Governor | None = None
 _GOVERNOR_LOCK = threading.Lock()
+
+
+def _forget_refreshers() -> None:
+    for g in list(_GOVERNORS):
+        g._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_refreshers)
 
 
 def governor() -> Governor:
