@@ -274,7 +274,7 @@ def test_the_refreshed_readings_decide_as_before(two_threads, monkeypatch):
     """The decision follows the background readings by the same rule: the median of the last READINGS. The machine
     becoming busy flips the calls to the short spin once two of three readings say so; a refresher whose reading
     raises keeps running (a failed reading is no reading) and raises nothing out of its thread; with no call for
-    IDLE_STOP_S it stops, and the next call starts it again."""
+    IDLE_STOP_S it parks (no readings), and the next call wakes it (no thread started on the call path)."""
     import threading
 
     if omp_governor._realtime():
@@ -317,13 +317,20 @@ def test_the_refreshed_readings_decide_as_before(two_threads, monkeypatch):
     g.end()
     assert g._refresher is not None and g._refresher.is_alive() and not escaped
     monkeypatch.setattr(omp_governor, "IDLE_STOP_S", 0.05)
-    old = g._refresher
-    old.join(timeout=5)
-    assert not old.is_alive() and g._refresher is None
+    thread = g._refresher
+    deadline = time.monotonic() + 5
+    while not g._parked and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert g._parked  # no call for IDLE_STOP_S: parked, not reading
+    taken = g._taken
+    time.sleep(0.1)
+    assert g._taken == taken and thread.is_alive()
     seen["runnable"] = 1
-    g.begin()
+    g.begin()  # wakes it: readings again, from the same thread (no thread started on the call path)
     g.end()
-    assert g._refresher is not None and g._refresher is not old and g._refresher.is_alive()
+    assert not g._parked
+    settle(taken, 2)
+    assert g._taken >= taken + 2 and g._refresher is thread
     g._count.value = g._original
 
 

@@ -29,11 +29,11 @@ keeps it awake, counted by its voluntary context switches) before anything relie
 The readings are taken by a daemon thread (`_refresh`), not by the call: a reading is an open and a read of
 /proc/loadavg (and a listing of /proc/self/task), ~50-100 us, which on the call path made one call in every
 REFRESH_S that much slower (a p99 spike). A call only consults the readings it finds and decides again when a new
-one has come, by the same rule. The thread runs while calls come (it stops IDLE_STOP_S after the last one began,
-and the next call starts it again: a server idle between requests keeps no thread waking), is a daemon (it never
-keeps the process alive), and never raises (a failed reading is no reading, as runnable_tasks' None). The first
-reading is taken as the count is located (an engine's load, or the first call with a team), so that the first
-decision has one. A call after an idle stretch decides from the readings before it until new ones come: the
+one has come, by the same rule. The thread is started, and the first reading taken, as the count is located (an
+engine's load, or the first call with a team); it reads while calls come and parks on an event IDLE_STOP_S after
+the last one began (a server idle between requests keeps no thread waking), which the next call sets; it is a
+daemon (it never keeps the process alive) and never raises (a failed reading is no reading, as runnable_tasks'
+None). A call after an idle stretch decides from the readings before it until new ones come: the
 median of three is what it decided from before as well (one new reading beside two old ones).
 
 Why a bounded count and not libgomp's long one with the team parked at the call's end (an empty region under a
@@ -67,7 +67,7 @@ LIBGOMP_DEFAULT = 300000  # gomp_spin_count_var when neither GOMP_SPINCOUNT nor 
 CALL_SPIN = 4000  # the count where the team fits the free cores: ~0.1 ms of polls
 IDLE_SPIN = 0  # the count _check parks a team under
 REFRESH_S = 0.2  # how often the refresher reads the free cores again (~50-100 us a reading, off the call path)
-IDLE_STOP_S = 5.0  # the refresher stops this long after the last call began (the next call starts it again)
+IDLE_STOP_S = 5.0  # the refresher parks this long after the last call began (the next call wakes it)
 READINGS = 3  # the decision: the median of the last 3 readings
 PARK_WAIT_NS = 200_000  # how long _check's park waits to see the team asleep before it restores the count anyway
 _TEAM_MAX = 256  # segment_loop.c's OMP_MAX_TEAM
@@ -170,6 +170,8 @@ class Governor:
         self._taken = 0
         self._decided_on = -1
         self._refresher: threading.Thread | None = None
+        self._parked = False  # the refresher waits on _wake (no call for IDLE_STOP_S)
+        self._wake = threading.Event()
         self._last_begin = 0.0
         self._tids = (ctypes.c_int * _TEAM_MAX)()  # the team's thread ids at the last park
         self._team_size = ctypes.c_int(0)
@@ -219,6 +221,8 @@ class Governor:
             return
         self._count, self._original = count, expected
         self._add_reading(self._read())  # the first decision's reading: as the count is found, not at a call
+        self._last_begin = time.monotonic()
+        self._start_refresher()  # and its refresher (starting a thread is ~1 ms here: not at a call either)
 
     def _check(self, count: ctypes.c_ulonglong) -> str | None:
         """None when writing `count` changes how the team waits as libgomp's spin count would, else why not.
@@ -290,8 +294,9 @@ class Governor:
         self._taken += 1
 
     def _refresh(self) -> None:
-        """The refresher thread: a reading every REFRESH_S while calls come; gone IDLE_STOP_S after the last began.
-        Never raises (a daemon thread's exception would be printed, and nothing here is worth one)."""
+        """The refresher thread: a reading every REFRESH_S while calls come; IDLE_STOP_S after the last call began it
+        parks on an event (no wake-ups while the process is idle) until a call sets it. Never
+        raises (a daemon thread's exception would be printed, and nothing here is worth one)."""
         me = threading.current_thread()
         try:
             while True:
@@ -299,9 +304,13 @@ class Governor:
                 with self._lock:
                     if self._refresher is not me:  # replaced (a test's, or after a fork): leave it to the new one
                         return
-                    if time.monotonic() - self._last_begin > IDLE_STOP_S:
-                        self._refresher = None
-                        return
+                    parked = time.monotonic() - self._last_begin > IDLE_STOP_S
+                    if parked:
+                        self._parked = True
+                        self._wake.clear()
+                if parked:  # until a call wakes it, then REFRESH_S as ever before the next reading (not at once: the
+                    self._wake.wait()  # calls right after that one would find the GIL held by the reading)
+                    continue
                 reading = self._read()  # outside the lock: a call's begin() never waits for a reading
                 with self._lock:
                     if self._refresher is not me:
@@ -316,24 +325,27 @@ class Governor:
                 pass
 
     def _start_refresher(self) -> None:
-        """Start the refresher thread (under self._lock; a call found none: the first call, after an idle stretch,
-        in a forked child). The thread clears self._refresher itself as it stops, so that a call tells whether one
-        runs by that field alone: Thread.is_alive() on the call path cost ~15 us a call after a few ms asleep here
-        (bench/governor_call_path.py)."""
+        """Start the refresher thread (under self._lock): as the count is located (an engine's load), else at the
+        first call that finds none (a count given, not located: the tests'; in a forked child). Starting a thread
+        waits for it to run: ~1 ms at the median on this loaded 2-vCPU VM, which is why an idle refresher parks
+        rather than ends (a call after each idle stretch would start one). The thread clears self._refresher
+        itself if it stops, so that a call tells whether one runs by that field alone (Thread.is_alive() cost
+        ~15 us a call after a few ms asleep here: bench/governor_call_path.py)."""
         if not self._readings:  # no reading yet (the count was given, not located here): the first decision's
             self._add_reading(self._read())
         thread = threading.Thread(target=self._refresh, name="kiln-omp-governor", daemon=True)
-        self._refresher = thread
+        self._refresher, self._parked = thread, False
         try:
             thread.start()
         except RuntimeError:  # no thread to be had (interpreter shutting down): decide from the readings there are
             self._refresher = None
 
     def _after_fork(self) -> None:
-        """In a forked child: no refresher runs there (threads do not survive a fork), and a lock another thread held
-        at the fork would never be released."""
+        """In a forked child: no refresher runs there (threads do not survive a fork), and a lock or an event another
+        thread held at the fork would never be released."""
         self._lock = threading.Lock()
-        self._refresher = None
+        self._wake = threading.Event()
+        self._refresher, self._parked = None, False
 
     def _decide(self) -> None:
         """The count of the calls begun from now on, from the last readings (no reading taken here)."""
@@ -386,6 +398,9 @@ class Governor:
             self._last_begin = time.monotonic()  # the refresher runs while calls come (_refresh)
             if self._refresher is None:
                 self._start_refresher()
+            elif self._parked:  # idle until now: the refresher reads again (this call decides from the last readings)
+                self._parked = False
+                self._wake.set()
             if self._decided_on != self._taken:  # a new reading since the last decision
                 first, spinning = self._decided_on < 0, self._spinning
                 self._decide()
