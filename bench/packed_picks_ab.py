@@ -1,7 +1,8 @@
 """A zoo model as the builder tunes it beside the same model with every GEMM pinned to one tactic (kiln_packed,
 onednn_direct), and onnxruntime, in one process: whether the tuner's GEMM picks are the faster ones.
 
-    python bench/packed_picks_ab.py [--models convnext_tiny] [--threads 2] [--realtime] [--build-realtime]
+    python bench/packed_picks_ab.py [--models convnext_tiny] [--threads 2] [--realtime] [--build-realtime] [--avx2]
+                                    [--tuned-only]
 
 Why: on a loaded 2-vCPU Zen 4 the builds picked cpu.gemm.kiln_packed for most of ConvNeXt-tiny's 11 GEMMs where the
 engine with every GEMM on cpu.gemm.onednn_direct ran faster (bench/results/small-zen4-2026-12-06.md). Each engine is
@@ -27,6 +28,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if "--avx2" in sys.argv:  # before torch, onnxruntime or kiln read cpuid (bench/zoo_avx2.py's caps)
+    import cpuid_avx2  # noqa: E402  bench/cpuid_avx2.py: MLAS too sees an AVX2-only CPU
+
+    cpuid_avx2.enable()
+    os.environ["KILN_CPU_ISA"] = "avx2"
 
 import numpy as np  # noqa: E402
 
@@ -70,7 +76,7 @@ def measure(name: str, args) -> list[str]:
     with realtime(args.build_realtime):
         tuned = kiln.build(str(exported.path))
     engines = {"kiln, tuned": tuned}
-    for tactic in PINNED:
+    for tactic in () if args.tuned_only else PINNED:
         engines[f"kiln, GEMMs on {tactic.removeprefix('cpu.gemm.')}"] = kiln.build(str(exported.path),
                                                                                  tactics=only_gemm(tactic))
     if args.base:  # kiln's GEMM as gemm.c was at args.base, for that engine's build and load (its plans' library)
@@ -129,7 +135,14 @@ def main() -> None:
     ap.add_argument("--base-rows", action="store_true",
                     help="the base engine's layers switch to the K-blocked loop past WHOLE_K_ROW_BLOCKS row blocks on "
                     "every tile (gemm_native's rule before WHOLE_K_ROW_BLOCKS_OF)")
+    ap.add_argument("--avx2", action="store_true",
+                    help="every library capped to AVX2 (bench/zoo_avx2.py's caps: KILN_CPU_ISA, cpuid masked for MLAS)")
+    ap.add_argument("--tuned-only", action="store_true", help="no engines with every GEMM pinned to one tactic")
     args = ap.parse_args()
+    if args.avx2:
+        from kiln.kernels.cpu import cpu_features
+
+        cpu_features.cap_libraries()  # oneDNN (and MKL, ATen) told before their first kernel
     for name in args.models.split(","):
         print("\n".join(measure(name.strip(), args)) + "\n", flush=True)
 

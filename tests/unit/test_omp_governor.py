@@ -231,3 +231,127 @@ def test_a_realtime_caller_has_the_cores(two_threads, monkeypatch):
     assert g._count.value == omp_governor.CALL_SPIN and "realtime" in g.last
     g.end()
     g._count.value = g._original
+
+
+def test_the_call_path_reads_no_file(two_threads, monkeypatch):
+    """begin() / end() only consult the readings: /proc/loadavg is read by the refresher thread (a daemon), every
+    REFRESH_S while calls come, never by the calling thread (a reading, ~50-100 us, made one call in each REFRESH_S
+    that much slower). Counted: every open() of the calling thread, of the real reading (openmp.runnable_tasks)."""
+    import builtins
+    import threading
+
+    monkeypatch.setattr(omp_governor, "REFRESH_S", 0.02)
+    g = _governor(openmp.runnable_tasks)
+    g.begin()  # the first decision's reading (the count was given here, not located): taken before the count
+    g.end()
+    me, opens = threading.get_ident(), {"caller": 0, "other": 0}
+    real_open, real_os_open = builtins.open, os.open
+
+    def counted(real):
+        def wrapper(*args, **kwargs):
+            opens["caller" if threading.get_ident() == me else "other"] += 1
+            return real(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(builtins, "open", counted(real_open))
+    monkeypatch.setattr(os, "open", counted(real_os_open))
+    taken = g._taken
+    deadline = time.monotonic() + 0.3
+    calls = 0
+    while time.monotonic() < deadline:
+        g.begin()
+        g.end()
+        calls += 1
+        time.sleep(0.002)
+    monkeypatch.undo()
+    assert opens["caller"] == 0, opens
+    assert g._taken - taken >= 3 and opens["other"] >= 3, (g._taken - taken, opens)  # refreshed meanwhile, off it
+    assert g._refresher is not None and g._refresher.daemon
+    g._count.value = g._original
+
+
+def test_the_refreshed_readings_decide_as_before(two_threads, monkeypatch):
+    """The decision follows the background readings by the same rule: the median of the last READINGS. The machine
+    becoming busy flips the calls to the short spin once two of three readings say so; a refresher whose reading
+    raises keeps running (a failed reading is no reading) and raises nothing out of its thread; with no call for
+    IDLE_STOP_S it parks (no readings), and the next call wakes it (no thread started on the call path)."""
+    import threading
+
+    if omp_governor._realtime():
+        pytest.skip("this thread runs at a realtime priority: the cores are its")
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = os.cpu_count() or 1
+    monkeypatch.setattr(omp_governor, "REFRESH_S", 0.01)
+    seen = {"runnable": 1}
+
+    def runnable(readings):
+        if seen["runnable"] is None:
+            raise RuntimeError("a reading failed")
+        return seen["runnable"]
+
+    escaped = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: escaped.append(args.exc_value))
+    g = _governor(runnable)
+
+    def settle(taken: int, more: int = 4) -> None:  # the refresher has taken `more` readings since `taken`
+        deadline = time.monotonic() + 5
+        while g._taken < taken + more and time.monotonic() < deadline:
+            g.begin()
+            g.end()
+            time.sleep(0.005)
+
+    g.begin()
+    g.end()
+    assert g._count.value == omp_governor.CALL_SPIN
+    seen["runnable"] = cpus  # cpus - 1 others: one core free for two threads
+    settle(g._taken)
+    g.begin()
+    assert g._count.value == int(openmp.SHORT_SPIN) and "oversubscribed" in g.last
+    g.end()
+    seen["runnable"] = None  # every reading raises: no reading, the decision of no reading (the cores free)
+    settle(g._taken)
+    g.begin()
+    assert g._count.value == omp_governor.CALL_SPIN
+    g.end()
+    assert g._refresher is not None and g._refresher.is_alive() and not escaped
+    monkeypatch.setattr(omp_governor, "IDLE_STOP_S", 0.05)
+    thread = g._refresher
+    deadline = time.monotonic() + 5
+    while not g._parked and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert g._parked  # no call for IDLE_STOP_S: parked, not reading
+    taken = g._taken
+    time.sleep(0.1)
+    assert g._taken == taken and thread.is_alive()
+    seen["runnable"] = 1
+    g.begin()  # wakes it: readings again, from the same thread (no thread started on the call path)
+    g.end()
+    assert not g._parked
+    settle(taken, 2)
+    assert g._taken >= taken + 2 and g._refresher is thread
+    g._count.value = g._original
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_starts_its_own_refresher(two_threads):
+    """Threads do not survive a fork: the child's governor forgets the parent's refresher (os.register_at_fork) and its
+    next call starts one of its own, instead of trusting a field that names a thread gone with the parent."""
+    g = _governor(lambda readings: 1)
+    g.begin()
+    g.end()
+    assert g._refresher is not None
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest here, only an exit status
+        status = 1
+        try:
+            forgot = g._refresher is None
+            g.begin()
+            g.end()
+            status = 0 if forgot and g._refresher is not None and g._refresher.is_alive() else 2
+        finally:
+            os._exit(status)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    g._count.value = g._original

@@ -16,8 +16,8 @@ checked by what the threads do (`_check`: a count of 0 puts a team thread to sle
 keeps it awake, counted by its voluntary context switches) before anything relies on it. Then each call sets it
 (`begin`; the outermost of calls that overlap):
 
-- where the team fits the cores free now (threads <= CPUs - other runnable tasks, read from /proc/loadavg at most
-  every REFRESH_S, the median of the last READINGS, this process's own threads not counted): CALL_SPIN, 4000
+- where the team fits the cores free now (threads <= CPUs - other runnable tasks, read from /proc/loadavg every
+  REFRESH_S off the call path, the median of the last READINGS, this process's own threads not counted): CALL_SPIN, 4000
   polls (~0.1 ms here, ~27 ns a poll): a thread waits for the next layer of the call spinning (the gaps inside a
   native segment are microseconds), and sleeps ~0.1 ms after the call returns, on its own;
 - where it does not fit: the short spin (oversubscribed: a thread that sleeps at once gives its core back and,
@@ -25,6 +25,16 @@ keeps it awake, counted by its voluntary context switches) before anything relie
   other work waits for it). At SCHED_FIFO with the 1-min load at 8 (bench/omp_spin_ab.py --realtime),
   MobileNetV2 at 2 threads ran 1.00x onnxruntime under CALL_SPIN, 0.98x under libgomp's 300000 and 1.39x under the
   short spin; at normal priority at load 15-17, 0.50x short, 0.65x CALL_SPIN, 1.19x 300000.
+
+The readings are taken by a daemon thread (`_refresh`), not by the call: a reading is an open and a read of
+/proc/loadavg (and a listing of /proc/self/task), ~50-100 us, which on the call path made one call in every
+REFRESH_S that much slower (a p99 spike). A call only consults the readings it finds and decides again when a new
+one has come, by the same rule. The thread is started, and the first reading taken, as the count is located (an
+engine's load, or the first call with a team); it reads while calls come and parks on an event IDLE_STOP_S after
+the last one began (a server idle between requests keeps no thread waking), which the next call sets; it is a
+daemon (it never keeps the process alive) and never raises (a failed reading is no reading, as runnable_tasks'
+None). A call after an idle stretch decides from the readings before it until new ones come: the
+median of three is what it decided from before as well (one new reading beside two old ones).
 
 Why a bounded count and not libgomp's long one with the team parked at the call's end (an empty region under a
 count of 0): the parking region waits for every team thread, and a thread preempted on a loaded machine made it
@@ -47,6 +57,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 
 from kiln import openmp
 
@@ -55,7 +66,8 @@ log = logging.getLogger("kiln.runtime")
 LIBGOMP_DEFAULT = 300000  # gomp_spin_count_var when neither GOMP_SPINCOUNT nor OMP_WAIT_POLICY is set
 CALL_SPIN = 4000  # the count where the team fits the free cores: ~0.1 ms of polls
 IDLE_SPIN = 0  # the count _check parks a team under
-REFRESH_S = 0.2  # how often begin() reads the free cores again (~50-100 us a reading)
+REFRESH_S = 0.2  # how often the refresher reads the free cores again (~50-100 us a reading, off the call path)
+IDLE_STOP_S = 5.0  # the refresher parks this long after the last call began (the next call wakes it)
 READINGS = 3  # the decision: the median of the last 3 readings
 PARK_WAIT_NS = 200_000  # how long _check's park waits to see the team asleep before it restores the count anyway
 _TEAM_MAX = 256  # segment_loop.c's OMP_MAX_TEAM
@@ -133,6 +145,9 @@ def _realtime() -> bool:
         return False
 
 
+_GOVERNORS: weakref.WeakSet = weakref.WeakSet()  # every Governor of the process (a test makes its own)
+
+
 class Governor:
     """libgomp's spin count for the process: located on the first call with a team of two or more threads,
     then set per call (begin / end). Thread-safe; one per process (`governor()`)."""
@@ -143,13 +158,21 @@ class Governor:
         self._lib = lib
         self._runnable = runnable
         self._lock = threading.Lock()
+        _GOVERNORS.add(self)  # its refresher forgotten in a forked child (_after_fork)
         self._active = 0
         self._count: ctypes.c_ulonglong | None = None
         self._original = 0
         self._reason: str | None = None  # why not governed (None: governed, or not decided yet)
-        self._decided_at = -1.0
         self._spin = CALL_SPIN  # the count of the calls begun now
-        self._readings: list[int | None] = []  # the last READINGS of the tasks runnable, one per REFRESH_S
+        # the last READINGS of the tasks runnable, one per REFRESH_S, taken by the refresher thread (never by a call);
+        # _taken counts them, _decided_on is _taken at the last decision (-1: none yet)
+        self._readings: list[int | None] = []
+        self._taken = 0
+        self._decided_on = -1
+        self._refresher: threading.Thread | None = None
+        self._parked = False  # the refresher waits on _wake (no call for IDLE_STOP_S)
+        self._wake = threading.Event()
+        self._last_begin = 0.0
         self._tids = (ctypes.c_int * _TEAM_MAX)()  # the team's thread ids at the last park
         self._team_size = ctypes.c_int(0)
         self._spinning = True
@@ -197,6 +220,9 @@ class Governor:
             self._reason = f"{path}: {why}"
             return
         self._count, self._original = count, expected
+        self._add_reading(self._read())  # the first decision's reading: as the count is found, not at a call
+        self._last_begin = time.monotonic()
+        self._start_refresher()  # and its refresher (starting a thread is ~1 ms here: not at a call either)
 
     def _check(self, count: ctypes.c_ulonglong) -> str | None:
         """None when writing `count` changes how the team waits as libgomp's spin count would, else why not.
@@ -255,15 +281,81 @@ class Governor:
             time.sleep(0.0005)
 
     # ---- per call ----------------------------------------------------------------------------------------
-    def _decide(self, now: float) -> None:
+    def _read(self) -> int | None:
+        """One reading of the tasks runnable (None where it fails: the refresher must not raise)."""
+        try:
+            return self._runnable(1)
+        except Exception:  # noqa: BLE001  a stand-in's or /proc's failure: no reading, as runnable_tasks' None
+            return None
+
+    def _add_reading(self, reading: int | None) -> None:
+        """Keep `reading` among the last READINGS (under self._lock)."""
+        self._readings = [*self._readings[1 - READINGS:], reading]
+        self._taken += 1
+
+    def _refresh(self) -> None:
+        """The refresher thread: a reading every REFRESH_S while calls come; IDLE_STOP_S after the last call began it
+        parks on an event (no wake-ups while the process is idle) until a call sets it. Never
+        raises (a daemon thread's exception would be printed, and nothing here is worth one)."""
+        me = threading.current_thread()
+        try:
+            while True:
+                time.sleep(REFRESH_S)
+                with self._lock:
+                    if self._refresher is not me:  # replaced (a test's, or after a fork): leave it to the new one
+                        return
+                    parked = time.monotonic() - self._last_begin > IDLE_STOP_S
+                    if parked:
+                        self._parked = True
+                        self._wake.clear()
+                if parked:  # until a call wakes it, then REFRESH_S as ever before the next reading (not at once: the
+                    self._wake.wait()  # calls right after that one would find the GIL held by the reading)
+                    continue
+                reading = self._read()  # outside the lock: a call's begin() never waits for a reading
+                with self._lock:
+                    if self._refresher is not me:
+                        return
+                    self._add_reading(reading)
+        except BaseException:  # noqa: BLE001  interpreter shutdown (modules torn down) or anything else: just stop
+            try:
+                with self._lock:
+                    if self._refresher is me:
+                        self._refresher = None
+            except BaseException:  # noqa: BLE001
+                pass
+
+    def _start_refresher(self) -> None:
+        """Start the refresher thread (under self._lock): as the count is located (an engine's load), else at the
+        first call that finds none (a count given, not located: the tests'; in a forked child). Starting a thread
+        waits for it to run: ~1 ms at the median on this loaded 2-vCPU VM, which is why an idle refresher parks
+        rather than ends (a call after each idle stretch would start one). The thread clears self._refresher
+        itself if it stops, so that a call tells whether one runs by that field alone (Thread.is_alive() cost
+        ~15 us a call after a few ms asleep here: bench/governor_call_path.py)."""
+        if not self._readings:  # no reading yet (the count was given, not located here): the first decision's
+            self._add_reading(self._read())
+        thread = threading.Thread(target=self._refresh, name="kiln-omp-governor", daemon=True)
+        self._refresher, self._parked = thread, False
+        try:
+            thread.start()
+        except RuntimeError:  # no thread to be had (interpreter shutting down): decide from the readings there are
+            self._refresher = None
+
+    def _after_fork(self) -> None:
+        """In a forked child: no refresher runs there (threads do not survive a fork), and a lock or an event another
+        thread held at the fork would never be released."""
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._refresher, self._parked = None, False
+
+    def _decide(self) -> None:
+        """The count of the calls begun from now on, from the last readings (no reading taken here)."""
         threads = self._lib.kiln_omp_max_threads()
         try:
             cpus = len(os.sched_getaffinity(0))
         except (AttributeError, OSError):
             cpus = os.cpu_count() or 1
-        # one reading per REFRESH_S (a reading is ~50-100 us), the median of the last READINGS decides: one task
-        # waking for a moment does not flip the policy
-        self._readings = [*self._readings[1 - READINGS:], self._runnable(1)]
+        # the median of the last READINGS (one per REFRESH_S) decides: one task waking for a moment does not flip
+        # the policy
         known = sorted(r for r in self._readings if r is not None)
         runnable = known[len(known) // 2] if known else None
         others = None if runnable is None else runnable - 1
@@ -271,7 +363,7 @@ class Governor:
         realtime = _realtime()
         self._spinning = threads <= free or realtime
         self._spin = CALL_SPIN if self._spinning else int(openmp.SHORT_SPIN)
-        self._decided_at = now
+        self._decided_on = self._taken
         seen = "" if others is None else f", {others} other task(s) runnable"
         seen += " (this thread at a realtime priority: the cores are its)" if realtime else ""
         self.last = (f"{threads} thread(s) on {cpus} CPU(s){seen}: "
@@ -303,10 +395,15 @@ class Governor:
                 if self._reason is not None:
                     log.info("kiln: OpenMP wait not governed: %s", self._reason)
                     return
-            now = time.monotonic()
-            if now - self._decided_at > REFRESH_S:
-                first, spinning = self._decided_at < 0, self._spinning
-                self._decide(now)
+            self._last_begin = time.monotonic()  # the refresher runs while calls come (_refresh)
+            if self._refresher is None:
+                self._start_refresher()
+            elif self._parked:  # idle until now: the refresher reads again (this call decides from the last readings)
+                self._parked = False
+                self._wake.set()
+            if self._decided_on != self._taken:  # a new reading since the last decision
+                first, spinning = self._decided_on < 0, self._spinning
+                self._decide()
                 if first or spinning != self._spinning:  # logged when it changes, not every REFRESH_S
                     log.info("kiln: OpenMP wait: %s", self.last)
             self._count.value = self._spin
@@ -340,6 +437,15 @@ class Governor:
 
 _GOVERNOR: Governor | None = None
 _GOVERNOR_LOCK = threading.Lock()
+
+
+def _forget_refreshers() -> None:
+    for g in list(_GOVERNORS):
+        g._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_refreshers)
 
 
 def governor() -> Governor:
