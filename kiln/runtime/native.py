@@ -454,6 +454,18 @@ class Segment:
             self._rewrite = _PlanRewrite(self)
         return True
 
+    def trace_ahead(self, key: tuple) -> bool:
+        """Trace the view's walk at entry sizes `key` (its rules' paths and the walk's: _PlanRewrite.learn_at) before
+        any call there: a background job at load (first_calls.primitives_ahead), so that a first call at sizes of a
+        class traced here is one call of the traced walk (BERT-base's first new shape: ~4-5 ms of traces otherwise,
+        bench/results/first-shape-2026-12-06.md). Binds nothing and takes no lock of the segment's: only the
+        plan rewrite's traced rules and walk change, under their locks. True where a path of the walk was added."""
+        template = self._grown or self
+        rewrite = template._rewrite if self._views else None
+        if rewrite is None or any(len(k) != len(t) for k, t in zip(key, template.entry_sizes)):
+            return False
+        return rewrite.learn_at(template, key)
+
     def _rewritten(self, key: tuple) -> _Resized | None:
         """These sizes as a view whose plans of kiln's own kernels are the template's rewritten (_PlanRewrite),
         or None where the template's arena cannot hold them or a layer's rule refuses them."""
