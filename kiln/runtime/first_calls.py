@@ -423,9 +423,10 @@ def _trace_job(program: Program, profiles: list[Profile]) -> onednn_ahead.Job | 
     if not shapes:
         return None
     program_ref, segment_ref = weakref.ref(program), weakref.ref(step.fn)
+    largest = [[tuple(shapes.max) for shapes in (p.inputs[n] for n in program.spec.inputs)] for p in profiles]
 
     def make() -> bool:
-        made = False
+        made = _grown(program_ref(), segment_ref(), entry_slots, largest)
         for inputs in shapes:
             program, segment = program_ref(), segment_ref()
             if program is None or segment is None:
@@ -436,6 +437,23 @@ def _trace_job(program: Program, profiles: list[Profile]) -> onednn_ahead.Job | 
             time.sleep(0)  # the GIL to a calling thread, if one waits
         return made
     return onednn_ahead.Job(("view traces", next(_REWRITE_JOBS)), 0, make)
+
+
+def _grown(program: Program | None, segment: Segment | None, entry_slots: tuple[int, ...],
+           largest: list[list[tuple[int, ...]]]) -> bool:
+    """The segment's view template grown to the profiles' largest entry sizes (Segment.grow_ahead: each entry dim
+    the largest of any profile's largest shape, as _view grows it), before the traces: a first call past the
+    build's arena (BERT-base's opt 8 x 128 at 3 x 250) would grow it and its next new shapes trace again."""
+    if program is None or segment is None:
+        return False
+    keys = [key for key in (entry_key(program, entry_slots, shapes) for shapes in largest) if key is not None]
+    if not keys or any(len(k) != len(keys[0]) or list(map(len, k)) != list(map(len, keys[0])) for k in keys):
+        return False
+    grown = tuple(tuple(map(max, *dims)) if len(keys) > 1 else dims[0] for dims in zip(*keys))
+    try:
+        return segment.grow_ahead(grown)
+    except ValueError:  # a layer that cannot bind them: a call past the arena binds as before
+        return False
 
 
 _REWRITE_JOBS = itertools.count()

@@ -466,6 +466,31 @@ class Segment:
             return False
         return rewrite.learn_at(template, key)
 
+    def grow_ahead(self, key: tuple) -> bool:
+        """Grow the views' template to entry sizes `key` now (the profile's largest: a background job at load,
+        first_calls.primitives_ahead), with its plan rewrite, as the first call past the template's arena would
+        (_view: a Segment of its own at the larger sizes, ~7 ms on BERT-base, then its plan rewrite and its traces
+        at the next new shape, ~10 ms: bench/results/first-shape-2026-12-06.md). The grown arena is the one a
+        stream reaching the profile's largest shape would grow to, its pages touched here (BERT-base at 8 x 256:
+        38 MiB, beside the build's 18.5). True where it grew; ValueError where a layer cannot bind `key`."""
+        if not self._views or self._grown is not None:
+            return False
+        at = self._natives_at(key)
+        if self.fits(at.natives, at.forms):
+            return False
+        candidate = type(self)(self.members, self.read_after, self.constants, at.natives)
+        if candidate.entries != self.entries or candidate.exits != self.exits or not candidate._views \
+                or not candidate.fits(at.natives, at.forms):
+            return False
+        candidate.rewrite_ahead()
+        for buffer in candidate.buffers:  # its pages faulted in here: a huge page's first touch may wait on the
+            buffer.zero_()  # kernel's compaction (a first call on the untouched arena: +35-75 ms inside the loop)
+        with self._resize_lock:  # as _view sets it (its caller holds the lock)
+            if self._grown is not None:
+                return False
+            self._grown = candidate
+        return True
+
     def _rewritten(self, key: tuple) -> _Resized | None:
         """These sizes as a view whose plans of kiln's own kernels are the template's rewritten (_PlanRewrite),
         or None where the template's arena cannot hold them or a layer's rule refuses them."""
