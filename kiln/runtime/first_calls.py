@@ -414,10 +414,10 @@ def _trace_job(program: Program, profiles: list[Profile]) -> onednn_ahead.Job | 
     new shape: ~4 ms of its ~5, and again at the first shape of another class, bench/results/
     first-shape-2026-12-06.md). None where the program is not one segment with views whose entry sizes its shape
     function finds. Holds the program and segment weakly; lets a calling thread have the GIL between shapes."""
-    if program.shape_plans is None or len(program.lean_steps) != 1:
+    if len(program.lean_steps) != 1:
         return None
     step = program.lean_steps[0]
-    if not isinstance(step.fn, Segment) or not step.fn._views or not _sizes_ahead(program):
+    if not isinstance(step.fn, Segment) or not step.fn._views:
         return None
     entry_slots, shapes = tuple(step.inputs), trace_shapes(program, profiles)
     if not shapes:
@@ -459,23 +459,21 @@ def _grown(program: Program | None, segment: Segment | None, entry_slots: tuple[
 _REWRITE_JOBS = itertools.count()
 
 
-def _sizes_ahead(program: Program) -> bool:
-    """Whether `program` finds a new signature's shape values from its inputs' sizes alone (Program.plan_ahead)."""
-    return bool(program.plans_ahead) and program.shape_plans is not None and program.shape_function.shapes_only
-
-
 def entry_key(program: Program, entry_slots: tuple[int, ...], shapes: list[tuple[int, ...]]) -> tuple | None:
     """The entry sizes a one-segment program's segment (its entries `entry_slots`) is called at for inputs of
     `shapes`, found by its shape function alone (as DirectRuns.bind's first call finds them), remembering nothing:
-    None where the program has no shape function that reads only the inputs' sizes, or it refuses these shapes.
-    The inputs are zero-strided arrays (their values are never read)."""
-    if not _sizes_ahead(program):
+    None where its shape values need more than the inputs' sizes (a shape function that reads their data, or steps
+    the loop runs), or the shape function refuses these shapes. The inputs are zero-strided arrays (their values
+    are never read)."""
+    function = program.shape_function
+    if function is not None and (not program.plans_ahead or not function.shapes_only):
         return None
     env = list(program.template)
     for s, shape in zip(program.input_slots, shapes):
         env[s] = np.broadcast_to(np.zeros((), np.int64), shape)
     try:
-        program.shape_function(env)
+        if function is not None:
+            function(env)
     except Exception:  # noqa: BLE001  shapes its layers refuse: a call says why, this only traces
         return None
     key = []
