@@ -5,7 +5,12 @@ jobs done (first_calls.primitives_made), then first calls at --shapes in order, 
 1 thread, first-call padding off (every new shape binds). onnxruntime's first call at the same shapes beside it
 (its own session, 1 thread, made and warmed at the engine's build shape first).
 
-    python bench/first_shape.py --engine /tmp/first/bert_base.kiln --onnx model.onnx
+    python bench/first_shape.py --engine /tmp/first/bert_base.kiln --onnx model.onnx [--no-views-ahead]
+    python bench/first_shape.py --engine /tmp/first/bert_base.kiln --steady 2x16,1x8,3x5
+
+--no-views-ahead: the load's view job off (first_calls._trace_job: no template grown, no walk traced at load), the
+tree before it otherwise. --steady: the hot path at shapes already seen, the engine loaded twice in one process (one
+with the view job, one without), calls interleaved in shuffled order, median thread CPU ms per shape and ratio.
 
 Rows: first - repeat; of it outside the loop's C call; spans of the parts (rule traces: TracedRule._trace; the
 walk's trace: ViewTrace.learn; the view: Segment._bind_sizes).
@@ -43,7 +48,14 @@ def main() -> None:
     ap.add_argument("--onnx", default="", help="the model's ONNX file: onnxruntime's first calls beside")
     ap.add_argument("--shapes", default="3x5,2x7,1x8,4x33,1x100,2x61,3x250")
     ap.add_argument("--label", default="")
+    ap.add_argument("--no-views-ahead", action="store_true")
+    ap.add_argument("--steady", default="", help="shapes of the steady-state A/B (then no first calls)")
+    ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args()
+    if args.steady:
+        return steady(args)
+    if args.no_views_ahead:
+        first_calls._trace_job = lambda program, profiles: None
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     rng = np.random.default_rng(0)
     feeds = {s: {"input_ids": rng.integers(0, 1000, s), "attention_mask": np.ones(s, np.int64)} for s in shapes}
@@ -95,6 +107,39 @@ def main() -> None:
     print("|---|" + "---|" * len(shapes))
     for name, values in rows.items():
         print(f"| {name} | " + " | ".join(f"{v:.0f}" for v in values) + " |")
+
+
+def steady(args) -> None:
+    """Views ahead on (B) and off (A) at shapes already seen: two loads of the engine in one process."""
+    import statistics
+
+    real = first_calls._trace_job
+    first_calls._trace_job = lambda program, profiles: None
+    a = warm_context(args.engine)
+    first_calls.primitives_made(120)
+    first_calls._trace_job = real
+    b = warm_context(args.engine)
+    first_calls.primitives_made(120)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.steady.split(",")]
+    rng = np.random.default_rng(0)
+    feeds = {s: {"input_ids": rng.integers(0, 1000, s), "attention_mask": np.ones(s, np.int64)} for s in shapes}
+    times: dict[tuple, list[float]] = {}
+    for shape in shapes:  # each bound once on both
+        a.run(feeds[shape])
+        b.run(feeds[shape])
+    for _ in range(args.rounds):
+        order = [(name, context, shape) for name, context in (("A", a), ("B", b)) for shape in shapes]
+        rng.shuffle(order)
+        for name, context, shape in order:
+            start = time.thread_time_ns()
+            context.run(feeds[shape])
+            times.setdefault((name, shape), []).append((time.thread_time_ns() - start) / 1e6)
+    print(f"# steady state, {Path(args.engine).name}, 1 thread, load {os.getloadavg()[0]:.1f}, {args.rounds} rounds: "
+          "A views ahead off, B on (ms, median)")
+    print("| shape | A | B | B / A |\n|---|---|---|---|")
+    for shape in shapes:
+        ma, mb = statistics.median(times["A", shape]), statistics.median(times["B", shape])
+        print(f"| {shape[0]}x{shape[1]} | {ma:.2f} | {mb:.2f} | {mb / ma:.3f} |")
 
 
 if __name__ == "__main__":

@@ -417,8 +417,8 @@ def _trace_job(program: Program, profiles: list[Profile]) -> onednn_ahead.Job | 
     if len(program.lean_steps) != 1:
         return None
     step = program.lean_steps[0]
-    if not isinstance(step.fn, Segment) or not step.fn._views:
-        return None
+    if not isinstance(step.fn, Segment) or not step.fn._views or step.fn._planned_batch is not None:
+        return None  # (a segment of images: another batch runs in runs of its planned one, not on a view)
     entry_slots, shapes = tuple(step.inputs), trace_shapes(program, profiles)
     if not shapes:
         return None

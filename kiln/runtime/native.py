@@ -66,6 +66,7 @@ from kiln.tactics.tactic import NativeStep, native_strides, row_major_strides
 _CL = torch.channels_last
 RESIZED = 8  # segments bound for other input sizes than the tuned one, per segment (profile shapes)
 VIEWS = 256  # sizes kept as views over a template's memory (_Resized: plans only), per segment
+GROW_AHEAD_BYTES = 256 << 20  # the largest arena a view template grows to at load (Segment.grow_ahead), its pages touched
 
 
 _NUMPY = {torch.float32: np.dtype(np.float32), torch.int64: np.dtype(np.int64), torch.int32: np.dtype(np.int32),
@@ -472,7 +473,8 @@ class Segment:
         (_view: a Segment of its own at the larger sizes, ~7 ms on BERT-base, then its plan rewrite and its traces
         at the next new shape, ~10 ms: bench/results/first-shape-2026-12-06.md). The grown arena is the one a
         stream reaching the profile's largest shape would grow to, its pages touched here (BERT-base at 8 x 256:
-        38 MiB, beside the build's 18.5). True where it grew; ValueError where a layer cannot bind `key`."""
+        38 MiB, beside the build's 18.5; past GROW_AHEAD_BYTES it is left to a call that needs it). True where it
+        grew; ValueError where a layer cannot bind `key`."""
         if not self._views or self._grown is not None:
             return False
         at = self._natives_at(key)
@@ -480,8 +482,9 @@ class Segment:
             return False
         candidate = type(self)(self.members, self.read_after, self.constants, at.natives)
         if candidate.entries != self.entries or candidate.exits != self.exits or not candidate._views \
-                or not candidate.fits(at.natives, at.forms):
-            return False
+                or not candidate.fits(at.natives, at.forms) \
+                or sum(b.numel() * b.element_size() for b in candidate.buffers) > GROW_AHEAD_BYTES:
+            return False  # (its arena's pages never touched: they held no memory)
         candidate.rewrite_ahead()
         for buffer in candidate.buffers:  # its pages faulted in here: a huge page's first touch may wait on the
             buffer.zero_()  # kernel's compaction (a first call on the untouched arena: +35-75 ms inside the loop)

@@ -40,11 +40,11 @@ def loaded(tmp_path_factory):
                if tactic.op_type != "FusedGemm" or name == "cpu.gemm.kiln_packed"]
     kiln.build(str(path), profiles=[{"x": PROFILE}], tactics=allowed).save(path.with_suffix(".kiln"))
     engine = kiln.load(path.with_suffix(".kiln"))
-    return engine, ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return engine, ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]), path.with_suffix(".kiln")
 
 
 def test_a_loaded_engines_first_new_shapes_trace_nothing_and_match_onnxruntime(loaded, monkeypatch):
-    engine, session = loaded
+    engine, session, _path = loaded
     assert onednn_ahead.AHEAD.wait(timeout=120), "the background thread did not finish"
     (segment,) = engine.program.segments
     grown = segment._grown
@@ -96,7 +96,7 @@ def test_trace_shapes_cover_each_dims_small_values_powers_of_two_and_largest():
 
 
 def test_the_view_job_is_queued_for_a_dynamic_profile_only_and_its_segment_is_held_weakly(loaded):
-    engine, _session = loaded
+    engine, _session, _path = loaded
     views = lambda profiles: [j for j in first_calls.ahead_jobs(engine.program, profiles)  # noqa: E731
                               if j.key[0] == "view traces"]
     assert len(views(engine.profiles)) == 1
@@ -107,3 +107,38 @@ def test_the_view_job_is_queued_for_a_dynamic_profile_only_and_its_segment_is_he
     assert first_calls.entry_key(engine.program, (engine.program.lean_steps[0].inputs[0],), [(3, 5, 64)]) \
         == ((3, 5, 64),)
     assert segment.trace_ahead(((3, 5, 64),)) is False  # on a path traced at load: nothing added
+
+
+def test_calls_while_the_views_are_made_ahead_match_onnxruntime(loaded):
+    """Calls at new shapes right after load, on two threads, while the background thread grows the template and
+    traces the walk (each side under the locks it takes): every output matches onnxruntime, and the background
+    thread finishes with no job failed."""
+    import threading
+
+    import kiln
+
+    _engine, session, path = loaded
+    assert onednn_ahead.AHEAD.wait(timeout=120)
+    failed = onednn_ahead.AHEAD.failed
+    engine = kiln.load(path)  # its jobs queued: the calls below race them
+    errors = []
+
+    def calls(seed: int) -> None:
+        try:
+            context = engine.create_execution_context(pad_first_calls=False)
+            rng = np.random.default_rng(seed)
+            for _ in range(8):
+                batch, seq = int(rng.integers(1, 5)), int(rng.integers(1, 17))
+                feeds = _x(rng, batch, seq)
+                np.testing.assert_allclose(context.run(feeds)["y"], session.run(None, feeds)[0], rtol=ORT_TOL,
+                                           atol=ORT_TOL, err_msg=f"{batch}x{seq}")
+        except Exception as e:  # noqa: BLE001  raised again on the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=calls, args=(zlib.crc32(f"racing {k}".encode()),)) for k in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert onednn_ahead.AHEAD.wait(timeout=120) and onednn_ahead.AHEAD.failed == failed
