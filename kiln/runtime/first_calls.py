@@ -423,10 +423,10 @@ def _trace_job(program: Program, profiles: list[Profile]) -> onednn_ahead.Job | 
     if not shapes:
         return None
     program_ref, segment_ref = weakref.ref(program), weakref.ref(step.fn)
-    largest = [[tuple(shapes.max) for shapes in (p.inputs[n] for n in program.spec.inputs)] for p in profiles]
+    largest = [[tuple(p.inputs[n].max) for n in program.spec.inputs] for p in profiles]
 
     def make() -> bool:
-        made = _grown(program_ref(), segment_ref(), entry_slots, largest)
+        made = _grow_to_largest(program_ref(), segment_ref(), entry_slots, largest)
         for inputs in shapes:
             program, segment = program_ref(), segment_ref()
             if program is None or segment is None:
@@ -439,8 +439,8 @@ def _trace_job(program: Program, profiles: list[Profile]) -> onednn_ahead.Job | 
     return onednn_ahead.Job(("view traces", next(_REWRITE_JOBS)), 0, make)
 
 
-def _grown(program: Program | None, segment: Segment | None, entry_slots: tuple[int, ...],
-           largest: list[list[tuple[int, ...]]]) -> bool:
+def _grow_to_largest(program: Program | None, segment: Segment | None, entry_slots: tuple[int, ...],
+                     largest: list[list[tuple[int, ...]]]) -> bool:
     """The segment's view template grown to the profiles' largest entry sizes (Segment.grow_ahead: each entry dim
     the largest of any profile's largest shape, as _view grows it), before the traces: a first call past the
     build's arena (BERT-base's opt 8 x 128 at 3 x 250) would grow it and its next new shapes trace again."""
