@@ -66,7 +66,7 @@ from kiln.tactics.tactic import NativeStep, native_strides, row_major_strides
 _CL = torch.channels_last
 RESIZED = 8  # segments bound for other input sizes than the tuned one, per segment (profile shapes)
 VIEWS = 256  # sizes kept as views over a template's memory (_Resized: plans only), per segment
-GROW_AHEAD_BYTES = 256 << 20  # the largest arena a view template grows to at load (Segment.grow_ahead), its pages touched
+GROW_AHEAD_BYTES = 256 << 20  # the largest arena a view template grows to at load (Segment.grow_ahead): pages touched
 
 
 _NUMPY = {torch.float32: np.dtype(np.float32), torch.int64: np.dtype(np.int64), torch.int32: np.dtype(np.int32),
