@@ -375,6 +375,7 @@ def ahead_jobs(program: Program, profiles: list[Profile]) -> list[onednn_ahead.J
 
 
 TRACE_SMALL = 8  # each dim's values traced ahead: the first this many of its range, then powers of two, and its max
+TRACE_SHAPES = 256  # input shapes traced ahead at most (the smallest: a walk's paths differ at small sizes)
 
 
 def trace_shapes(program: Program, profiles: list[Profile]) -> list[list[tuple[int, ...]]]:
@@ -383,7 +384,8 @@ def trace_shapes(program: Program, profiles: list[Profile]) -> list[list[tuple[i
     at one position share them, as a BERT's ids and mask share batch and sequence). A rule's path changes with
     its sizes' small values and thresholds (`M == 1`, a GEMM's row blocks): BERT-base's 9 walk paths over batch
     1-8 x sequence 1-256 are all met by batch 1-8 x sequence 1-8 (bench/results/first-shape-2026-12-06.md).
-    Empty where a profile does not name every input."""
+    Empty where a profile does not name every input; the TRACE_SHAPES smallest where there are more (several
+    dims with long ranges: ~1 ms of background CPU each)."""
     names = list(program.spec.inputs)
     shapes: dict[tuple, None] = {}
     for profile in profiles:
@@ -405,7 +407,8 @@ def trace_shapes(program: Program, profiles: list[Profile]) -> list[list[tuple[i
         for point in itertools.product(*values):
             shapes[tuple(tuple(min(max(point[j], r.min[j]), r.max[j]) for j in range(len(r.min)))
                          for r in ranges)] = None
-    return [list(shape) for shape in sorted(shapes, key=lambda shape: (sum(map(_product, shape)), shape))]
+    ordered = sorted(shapes, key=lambda shape: (sum(map(_product, shape)), shape))
+    return [list(shape) for shape in ordered[:TRACE_SHAPES]]
 
 
 def _trace_job(program: Program, profiles: list[Profile]) -> onednn_ahead.Job | None:

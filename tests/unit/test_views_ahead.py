@@ -93,6 +93,10 @@ def test_trace_shapes_cover_each_dims_small_values_powers_of_two_and_largest():
     narrow = Profile({"ids": ShapeRange([2, 5], [2, 6], [2, 7]), "mask": ShapeRange([2, 5], [2, 6], [2, 7])})
     assert first_calls.trace_shapes(Program(), [narrow]) == [[(2, s), (2, s)] for s in (5, 6, 7)]
     assert first_calls.trace_shapes(Program(), [Profile({"ids": profile.inputs["ids"]})]) == []  # mask unnamed
+    wide = Profile({"ids": ShapeRange([1, 1, 1], [2, 2, 2], [64, 512, 512]),
+                    "mask": ShapeRange([1, 1, 1], [2, 2, 2], [64, 512, 512])})
+    many = first_calls.trace_shapes(Program(), [wide])  # 15 x 18 x 18 combinations: the smallest kept
+    assert len(many) == first_calls.TRACE_SHAPES and many[0] == [(1, 1, 1), (1, 1, 1)]
 
 
 def test_the_view_job_is_queued_for_a_dynamic_profile_only_and_its_segment_is_held_weakly(loaded):
