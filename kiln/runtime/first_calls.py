@@ -439,7 +439,7 @@ def _trace_job(program: Program, profiles: list[Profile]) -> onednn_ahead.Job | 
             del program, segment
             time.sleep(0)  # the GIL to a calling thread, if one waits
         return made
-    return onednn_ahead.Job(("view traces", next(_REWRITE_JOBS)), 0, make)
+    return onednn_ahead.Job(("view traces", next(_REWRITE_JOBS)), 0, make, counted=False)
 
 
 def _grow_to_largest(program: Program | None, segment: Segment | None, entry_slots: tuple[int, ...],
@@ -497,7 +497,8 @@ def _rewrite_job(segment: Any) -> onednn_ahead.Job:
     def make() -> bool:
         seg = ref()
         return seg is not None and seg.rewrite_ahead()
-    return onednn_ahead.Job(("plan rewrite", next(_REWRITE_JOBS)), 0, make)  # a key of its own (ids are reused)
+    # a key of its own (ids are reused); outside the budget of primitives (a process's 100th engine still gets it)
+    return onednn_ahead.Job(("plan rewrite", next(_REWRITE_JOBS)), 0, make, counted=False)
 
 
 def primitives_made(timeout: float | None = None) -> bool:
