@@ -53,6 +53,7 @@ from kiln.kernels.cpu import onednn_ahead
 from kiln.plan.spec import Binding, Profile
 from kiln.runtime.buckets import MASK_NAMES, Buckets
 from kiln.runtime.direct_run import DirectRuns
+from kiln.runtime.native import Segment
 from kiln.runtime.program import SHAPE_PLANS, Program, input_signature
 
 BIND_MS = 1.0  # the cost of binding a new shape until one is measured (bert_tiny's ~2.6 ms, BERT-base's more)
@@ -367,11 +368,124 @@ def ahead_jobs(program: Program, profiles: list[Profile]) -> list[onednn_ahead.J
             scale = max(scale, _product(tuple(shapes.max)) / opt)
     jobs = [job for step in program.steps if hasattr(step.fn, "ahead") for job in step.fn.ahead(scale)]
     if any(tuple(shapes.min) != tuple(shapes.max) for profile in profiles for shapes in profile.inputs.values()):
-        jobs = [_rewrite_job(segment) for segment in program.segments if segment._views] + jobs
+        trace = _trace_job(program, profiles)
+        jobs = [_rewrite_job(segment) for segment in program.segments if segment._views] + \
+            ([trace] if trace is not None else []) + jobs
     return jobs
 
 
+TRACE_SMALL = 8  # each dim's values traced ahead: the first this many of its range, then powers of two, and its max
+TRACE_SHAPES = 256  # input shapes traced ahead at most (the smallest: a walk's paths differ at small sizes)
+
+
+def trace_shapes(program: Program, profiles: list[Profile]) -> list[list[tuple[int, ...]]]:
+    """The input shapes whose views' walks _trace_job traces at load, smallest first: per profile, every
+    combination of each dim's values (TRACE_SMALL from its min, the powers of two past them, its max; the dims
+    at one position share them, as a BERT's ids and mask share batch and sequence). A rule's path changes with
+    its sizes' small values and thresholds (`M == 1`, a GEMM's row blocks): BERT-base's 9 walk paths over batch
+    1-8 x sequence 1-256 are all met by batch 1-8 x sequence 1-8 (bench/results/first-shape-2026-12-06.md).
+    Empty where a profile does not name every input; the TRACE_SHAPES smallest where there are more (several
+    dims with long ranges: ~1 ms of background CPU each)."""
+    names = list(program.spec.inputs)
+    shapes: dict[tuple, None] = {}
+    for profile in profiles:
+        if any(n not in profile.inputs for n in names):
+            return []
+        ranges = [profile.inputs[n] for n in names]
+        rank = max(len(r.min) for r in ranges)
+        values = []
+        for j in range(rank):
+            low = min((r.min[j] for r in ranges if j < len(r.min)), default=1)
+            high = max((r.max[j] for r in ranges if j < len(r.max)), default=1)
+            axis = set(range(low, min(low + TRACE_SMALL, high + 1)))
+            power = 1
+            while power < high:
+                power *= 2
+                if low <= power <= high:
+                    axis.add(power)
+            values.append(sorted(axis | {high}))
+        for point in itertools.product(*values):
+            shapes[tuple(tuple(min(max(point[j], r.min[j]), r.max[j]) for j in range(len(r.min)))
+                         for r in ranges)] = None
+    ordered = sorted(shapes, key=lambda shape: (sum(map(_product, shape)), shape))
+    return [list(shape) for shape in ordered[:TRACE_SHAPES]]
+
+
+def _trace_job(program: Program, profiles: list[Profile]) -> onednn_ahead.Job | None:
+    """A job tracing, at load, the view's walk of a one-segment program (Segment.trace_ahead) at trace_shapes's
+    shapes: the rules' and the walk's paths a first call at a new shape traced otherwise (a saved BERT-base's first
+    new shape: ~4 ms of its ~5, and again at the first shape of another class, bench/results/
+    first-shape-2026-12-06.md). None where the program is not one segment with views whose entry sizes its shape
+    function finds. Holds the program and segment weakly; lets a calling thread have the GIL between shapes."""
+    if len(program.lean_steps) != 1:
+        return None
+    step = program.lean_steps[0]
+    if not isinstance(step.fn, Segment) or not step.fn._views or step.fn._planned_batch is not None:
+        return None  # (a segment of images: another batch runs in runs of its planned one, not on a view)
+    entry_slots, shapes = tuple(step.inputs), trace_shapes(program, profiles)
+    if not shapes:
+        return None
+    program_ref, segment_ref = weakref.ref(program), weakref.ref(step.fn)
+    largest = [[tuple(p.inputs[n].max) for n in program.spec.inputs] for p in profiles]
+
+    def make() -> bool:
+        made = _grow_to_largest(program_ref(), segment_ref(), entry_slots, largest)
+        for inputs in shapes:
+            program, segment = program_ref(), segment_ref()
+            if program is None or segment is None:
+                break
+            key = entry_key(program, entry_slots, inputs)
+            made = (key is not None and segment.trace_ahead(key)) or made
+            del program, segment
+            time.sleep(0)  # the GIL to a calling thread, if one waits
+        return made
+    return onednn_ahead.Job(("view traces", next(_REWRITE_JOBS)), 0, make, counted=False)
+
+
+def _grow_to_largest(program: Program | None, segment: Segment | None, entry_slots: tuple[int, ...],
+                     largest: list[list[tuple[int, ...]]]) -> bool:
+    """The segment's view template grown to the profiles' largest entry sizes (Segment.grow_ahead: each entry dim
+    the largest of any profile's largest shape, as _view grows it), before the traces: a first call past the
+    build's arena (BERT-base's opt 8 x 128 at 3 x 250) would grow it and its next new shapes trace again."""
+    if program is None or segment is None:
+        return False
+    keys = [key for key in (entry_key(program, entry_slots, shapes) for shapes in largest) if key is not None]
+    if not keys or any(len(k) != len(keys[0]) or list(map(len, k)) != list(map(len, keys[0])) for k in keys):
+        return False
+    grown = tuple(tuple(map(max, *dims)) if len(keys) > 1 else dims[0] for dims in zip(*keys))
+    try:
+        return segment.grow_ahead(grown)
+    except ValueError:  # a layer that cannot bind them: a call past the arena binds as before
+        return False
+
+
 _REWRITE_JOBS = itertools.count()
+
+
+def entry_key(program: Program, entry_slots: tuple[int, ...], shapes: list[tuple[int, ...]]) -> tuple | None:
+    """The entry sizes a one-segment program's segment (its entries `entry_slots`) is called at for inputs of
+    `shapes`, found by its shape function alone (as DirectRuns.bind's first call finds them), remembering nothing:
+    None where its shape values need more than the inputs' sizes (a shape function that reads their data, or steps
+    the loop runs), or the shape function refuses these shapes. The inputs are zero-strided arrays (their values
+    are never read)."""
+    function = program.shape_function
+    if function is not None and (not program.plans_ahead or not function.shapes_only):
+        return None
+    env = list(program.template)
+    for s, shape in zip(program.input_slots, shapes):
+        env[s] = np.broadcast_to(np.zeros((), np.int64), shape)
+    try:
+        if function is not None:
+            function(env)
+    except Exception:  # noqa: BLE001  shapes its layers refuse: a call says why, this only traces
+        return None
+    key = []
+    for s in entry_slots:
+        shape = getattr(env[s], "shape", None)
+        if shape is None:
+            return None
+        key.append(tuple(shape))
+    return tuple(key)
 
 
 def _rewrite_job(segment: Any) -> onednn_ahead.Job:
@@ -383,7 +497,8 @@ def _rewrite_job(segment: Any) -> onednn_ahead.Job:
     def make() -> bool:
         seg = ref()
         return seg is not None and seg.rewrite_ahead()
-    return onednn_ahead.Job(("plan rewrite", next(_REWRITE_JOBS)), 0, make)  # a key of its own (ids are reused)
+    # a key of its own (ids are reused); outside the budget of primitives (a process's 100th engine still gets it)
+    return onednn_ahead.Job(("plan rewrite", next(_REWRITE_JOBS)), 0, make, counted=False)
 
 
 def primitives_made(timeout: float | None = None) -> bool:

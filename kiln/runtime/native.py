@@ -66,6 +66,7 @@ from kiln.tactics.tactic import NativeStep, native_strides, row_major_strides
 _CL = torch.channels_last
 RESIZED = 8  # segments bound for other input sizes than the tuned one, per segment (profile shapes)
 VIEWS = 256  # sizes kept as views over a template's memory (_Resized: plans only), per segment
+GROW_AHEAD_BYTES = 256 << 20  # the largest arena a view template grows to at load (Segment.grow_ahead): pages touched
 
 
 _NUMPY = {torch.float32: np.dtype(np.float32), torch.int64: np.dtype(np.int64), torch.int32: np.dtype(np.int32),
@@ -452,6 +453,45 @@ class Segment:
             if self._grown is not None or self._rewrite is not None:
                 return False
             self._rewrite = _PlanRewrite(self)
+        return True
+
+    def trace_ahead(self, key: tuple) -> bool:
+        """Trace the view's walk at entry sizes `key` (its rules' paths and the walk's: _PlanRewrite.learn_at) before
+        any call there: a background job at load (first_calls.primitives_ahead), so that a first call at sizes of a
+        class traced here is one call of the traced walk (BERT-base's first new shape: ~4-5 ms of traces otherwise,
+        bench/results/first-shape-2026-12-06.md). Binds nothing and takes no lock of the segment's: only the
+        plan rewrite's traced rules and walk change, under their locks. True where a path of the walk was added."""
+        template = self._grown or self
+        rewrite = template._rewrite if self._views else None
+        if rewrite is None or any(len(k) != len(t) for k, t in zip(key, template.entry_sizes)):
+            return False
+        return rewrite.learn_at(template, key)
+
+    def grow_ahead(self, key: tuple) -> bool:
+        """Grow the views' template to entry sizes `key` now (the profile's largest: a background job at load,
+        first_calls.primitives_ahead), with its plan rewrite, as the first call past the template's arena would
+        (_view: a Segment of its own at the larger sizes, ~7 ms on BERT-base, then its plan rewrite and its traces
+        at the next new shape, ~10 ms: bench/results/first-shape-2026-12-06.md). The grown arena is the one a
+        stream reaching the profile's largest shape would grow to, its pages touched here (BERT-base at 8 x 256:
+        38 MiB, beside the build's 18.5; past GROW_AHEAD_BYTES it is left to a call that needs it). True where it
+        grew; ValueError where a layer cannot bind `key`."""
+        if not self._views or self._grown is not None:
+            return False
+        at = self._natives_at(key)
+        if self.fits(at.natives, at.forms):
+            return False
+        candidate = type(self)(self.members, self.read_after, self.constants, at.natives)
+        if candidate.entries != self.entries or candidate.exits != self.exits or not candidate._views \
+                or not candidate.fits(at.natives, at.forms) \
+                or sum(b.numel() * b.element_size() for b in candidate.buffers) > GROW_AHEAD_BYTES:
+            return False  # (its arena's pages never touched: they held no memory)
+        candidate.rewrite_ahead()
+        for buffer in candidate.buffers:  # its pages faulted in here: a huge page's first touch may wait on the
+            buffer.zero_()  # kernel's compaction (a first call on the untouched arena: +35-75 ms inside the loop)
+        with self._resize_lock:  # as _view sets it (its caller holds the lock)
+            if self._grown is not None:
+                return False
+            self._grown = candidate
         return True
 
     def _rewritten(self, key: tuple) -> _Resized | None:

@@ -194,6 +194,33 @@ class _PlanRewrite:
         traced = self.traced_view(template, key)
         if traced is not None:
             return traced
+        walked = self._walk(template, key)
+        if walked is None:
+            return None
+        values, exits, natives, bound = walked
+        if self._calls is not None and not natives and not bound:  # every member's plan rewritten
+            self._whole.learn(self, key, values, exits)  # the next views on this path: one call (TRACES paths at most)
+            return self._assembled(template, key, values, exits)
+        return self._bound_view(template, key, values, exits, natives, bound)
+
+    def learn_at(self, template: Any, key: tuple) -> bool:
+        """Trace view()'s walk at entry sizes `key` ahead of any call there, binding nothing: each rule's path at
+        these sizes (TracedRule) and the walk's own (ViewTrace), so that a first call at sizes of the same class is
+        one call of the traced walk. For the background thread at load (Segment.trace_ahead): it touches no state
+        of the template or its views, only the traced rules and walk (each under its lock). It stops at a member
+        without a rule (its NativeStep or oneDNN primitive would be made: left to a call). True where it added a
+        path of the walk."""
+        if self._calls is None or tuple(map(len, key)) != self._whole.ranks or self._whole(key) is not None:
+            return False
+        walked = self._walk(template, key, rules_only=True)
+        return walked is not None and self._whole.learn(self, key, walked[0], walked[1])
+
+    def _walk(self, template: Any, key: tuple, rules_only: bool = False
+              ) -> tuple[list[int], list[tuple], dict[int, NativeStep], dict[int, SizedPrimitive]] | None:
+        """view()'s walk at `key`: (the values the rules write, in member order; the exits' sizes; the members
+        without a rule at these sizes, as NativeSteps; the oneDNN members whose arguments a view writes), or None
+        where a rule or layer refuses them or the template's arena cannot hold them. `rules_only`: None at the
+        first member without a rule's answer (nothing is made: learn_at)."""
         sizes = dict(zip(template.entries, key))
         values: list[int] = []  # what the rules write, in member order
         natives: dict[int, NativeStep] = {}  # the members without a rule, at the new sizes
@@ -225,6 +252,8 @@ class _PlanRewrite:
                         else:
                             found = worked[at_sizes] = (sized.output_sizes, sized.flat_values())
                 if found is None:
+                    if rules_only:
+                        return None
                     if rule is not None:  # rows its rule leaves to oneDNN: its plan unused, its values any
                         values += [0] * count
                     sized = None
@@ -261,10 +290,11 @@ class _PlanRewrite:
         for s, itemsize, capacity in self._arena:
             if math.prod(sizes[s]) * itemsize > capacity:
                 return None
-        exits = [sizes[s] for s, _dtype, _nhwc in self._exits]
-        if self._calls is not None and not natives and not bound:  # every member's plan rewritten
-            self._whole.learn(self, key, values, exits)  # the next views on this path: one call (TRACES paths at most)
-            return self._assembled(template, key, values, exits)
+        return values, [sizes[s] for s, _dtype, _nhwc in self._exits], natives, bound
+
+    def _bound_view(self, template: Any, key: tuple, values: list[int], exits: list[tuple],
+                    natives: dict[int, NativeStep], bound: dict[int, SizedPrimitive]) -> _Resized:
+        """view()'s view where its walk found members without a rule (`natives`) or oneDNN arguments (`bound`)."""
         buffer = self._plans(values)
         base = buffer.ctypes.data
         exit_shapes = self._exit_shapes(exits)

@@ -176,3 +176,16 @@ def test_a_job_that_raises_leaves_the_queue_working():
                    threads=1)
     assert ahead.wait(timeout=30)
     assert ahead.failed == 1 and done == [1]
+
+
+def test_an_engines_plan_jobs_are_queued_past_the_budget():
+    """The budget bounds the primitives made ahead (their JIT code's memory), not an engine's own plan work (its plan
+    rewrite, its views grown and traced: uncounted jobs), which a process's later engines still get."""
+    done = []
+    ahead = onednn_ahead.Ahead(budget=1)
+    jobs = [onednn_ahead.Job(("primitive", r), r, lambda r=r: done.append(r)) for r in (1, 2)]
+    jobs.append(onednn_ahead.Job(("plan",), 5, lambda: done.append("plan"), counted=False))
+    assert ahead.schedule(jobs, threads=1) == 2 and ahead.wait(timeout=30)
+    assert done == [1, "plan"] and ahead.budget == 0
+    assert ahead.schedule([onednn_ahead.Job(("plan", 2), 0, lambda: done.append("again"), counted=False)], 1) == 1
+    assert ahead.wait(timeout=30) and done[-1] == "again"  # with the budget spent: fails when they count

@@ -58,6 +58,7 @@ class Job:
     key: tuple
     order: int
     make: Callable[[], bool]  # True: it made something (False: found made)
+    counted: bool = True  # whether it takes one of the budget's (an engine's own plan work, once per load: not)
 
 
 def inner_product_jobs(layer: InnerProduct, rows: Iterable[int]) -> list[Job]:
@@ -88,8 +89,8 @@ class Ahead:
         self._thread: threading.Thread | None = None
 
     def schedule(self, jobs: Iterable[Job], threads: int) -> int:
-        """Queue the jobs not queued before at this thread count, smallest `order` first, up to the budget; they
-        are made on OpenMP's count `threads` (the engine's). Returns how many were queued."""
+        """Queue the jobs not queued before at this thread count, smallest `order` first, the counted ones up to the
+        budget; they are made on OpenMP's count `threads` (the engine's). Returns how many were queued."""
         with self._lock:
             fresh = []
             for job in jobs:
@@ -97,8 +98,9 @@ class Ahead:
                     self._scheduled.add((job.key, threads))
                     fresh.append(job)
             fresh.sort(key=lambda job: job.order)  # stable: each row count's shapes in the order given
-            fresh = fresh[:max(self.budget, 0)]
-            self.budget -= len(fresh)
+            counted = {id(job) for job in [job for job in fresh if job.counted][:max(self.budget, 0)]}
+            fresh = [job for job in fresh if not job.counted or id(job) in counted]
+            self.budget -= len(counted)
             self._queue.extend((job, threads) for job in fresh)
             if self._queue and self._thread is None:
                 self._idle.clear()

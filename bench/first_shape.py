@@ -1,0 +1,146 @@
+"""A saved engine's first calls at new shapes right after load (issue 10): the very first new shape pays what no
+earlier call could have made (traces of the size rules and of the view's walk, per class of shapes), later new
+shapes the view alone. One process per run (a first shape happens once a process): load, warm_up, the background
+jobs done (first_calls.primitives_made), then first calls at --shapes in order, each then 3 repeats; thread CPU µs,
+1 thread, first-call padding off (every new shape binds). onnxruntime's first call at the same shapes beside it
+(its own session, 1 thread, made and warmed at the engine's build shape first).
+
+    python bench/first_shape.py --engine /tmp/first/bert_base.kiln --onnx model.onnx [--no-views-ahead]
+    python bench/first_shape.py --engine /tmp/first/bert_base.kiln --steady 2x16,1x8,3x5
+
+--no-views-ahead: the load's view job off (first_calls._trace_job: no template grown, no walk traced at load), the
+tree before it otherwise. --steady: the hot path at shapes already seen, the engine loaded twice in one process (one
+with the view job, one without), calls interleaved in shuffled order, median thread CPU ms per shape and ratio.
+
+Rows: first - repeat; of it outside the loop's C call; spans of the parts (rule traces: TracedRule._trace; the
+walk's trace: ViewTrace.learn; the view: Segment._bind_sizes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ["KILN_PAD_FIRST_CALLS"] = "0"
+
+import kiln  # noqa: E402
+import numpy as np  # noqa: E402
+
+from first_call_direct import span_timer, warm_context  # noqa: E402
+from kiln.runtime import first_calls, native, native_views, view_trace  # noqa: E402
+from kiln.tactics import traced_rules  # noqa: E402
+
+PARTS = [
+    (native.Segment, "_bind_sizes", "view (Segment._bind_sizes)"),
+    (native_views._PlanRewrite, "view", "  its walk (_PlanRewrite.view)"),
+    (traced_rules.TracedRule, "_trace", "    rule traces (TracedRule._trace)"),
+    (view_trace.ViewTrace, "learn", "    walk's trace (ViewTrace.learn)"),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", required=True)
+    ap.add_argument("--onnx", default="", help="the model's ONNX file: onnxruntime's first calls beside")
+    ap.add_argument("--shapes", default="3x5,2x7,1x8,4x33,1x100,2x61,3x250")
+    ap.add_argument("--label", default="")
+    ap.add_argument("--no-views-ahead", action="store_true")
+    ap.add_argument("--steady", default="", help="shapes of the steady-state A/B (then no first calls)")
+    ap.add_argument("--rounds", type=int, default=15)
+    args = ap.parse_args()
+    if args.steady:
+        return steady(args)
+    if args.no_views_ahead:
+        first_calls._trace_job = lambda program, profiles: None
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    rng = np.random.default_rng(0)
+    feeds = {s: {"input_ids": rng.integers(0, 1000, s), "attention_mask": np.ones(s, np.int64)} for s in shapes}
+    context = warm_context(args.engine)
+    first_calls.primitives_made(120)
+    spans, timed = span_timer()
+    for owner, attribute, name in PARTS:
+        setattr(owner, attribute, timed(getattr(owner, attribute), name))
+
+    def run(f):
+        spans.clear()
+        start = time.thread_time_ns()
+        out = context.run(f)
+        return (time.thread_time_ns() - start) / 1e3, dict(spans), out
+
+    rows: dict[str, list[float]] = {}
+    for shape in shapes:
+        first, got, out = run(feeds[shape])
+        repeats = [run(feeds[shape]) for _ in range(3)]
+        best = min(repeats, key=lambda r: r[0])
+        rows.setdefault("first - repeat", []).append(first - best[0])
+        rows.setdefault("outside the loop", []).append(first - best[0] - got.get("loop", 0) + best[1].get("loop", 0))
+        for _, _, name in PARTS:
+            rows.setdefault(name, []).append(got.get(name, 0.0))
+    if args.onnx:
+        import onnxruntime as ort
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = options.inter_op_num_threads = 1
+        session = ort.InferenceSession(args.onnx, options, providers=["CPUExecutionProvider"])
+        names = [i.name for i in session.get_inputs()]
+        warm = {"input_ids": rng.integers(0, 1000, (2, 16)), "attention_mask": np.ones((2, 16), np.int64)}
+        for _ in range(3):
+            session.run(None, {k: v for k, v in warm.items() if k in names})
+        for shape in shapes:
+            f = {k: v for k, v in feeds[shape].items() if k in names}
+            start = time.thread_time_ns()
+            session.run(None, f)
+            first = (time.thread_time_ns() - start) / 1e3
+            repeat = []
+            for _ in range(3):
+                start = time.thread_time_ns()
+                session.run(None, f)
+                repeat.append((time.thread_time_ns() - start) / 1e3)
+            rows.setdefault("onnxruntime first - repeat", []).append(first - min(repeat))
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    print(f"# {args.label} {Path(args.engine).name}, 1 thread, {cpu}, load {os.getloadavg()[0]:.1f}, "
+          f"ahead failed {first_calls.onednn_ahead.AHEAD.failed}")
+    print("| µs | " + " | ".join(f"{b}x{s}" for b, s in shapes) + " |")
+    print("|---|" + "---|" * len(shapes))
+    for name, values in rows.items():
+        print(f"| {name} | " + " | ".join(f"{v:.0f}" for v in values) + " |")
+
+
+def steady(args) -> None:
+    """Views ahead on (B) and off (A) at shapes already seen: two loads of the engine in one process."""
+    import statistics
+
+    real = first_calls._trace_job
+    first_calls._trace_job = lambda program, profiles: None
+    a = warm_context(args.engine)
+    first_calls.primitives_made(120)
+    first_calls._trace_job = real
+    b = warm_context(args.engine)
+    first_calls.primitives_made(120)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.steady.split(",")]
+    rng = np.random.default_rng(0)
+    feeds = {s: {"input_ids": rng.integers(0, 1000, s), "attention_mask": np.ones(s, np.int64)} for s in shapes}
+    times: dict[tuple, list[float]] = {}
+    for shape in shapes:  # each bound once on both
+        a.run(feeds[shape])
+        b.run(feeds[shape])
+    for _ in range(args.rounds):
+        order = [(name, context, shape) for name, context in (("A", a), ("B", b)) for shape in shapes]
+        rng.shuffle(order)
+        for name, context, shape in order:
+            start = time.thread_time_ns()
+            context.run(feeds[shape])
+            times.setdefault((name, shape), []).append((time.thread_time_ns() - start) / 1e6)
+    print(f"# steady state, {Path(args.engine).name}, 1 thread, load {os.getloadavg()[0]:.1f}, {args.rounds} rounds: "
+          "A views ahead off, B on (ms, median)")
+    print("| shape | A | B | B / A |\n|---|---|---|---|")
+    for shape in shapes:
+        ma, mb = statistics.median(times["A", shape]), statistics.median(times["B", shape])
+        print(f"| {shape[0]}x{shape[1]} | {ma:.2f} | {mb:.2f} | {mb / ma:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
