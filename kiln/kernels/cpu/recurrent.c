@@ -287,6 +287,30 @@ static long claim_item(stages_run *r, int q, long k) {
     return -1;
 }
 
+/* 1: a participant claims what is left of its own slice of a stage at once (claim_slice: one locked operation a
+   stage); 0: item by item (claim_item), as before 2026-12-06. Other participants' items are stolen one at a time
+   either way. Why: a locked read-modify-write per item costs its ~20 cycles and keeps the core from overlapping
+   one item's tail (an LSTM cell's chain of dependent operations) with the next item's loads, 8 times a step in
+   the LSTM forecaster's block split (cpu.lstm.fused_blocks, 2 threads, 16 blocks of 8 units capped to AVX2).
+   What a stall costs is unchanged: a participant preempted inside its slice held the stage up before too (the
+   item it held), and finishes the rest of its slice (a few us) once it runs again. bench/stage_slices_ab.py
+   times both in one process. */
+int kiln_stage_whole_slices = 1;
+
+/* What is left of participant q's own slice of stage k, now claimed: its first item, the end in *end; or -1 (none
+   left, or stage k is over: as claim_item). */
+static long claim_slice(stages_run *r, int q, long k, long *end) {
+    const long first = slice_start(r, q), slice = slice_start(r, q + 1) - first;
+    long seen = __atomic_load_n(&r->claims[q].claimed, __ATOMIC_RELAXED);
+    while (seen < (k + 1) * slice)
+        if (__atomic_compare_exchange_n(&r->claims[q].claimed, &seen, (k + 1) * slice, 0, __ATOMIC_RELAXED,
+                                        __ATOMIC_RELAXED)) {
+            *end = first + slice;
+            return first + seen - k * slice;
+        }
+    return -1;
+}
+
 /* Items finished by everyone: stage k is over when they reach (k + 1)·items (no item of a stage is claimed
    before the previous stage is over). */
 static long items_finished(const stages_run *r) {
@@ -355,7 +379,13 @@ static void stage_participant(void *ctx, long id_) {
             break;
         }
         const long before = finished;
-        for (long item; (item = claim_item(r, id, k)) >= 0; ++finished) r->fn(r->c, k, item);
+        if (kiln_stage_whole_slices) {
+            long item, end;
+            while ((item = claim_slice(r, id, k, &end)) >= 0)
+                for (; item < end; ++item, ++finished) r->fn(r->c, k, item);
+        } else {
+            for (long item; (item = claim_item(r, id, k)) >= 0; ++finished) r->fn(r->c, k, item);
+        }
         if (finished > before) publish(r, id, finished);
     }
     /* the last stage's unclaimed items: no later stage waits for them (one that left for a stall claims none) */

@@ -147,6 +147,15 @@ def set_row_split(on: bool) -> None:
         ctypes.c_int.in_dll(lib, "kiln_lstm_fused_row_split").value = int(on)
 
 
+def set_whole_slices(on: bool) -> None:
+    """Whether a thread of recurrent.c's step loop (run_stages: cpu.lstm.fused_blocks, lanes, native; GRU, RNN) claims
+    its own slice of a step's items at once (the default) or item by item (the form before 2026-12-06), as a
+    benchmark's other side. Results are the same either way."""
+    for lib in _LOADED.values():
+        if lib is not None:
+            ctypes.c_int.in_dll(lib, "kiln_stage_whole_slices").value = int(on)
+
+
 def reason(test_kernels: bool = False) -> str | None:
     return _REASON.get(test_kernels)
 
