@@ -1,18 +1,20 @@
-"""recurrent.c's step loop (run_stages) with each thread claiming its own slice of a step's items at once against item
-by item, on the zoo's recurrent forecasters, beside onnxruntime, in one process.
+"""The step barrier of recurrent.c's loop (run_stages) at two threads, before and after 2026-12-06, on the zoo's
+recurrent forecasters beside onnxruntime, in one process: each thread claiming its own slice of a step's items at
+once (recurrent.set_whole_slices) against item by item, and lstm_fused.c's block split computing each thread's x parts
+of a step before the barrier (recurrent.set_fused_ahead) against after it.
 
-    python bench/stage_slices_ab.py --avx2                       # capped to AVX2 (bench/zoo_avx2.py's cap), 2 and 1 threads
-    python bench/stage_slices_ab.py --models lstm_forecaster,gru_forecaster --threads 2 --rounds 9
-    python bench/stage_slices_ab.py --avx2 --lstm cpu.lstm.fused_blocks   # the LSTMs pinned to one tactic as well
+    python bench/recurrent_barrier_ab.py --avx2                    # capped to AVX2 (bench/zoo_avx2.py's cap), 2 and 1 threads
+    python bench/recurrent_barrier_ab.py --models lstm_forecaster,gru_forecaster --threads 2 --rounds 9
+    python bench/recurrent_barrier_ab.py --avx2 --lstm cpu.lstm.fused_blocks   # the LSTMs pinned to one tactic as well
 
 Per model and thread count one engine, tuned by kiln.build at SCHED_FIFO (the cores the rounds will have); runners:
-that engine with whole-slice claims (recurrent.set_whole_slices(True), the default since 2026-12-06) and with item
-claims (False: the form before), `--lstm`'s pinned engine with each, and onnxruntime's session. Interleaved rounds at
-SCHED_FIFO (bench/lstm_engine.realtime, root), the order rotated each round, `--settle` seconds slept before each
-block (onnxruntime's pool spins after its calls and, at SCHED_FIFO, would keep the next runner's pool worker off its
-core: bench/results/zoo-cpu-avx2-2026-12-06.md). Wall clock at two threads, the calling thread's CPU time at one
-(whole slices change nothing there: one thread runs the items in order without claims). Per runner: median of block
-medians, / onnxruntime, each round's ratio, the 1-min load before and after.
+that engine as it runs now ("after": whole slices, x parts ahead), with whole slices but the x parts after the
+barrier, and as before (item claims, after the barrier); `--lstm`'s pinned engine the same three ways; onnxruntime's
+session. Interleaved rounds at SCHED_FIFO (bench/lstm_engine.realtime, root), the order rotated each round,
+`--settle` seconds slept before each block (onnxruntime's pool spins after its calls and, at SCHED_FIFO, would keep
+the next runner's pool worker off its core: bench/results/zoo-cpu-avx2-2026-12-06.md). Wall clock at two threads,
+the calling thread's CPU time at one (neither change acts there: one thread runs a step's items in order, no
+barrier). Per runner: median of block medians, / onnxruntime, each round's ratio, the 1-min load before and after.
 """
 
 from __future__ import annotations
@@ -42,9 +44,14 @@ from kiln.kernels.cpu import recurrent  # noqa: E402
 from lstm_engine import blocks, lstm_picks, pinned, realtime  # noqa: E402  (bench/ is on sys.path)
 
 
-def slices(on: bool, fn):
+FORMS = {"after": (True, True), "whole slices, x after the barrier": (True, False),
+         "before (item claims, x after the barrier)": (False, False)}
+
+
+def form(whole: bool, ahead: bool, fn):
     def run():
-        recurrent.set_whole_slices(on)
+        recurrent.set_whole_slices(whole)
+        recurrent.set_fused_ahead(ahead)
         return fn()
     return run
 
@@ -67,8 +74,8 @@ def measure(model: str, threads: int, args) -> list[str]:
     want = session.run(None, feeds)[0]
     runners = {}
     for label, engine in engines.items():
-        for on in (True, False):
-            runners[f"{label}, {'whole slices' if on else 'item claims'}"] = slices(on, lambda e=engine: e.run(feeds))
+        for name, (whole, ahead) in FORMS.items():
+            runners[f"{label}, {name}"] = form(whole, ahead, lambda e=engine: e.run(feeds))
     runners["onnxruntime"] = lambda: session.run(None, feeds)
     for label in list(runners)[:-1]:
         got = runners[label]()[tuned.output_names[0]]
@@ -80,6 +87,7 @@ def measure(model: str, threads: int, args) -> list[str]:
     with realtime(True):
         times = blocks(runners, args.rounds, args.runs, clock=clock, settle=args.settle)
     recurrent.set_whole_slices(True)
+    recurrent.set_fused_ahead(True)
     ort_ms = times["onnxruntime"]
     picks = lstm_picks(tuned) or "-"
     lines = [f"| {model} | {threads} | {picks} | | | | | {load:.2f} -> {os.getloadavg()[0]:.2f} |"]
