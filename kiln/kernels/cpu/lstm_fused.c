@@ -433,6 +433,7 @@ static void fused_item(const loop_ctx *lc, long step, long item) {
    multiply-adds, at I = 16 a ninth). The same sums in the same order: bit-equal to the rows split and one thread.
    bench/recurrent_barrier_ab.py times both. */
 int kiln_lstm_fused_ahead = 1;
+#define FUSED_AHEAD_MOST (256L << 10)  /* a step's x parts of every block, in bytes: past it the tiles compute them */
 
 /* run_stages_ahead's hook in the block split (an item is a block with all its rows): the x part of the
    participant's own blocks of step `step`, each published to the tiles (ahead_step) once written. The buffers
@@ -583,10 +584,14 @@ int kiln_lstm_fused(void *object, void *stream, int nargs, const void *args) {
     } else {
         const long chunks = (c.groups + c.per_item - 1) / c.per_item;
         void *ahead = NULL;
-        /* the x parts ahead where an item is a whole block (fused_ahead): [2][blocks] steps, then the sums */
-        if (threads > 1 && chunks == 1 && c.blocks > 1 && kiln_lstm_fused_ahead && kernel->ahead[0]) {
+        /* the x parts ahead where an item is a whole block (fused_ahead) and a step's sums stay in a core's L1 and
+           L2 until its tiles read them (FUSED_AHEAD_MOST bytes: the forecaster's 8 rows x 128 units are 16 KB):
+           [2][blocks] steps, then the sums [2][blocks][N][4·U] */
+        const size_t step_sums = (size_t)(c.blocks * N * 4 * kernel->units) * sizeof(float);
+        if (threads > 1 && chunks == 1 && c.blocks > 1 && step_sums <= FUSED_AHEAD_MOST && kiln_lstm_fused_ahead &&
+            kernel->ahead[0]) {
             const size_t steps = (size_t)(2 * c.blocks) * sizeof *c.ahead_step;
-            if (posix_memalign(&ahead, 64, steps + (size_t)(2 * c.blocks * N * 4 * kernel->units) * sizeof(float)))
+            if (posix_memalign(&ahead, 64, steps + 2 * step_sums))
                 ahead = NULL;
             if (ahead) {
                 memset(ahead, 0, steps);
