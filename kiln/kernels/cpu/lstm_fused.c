@@ -24,7 +24,8 @@
  * Threads: where each gets two rows or more, each runs a slice of the batch's rows through every step
  * (fused_row_slice): a row's recurrence reads only its own h and c, so the threads never wait for each other
  * (kiln_parallel_for's join at the end; a worker that starts late finds its slice taken). Else they split each
- * step's unit blocks, a barrier a step (run_stages). The zoo's LSTM forecaster (batch 8) at 2 threads on the Xeon:
+ * step's unit blocks, a barrier a step (run_stages_ahead), each thread computing the x parts of its blocks of the
+ * next step before it waits there (fused_ahead). The zoo's LSTM forecaster (batch 8) at 2 threads on the Xeon:
  * 1.06 ms against 1.40 (onnxruntime 1.28), capped to AVX2 1.96 against 2.05 (1.96).
  *
  * Layouts: W and R packed per block, side by side along K, as two panels [blocks][2][I + H][2·U] (panel A

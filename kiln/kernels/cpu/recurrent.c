@@ -14,7 +14,8 @@
  *
  * Threads (run_stages): one participant per thread, on kiln_parallel_for (pool.c, or OpenMP's loop where
  * the pool is off); each participant waits for the previous stage's items to be done, whoever holds them,
- * then runs its own slice of the stage's items (the same slice every step), claimed from a counter of its own;
+ * then runs its own slice of the stage's items (the same slice every step), claimed at once from a counter of its own
+ * (kiln_stage_whole_slices);
  * one kept waiting takes the others' unclaimed items. No thread leads: a thread the OS has not scheduled
  * yet holds no one up (the others take its items), one that starts late joins at the
  * running stage, and on the pool the call does not wait at its end for a worker that never started. (The
