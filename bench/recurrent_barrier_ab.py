@@ -3,7 +3,7 @@ recurrent forecasters beside onnxruntime, in one process: each thread claiming i
 once (recurrent.set_whole_slices) against item by item, and lstm_fused.c's block split computing each thread's x parts
 of a step before the barrier (recurrent.set_fused_ahead) against after it.
 
-    python bench/recurrent_barrier_ab.py --avx2                    # capped to AVX2 (bench/zoo_avx2.py's cap), 2 and 1 threads
+    python bench/recurrent_barrier_ab.py --avx2         # capped to AVX2 (bench/zoo_avx2.py's cap), 2 and 1 threads
     python bench/recurrent_barrier_ab.py --models lstm_forecaster,gru_forecaster --threads 2 --rounds 9
     python bench/recurrent_barrier_ab.py --avx2 --lstm cpu.lstm.fused_blocks   # the LSTMs pinned to one tactic as well
 

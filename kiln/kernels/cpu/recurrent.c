@@ -364,9 +364,10 @@ static void stage_participant(void *ctx, long id_) {
     int left = 0;   /* it left for another participant that waited out a stall */
     for (long k = 0; k < r->stages; ++k) {
         /* its own slice of stage k ahead, where no one has claimed it yet (one that starts late skips it) */
+        const long first = slice_start(r, id), end = slice_start(r, id + 1);
         if (k > 0 && r->ahead && items_finished(r) < k * r->items &&
-            __atomic_load_n(&r->claims[id].claimed, __ATOMIC_RELAXED) == k * (slice_start(r, id + 1) - slice_start(r, id)))
-            r->ahead(r->c, id, k, slice_start(r, id), slice_start(r, id + 1));
+            __atomic_load_n(&r->claims[id].claimed, __ATOMIC_RELAXED) == k * (end - first))
+            r->ahead(r->c, id, k, first, end);
         if (k > 0 && items_finished(r) < k * r->items) {
             const long start = now_ns();
             long spins = 0, now = start;
