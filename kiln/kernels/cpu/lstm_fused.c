@@ -24,7 +24,8 @@
  * Threads: where each gets two rows or more, each runs a slice of the batch's rows through every step
  * (fused_row_slice): a row's recurrence reads only its own h and c, so the threads never wait for each other
  * (kiln_parallel_for's join at the end; a worker that starts late finds its slice taken). Else they split each
- * step's unit blocks, a barrier a step (run_stages). The zoo's LSTM forecaster (batch 8) at 2 threads on the Xeon:
+ * step's unit blocks, a barrier a step (run_stages_ahead), each thread computing the x parts of its blocks of the
+ * next step before it waits there (fused_ahead). The zoo's LSTM forecaster (batch 8) at 2 threads on the Xeon:
  * 1.06 ms against 1.40 (onnxruntime 1.28), capped to AVX2 1.96 against 2.05 (1.96).
  *
  * Layouts: W and R packed per block, side by side along K, as two panels [blocks][2][I + H][2·U] (panel A
@@ -39,6 +40,8 @@
 
 typedef struct fused_ctx fused_ctx;
 typedef void (*fused_rows_fn)(const fused_ctx *c, long step, long block, long row0);
+/* sums[i][slot·U + j] = bias + Σ_k x_i[k]·W[k] of a block's four gates for m rows from row0 (fused_ahead) */
+typedef void (*fused_ahead_fn)(const fused_ctx *c, long step, long block, long row0, float *sums);
 
 typedef struct {
     const char *name;
@@ -50,6 +53,8 @@ typedef struct {
     int (*supported)(void);
     int test_only;
     int pairs_full;             /* 1: the rows as full two-pass tiles, the rest one-pass (fused_tiles); 0: even */
+    fused_ahead_fn ahead[6];    /* ahead[m - 1]: the x part of a one-pass tile's m rows (FUSED_AHEAD), or NULL */
+    fused_ahead_fn ahead_pairs[8]; /* ... of a two-pass tile's m rows, in its two passes */
 } fused_kernel;
 
 /* One tile of a step's block: `rows` batch rows from row0, on `tile`. */
@@ -66,7 +71,19 @@ struct fused_ctx {
     float *h[2], *c;            /* h of even / odd steps' inputs [N, H]; c [N, H] */
     long blocks, groups;        /* unit blocks; row groups of a step (spans) */
     long per_item;              /* row groups of one work item (fused_item) */
+    /* the block split's x parts computed ahead (fused_ahead), or NULL: at step s, block b's rows' sums are
+       ahead_sums[s % 2][b][n][4·U] where ahead_step[(s % 2)·blocks + b].step is s + 1 */
+    float *ahead_sums;
+    struct { _Alignas(64) long step; } *ahead_step;
 };
+
+/* Block `block`'s x part of step `step` computed ahead, from row0's row on, or NULL: the tile computes it. */
+static inline const float *fused_ahead_sums(const fused_ctx *c, long step, long block, long row0) {
+    if (!c->ahead_sums) return NULL;
+    const long slot = step % 2 * c->blocks + block;
+    if (__atomic_load_n(&c->ahead_step[slot].step, __ATOMIC_ACQUIRE) != step + 1) return NULL;
+    return c->ahead_sums + (slot * c->p->N + row0) * 4 * c->kernel->units;
+}
 
 /* Where row n reads X at step `step` (reverse: backwards within its length; past it: any row, unused). */
 static const float *fused_x_row(const kiln_recurrent_plan *p, long step, long n) {
@@ -136,23 +153,30 @@ static inline fused_v4 fused_rcp(fused_v4 d) { return 1.0f / d; }
     const float *h_prev = c->h[step % 2] + row0 * H;                                                         \
     const int recurrent = step > 0 || p->h0 != NULL;                                                         \
     const long j0 = block * (U), width = H - j0 < (U) ? H - j0 : (U);                                        \
-    float *h_next = c->h[(step + 1) % 2] + row0 * H + j0, *cell = c->c + row0 * H + j0;
+    float *h_next = c->h[(step + 1) % 2] + row0 * H + j0, *cell = c->c + row0 * H + j0;                    \
+    const float *xs = fused_ahead_sums(c, step, block, row0);
 
 /* acc[i][q] = bias_q + Σ_k x_i[k]·W[k][q] + Σ_k h_i[k]·R[k][q] for G gate vectors: q = 0, 1 from panel A, q = 2, 3
    from panel B (each [I + H][2·U], kiln_lstm_fused_pack's; G = 2 reads panel A only) */
 #define FUSED_SUMS(V, U, M, G, PANEL_A, PANEL_B, BIAS)                                                       \
-    _Pragma("GCC unroll 4") for (int q = 0; q < (G); ++q) {                                                  \
-        V bq;                                                                                                \
-        memcpy(&bq, (BIAS) + q * (U), sizeof bq);                                                            \
-        _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) acc[i][q] = bq;                                \
-    }                                                                                                        \
-    for (long k = 0; k < I; ++k) {                                                                           \
-        V wv[G];                                                                                             \
+    if (xs) { /* the x part computed ahead (fused_ahead): the same sums in the same order */                 \
         _Pragma("GCC unroll 4") for (int q = 0; q < (G); ++q)                                                \
-            memcpy(&wv[q], (q < 2 ? (PANEL_A) : (PANEL_B)) + k * 2 * (U) + q % 2 * (U), sizeof(V));         \
-        _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) {                                              \
-            const float xs = x[i][k];  /* a scalar times a vector: the broadcast is the FMA's operand */     \
-            _Pragma("GCC unroll 4") for (int q = 0; q < (G); ++q) acc[i][q] += xs * wv[q];                   \
+            _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i)                                            \
+                memcpy(&acc[i][q], xs + i * 4 * (U) + ((BIAS) - b) + q * (U), sizeof(V));                   \
+    } else {                                                                                                 \
+        _Pragma("GCC unroll 4") for (int q = 0; q < (G); ++q) {                                              \
+            V bq;                                                                                            \
+            memcpy(&bq, (BIAS) + q * (U), sizeof bq);                                                        \
+            _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) acc[i][q] = bq;                            \
+        }                                                                                                    \
+        for (long k = 0; k < I; ++k) {                                                                       \
+            V wv[G];                                                                                         \
+            _Pragma("GCC unroll 4") for (int q = 0; q < (G); ++q)                                            \
+                memcpy(&wv[q], (q < 2 ? (PANEL_A) : (PANEL_B)) + k * 2 * (U) + q % 2 * (U), sizeof(V));     \
+            _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) {                                          \
+                const float xk = x[i][k];  /* a scalar times a vector: the broadcast is the FMA's operand */ \
+                _Pragma("GCC unroll 4") for (int q = 0; q < (G); ++q) acc[i][q] += xk * wv[q];               \
+            }                                                                                                \
         }                                                                                                    \
     }                                                                                                        \
     if (recurrent) {                                                                                         \
@@ -246,28 +270,72 @@ static inline fused_v4 fused_rcp(fused_v4 d) { return 1.0f / d; }
         FUSED_STORE(U, M, acc[i][0], ig[i])                                                                  \
     }
 
+/* The x part of a block's four gates for M rows (the bias and Σ_k x·W, FUSED_SUMS's first half in its order) to
+   sums[i][4·U], for fused_ahead: G = 4 in one pass (the one-pass tile's shape), G = 2 in two (the two-pass tile's:
+   each weight read once for M rows). */
+#define FUSED_AHEAD(NAME, TARGET, V, U, M, G, KIND)                                                          \
+    static __attribute__((noinline)) TARGET void NAME##_ahead_##KIND##M(const fused_ctx *c, long step,       \
+                                                                        long block, long row0, float *sums) { \
+        const kiln_recurrent_plan *p = c->p;                                                                 \
+        const long I = p->I, H = p->H;                                                                       \
+        const float *w = p->packed_w + block * (I + H) * 4 * (U), *b = p->bias + block * 4 * (U);            \
+        const float *x[M];                                                                                   \
+        _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) x[i] = fused_x_row(p, step, row0 + i);         \
+        const float *xs = NULL, *h_prev = NULL;                                                              \
+        const int recurrent = 0;                                                                             \
+        V acc[M][G];                                                                                         \
+        _Pragma("GCC unroll 2") for (int pass = 0; pass < 4 / (G); ++pass) {                                 \
+            const float *panel = w + pass * (I + H) * 2 * (U);                                               \
+            FUSED_SUMS(V, U, M, G, panel, w + (I + H) * 2 * (U), b + pass * 2 * (U))                         \
+            _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i)                                            \
+                _Pragma("GCC unroll 4") for (int q = 0; q < (G); ++q)                                        \
+                    memcpy(sums + i * 4 * (U) + pass * 2 * (U) + q * (U), &acc[i][q], sizeof(V));            \
+        }                                                                                                    \
+    }
+
 #define FUSED_KERNEL(NAME, TARGET, U, MIN, MAX, RCP)                                                       \
     typedef float NAME##_v __attribute__((vector_size((U) * 4)));                                            \
     FUSED_MATH(NAME, TARGET, NAME##_v, MIN, MAX, RCP)                                                        \
     FUSED_ROWS(NAME, TARGET, NAME##_v, U, 1) FUSED_ROWS(NAME, TARGET, NAME##_v, U, 2)                        \
     FUSED_ROWS(NAME, TARGET, NAME##_v, U, 3) FUSED_ROWS(NAME, TARGET, NAME##_v, U, 4)                        \
-    FUSED_ROWS(NAME, TARGET, NAME##_v, U, 5) FUSED_ROWS(NAME, TARGET, NAME##_v, U, 6)
+    FUSED_ROWS(NAME, TARGET, NAME##_v, U, 5) FUSED_ROWS(NAME, TARGET, NAME##_v, U, 6)                        \
+    FUSED_AHEAD(NAME, TARGET, NAME##_v, U, 1, 4, rows) FUSED_AHEAD(NAME, TARGET, NAME##_v, U, 2, 4, rows)    \
+    FUSED_AHEAD(NAME, TARGET, NAME##_v, U, 3, 4, rows) FUSED_AHEAD(NAME, TARGET, NAME##_v, U, 4, 4, rows)    \
+    FUSED_AHEAD(NAME, TARGET, NAME##_v, U, 5, 4, rows) FUSED_AHEAD(NAME, TARGET, NAME##_v, U, 6, 4, rows)
 
 #define FUSED_ROW_FNS(NAME) {NAME##_rows1, NAME##_rows2, NAME##_rows3, NAME##_rows4, NAME##_rows5, NAME##_rows6}
+#define FUSED_AHEAD_FNS(NAME)                                                                                \
+    {NAME##_ahead_rows1, NAME##_ahead_rows2, NAME##_ahead_rows3, NAME##_ahead_rows4, NAME##_ahead_rows5,        \
+     NAME##_ahead_rows6}
+#define FUSED_AHEAD_PAIR_FNS(NAME)                                                                           \
+    {NAME##_ahead_pairs1, NAME##_ahead_pairs2, NAME##_ahead_pairs3, NAME##_ahead_pairs4, NAME##_ahead_pairs5,   \
+     NAME##_ahead_pairs6, NAME##_ahead_pairs7, NAME##_ahead_pairs8}
 
 /* the two-pass tiles of a FUSED_KERNEL's vector type and math, up to 8 rows */
 #define FUSED_PAIRS_KERNEL(NAME, TARGET, U)                                                                  \
     FUSED_PAIRS(NAME, TARGET, NAME##_v, U, 1) FUSED_PAIRS(NAME, TARGET, NAME##_v, U, 2)                      \
     FUSED_PAIRS(NAME, TARGET, NAME##_v, U, 3) FUSED_PAIRS(NAME, TARGET, NAME##_v, U, 4)                      \
     FUSED_PAIRS(NAME, TARGET, NAME##_v, U, 5) FUSED_PAIRS(NAME, TARGET, NAME##_v, U, 6)                      \
-    FUSED_PAIRS(NAME, TARGET, NAME##_v, U, 7) FUSED_PAIRS(NAME, TARGET, NAME##_v, U, 8)
+    FUSED_PAIRS(NAME, TARGET, NAME##_v, U, 7) FUSED_PAIRS(NAME, TARGET, NAME##_v, U, 8)                      \
+    FUSED_AHEAD_PAIRS_UP_TO6(NAME, TARGET, U)                                                                \
+    FUSED_AHEAD(NAME, TARGET, NAME##_v, U, 7, 2, pairs) FUSED_AHEAD(NAME, TARGET, NAME##_v, U, 8, 2, pairs)
+
+#define FUSED_AHEAD_PAIRS_UP_TO6(NAME, TARGET, U)                                                            \
+    FUSED_AHEAD(NAME, TARGET, NAME##_v, U, 1, 2, pairs) FUSED_AHEAD(NAME, TARGET, NAME##_v, U, 2, 2, pairs)  \
+    FUSED_AHEAD(NAME, TARGET, NAME##_v, U, 3, 2, pairs) FUSED_AHEAD(NAME, TARGET, NAME##_v, U, 4, 2, pairs)  \
+    FUSED_AHEAD(NAME, TARGET, NAME##_v, U, 5, 2, pairs) FUSED_AHEAD(NAME, TARGET, NAME##_v, U, 6, 2, pairs)
 
 /* the two-pass tiles up to 6 rows: AVX2's 16 ymm hold 6 rows x 2 gates = 12 accumulators, a weight vector and the
    broadcast */
 #define FUSED_PAIRS_KERNEL6(NAME, TARGET, U)                                                                 \
     FUSED_PAIRS(NAME, TARGET, NAME##_v, U, 1) FUSED_PAIRS(NAME, TARGET, NAME##_v, U, 2)                      \
     FUSED_PAIRS(NAME, TARGET, NAME##_v, U, 3) FUSED_PAIRS(NAME, TARGET, NAME##_v, U, 4)                      \
-    FUSED_PAIRS(NAME, TARGET, NAME##_v, U, 5) FUSED_PAIRS(NAME, TARGET, NAME##_v, U, 6)
+    FUSED_PAIRS(NAME, TARGET, NAME##_v, U, 5) FUSED_PAIRS(NAME, TARGET, NAME##_v, U, 6)                      \
+    FUSED_AHEAD_PAIRS_UP_TO6(NAME, TARGET, U)
+
+#define FUSED_AHEAD_PAIR_FNS6(NAME)                                                                          \
+    {NAME##_ahead_pairs1, NAME##_ahead_pairs2, NAME##_ahead_pairs3, NAME##_ahead_pairs4, NAME##_ahead_pairs5,   \
+     NAME##_ahead_pairs6}
 
 #define FUSED_PAIR_FNS6(NAME) {NAME##_pairs1, NAME##_pairs2, NAME##_pairs3, NAME##_pairs4, NAME##_pairs5, NAME##_pairs6}
 
@@ -290,13 +358,16 @@ FUSED_KERNEL(fused_generic, , 4, fused_min, fused_max, fused_rcp)
 static const fused_kernel FUSED_KERNELS[] = {
 #if defined(__x86_64__) || defined(__i386__)
     {"avx512 16 units x 4 gates, 6 rows; 2+2 gates, 8 rows", 16, 6, FUSED_ROW_FNS(fused_avx512),
-     8, FUSED_PAIR_FNS(fused_avx512), has_avx512, 0, 0},
+     8, FUSED_PAIR_FNS(fused_avx512), has_avx512, 0, 0, FUSED_AHEAD_FNS(fused_avx512),
+     FUSED_AHEAD_PAIR_FNS(fused_avx512)},
     {"avx2 8 units x 4 gates, 3 rows; 2+2 gates, 6 rows", 8, 3, FUSED_ROW_FNS(fused_avx2),
-     6, FUSED_PAIR_FNS6(fused_avx2), has_avx2, 0, 1},
+     6, FUSED_PAIR_FNS6(fused_avx2), has_avx2, 0, 1, FUSED_AHEAD_FNS(fused_avx2), FUSED_AHEAD_PAIR_FNS6(fused_avx2)},
     /* the AVX2 kernel before the 6-row two-pass tile (2026-12-06): benches time it beside the one above */
-    {"avx2onepass 8 units x 4 gates, 3 rows", 8, 3, FUSED_ROW_FNS(fused_avx2), 0, {0}, has_avx2, 1, 0},
+    {"avx2onepass 8 units x 4 gates, 3 rows", 8, 3, FUSED_ROW_FNS(fused_avx2), 0, {0}, has_avx2, 1, 0,
+     FUSED_AHEAD_FNS(fused_avx2)},
 #endif
-    {"generic 4 units x 4 gates, 4 rows", 4, 4, FUSED_ROW_FNS(fused_generic), 0, {0}, always, 0, 0},
+    {"generic 4 units x 4 gates, 4 rows", 4, 4, FUSED_ROW_FNS(fused_generic), 0, {0}, always, 0, 0,
+     FUSED_AHEAD_FNS(fused_generic)},
 };
 #define FUSED_KERNEL_COUNT ((int)(sizeof(FUSED_KERNELS) / sizeof(FUSED_KERNELS[0])))
 
@@ -353,6 +424,38 @@ static void fused_item(const loop_ctx *lc, long step, long item) {
     const long block = item / chunks, first = item % chunks * c->per_item;
     const long last = first + c->per_item < c->groups ? first + c->per_item : c->groups;
     for (long g = first; g < last; ++g) c->spans[g].tile(c, step, block, c->spans[g].row0);
+}
+
+/* 1: in the block split each thread computes the x part of its own blocks of step s (the bias and Σ x·W, which
+   read no h) before it waits for step s - 1 to end (fused_ahead, recurrent.c's run_stages_ahead), and the tiles
+   start from those sums; 0: the tiles compute them after the wait (the form before 2026-12-06). Why: a thread that
+   finishes its blocks of a step first waits for the other's h at the step's barrier; the x part is work it can do
+   meanwhile, and the barrier's latency and the threads' drift apart are absorbed by it (at I = 128 half of a step's
+   multiply-adds, at I = 16 a ninth). The same sums in the same order: bit-equal to the rows split and one thread.
+   bench/recurrent_barrier_ab.py times both. */
+int kiln_lstm_fused_ahead = 1;
+#define FUSED_AHEAD_MOST (256L << 10)  /* a step's x parts of every block, in bytes: past it the tiles compute them */
+
+/* run_stages_ahead's hook in the block split (an item is a block with all its rows): the x part of the
+   participant's own blocks of step `step`, each published to the tiles (ahead_step) once written. The buffers
+   alternate by step parity: this thread writes step s's only after step s - 2 ended (it has waited for it before
+   it claimed its items of step s - 1), so no tile still reads them; a tile of a block stolen before its x part was
+   published computes it itself. */
+static void fused_ahead(const loop_ctx *lc, int participant, long step, long first, long end) {
+    (void)participant;
+    const fused_ctx *c = (const fused_ctx *)lc;
+    const fused_kernel *k = c->kernel;
+    const long N = c->p->N, U = k->units;
+    for (long block = first; block < end; ++block) {
+        const long slot = step % 2 * c->blocks + block;
+        float *sums = c->ahead_sums + slot * N * 4 * U;
+        for (long g = 0; g < c->groups; ++g) {  /* the tiles' rows in the tiles' shapes (fused_tiles) */
+            const fused_span *s = &c->spans[g];
+            const int pairs = k->pairs_mr > 0 && s->rows <= k->pairs_mr && s->tile == k->pairs[s->rows - 1];
+            (pairs ? k->ahead_pairs : k->ahead)[s->rows - 1](c, step, block, s->row0, sums + s->row0 * 4 * U);
+        }
+        __atomic_store_n(&c->ahead_step[slot].step, step + 1, __ATOMIC_RELEASE);
+    }
 }
 
 /* 1: at two threads and more, each thread runs a slice of the batch's rows through every step (fused_row_slice),
@@ -453,6 +556,7 @@ int kiln_lstm_fused(void *object, void *stream, int nargs, const void *args) {
     const int row_split = p->split ? p->split == 1 : kiln_lstm_fused_row_split;
     const long slices = row_split ? (most_slices < threads ? most_slices : threads) : 1;
     p->row_slices = (int)slices;
+    p->ahead = 0;
     /* each slice's rows (as even as they go) as tiles: spans [first[q], first[q + 1]) */
     long first[slices + 1];
     first[0] = 0;
@@ -479,8 +583,27 @@ int kiln_lstm_fused(void *object, void *stream, int nargs, const void *args) {
         p->waited_ns = 0;
         p->loop_ns = now_ns() - start;
     } else {
-        p->stalled =
-            run_stages(&c.loop, p->S, c.blocks * ((c.groups + c.per_item - 1) / c.per_item), threads, fused_item);
+        const long chunks = (c.groups + c.per_item - 1) / c.per_item;
+        void *ahead = NULL;
+        /* the x parts ahead where an item is a whole block (fused_ahead) and a step's sums stay in a core's L1 and
+           L2 until its tiles read them (FUSED_AHEAD_MOST bytes: the forecaster's 8 rows x 128 units are 16 KB):
+           [2][blocks] steps, then the sums [2][blocks][N][4·U] */
+        const size_t step_sums = (size_t)(c.blocks * N * 4 * kernel->units) * sizeof(float);
+        if (threads > 1 && chunks == 1 && c.blocks > 1 && step_sums <= FUSED_AHEAD_MOST && kiln_lstm_fused_ahead &&
+            kernel->ahead[0]) {
+            const size_t steps = (size_t)(2 * c.blocks) * sizeof *c.ahead_step;
+            if (posix_memalign(&ahead, 64, steps + 2 * step_sums))
+                ahead = NULL;
+            if (ahead) {
+                memset(ahead, 0, steps);
+                c.ahead_step = ahead;
+                c.ahead_sums = (float *)((char *)ahead + steps);
+            }
+        }
+        p->stalled = run_stages_ahead(&c.loop, p->S, c.blocks * chunks, threads, fused_item,
+                                      ahead ? fused_ahead : NULL);
+        p->ahead = ahead != NULL;
+        free(ahead);
     }
     store_states(p, c.h[p->S % 2], c.c);
     free(spans);

@@ -14,7 +14,8 @@
  *
  * Threads (run_stages): one participant per thread, on kiln_parallel_for (pool.c, or OpenMP's loop where
  * the pool is off); each participant waits for the previous stage's items to be done, whoever holds them,
- * then runs its own slice of the stage's items (the same slice every step), claimed from a counter of its own;
+ * then runs its own slice of the stage's items (the same slice every step), claimed at once from a counter of its own
+ * (kiln_stage_whole_slices);
  * one kept waiting takes the others' unclaimed items. No thread leads: a thread the OS has not scheduled
  * yet holds no one up (the others take its items), one that starts late joins at the
  * running stage, and on the pool the call does not wait at its end for a worker that never started. (The
@@ -77,6 +78,7 @@ typedef struct {
     int split;             /* lstm_fused.c at two threads and more: 0 the library's default (kiln_lstm_fused_row_split),
                               1 the batch's rows, 2 each step's unit blocks (cpu.lstm.fused / cpu.lstm.fused_blocks) */
     int row_slices;        /* out: lstm_fused.c: the slices of rows the threads ran (1: one, or the block split) */
+    int ahead;             /* out: lstm_fused.c: 1 where the block split computed each step's x parts ahead */
 } kiln_recurrent_plan;
 
 static long recurrent_gate_columns(int kernel, long h, int gates) {
@@ -262,12 +264,18 @@ static long now_ns(void) {
 typedef struct { _Alignas(64) long claimed; } stage_claims;
 typedef struct { _Alignas(64) long finished; } stage_finished;
 
+/* Work a participant may do for stage k before it waits for stage k - 1 to end (run_stages_ahead): items [first,
+   end) are its own slice of stage k. Whatever it computes must not depend on stage k - 1, and an item of the slice
+   another participant steals must run right with or without it. */
+typedef void (*ahead_fn)(const loop_ctx *c, int participant, long stage, long first, long end);
+
 /* One run_stages call: its counters and what its threads measured. */
 typedef struct {
     const loop_ctx *c;
     long stages, items;
     int participants;
     item_fn fn;
+    ahead_fn ahead;        /* or NULL */
     stage_claims *claims;
     stage_finished *finished;
     int alone;             /* -1, or the participant that waited out a stall: the others leave at the next stage */
@@ -284,6 +292,30 @@ static long claim_item(stages_run *r, int q, long k) {
     while (seen < (k + 1) * slice)
         if (__atomic_compare_exchange_n(&r->claims[q].claimed, &seen, seen + 1, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
             return first + seen - k * slice;
+    return -1;
+}
+
+/* 1: a participant claims what is left of its own slice of a stage at once (claim_slice: one locked operation a
+   stage); 0: item by item (claim_item), as before 2026-12-06. Other participants' items are stolen one at a time
+   either way. Why: a locked read-modify-write per item costs its ~20 cycles and keeps the core from overlapping
+   one item's tail (an LSTM cell's chain of dependent operations) with the next item's loads, 8 times a step in
+   the LSTM forecaster's block split (cpu.lstm.fused_blocks, 2 threads, 16 blocks of 8 units capped to AVX2).
+   What a stall costs is unchanged: a participant preempted inside its slice held the stage up before too (the
+   item it held), and finishes the rest of its slice (a few us) once it runs again. bench/recurrent_barrier_ab.py
+   times both in one process. */
+int kiln_stage_whole_slices = 1;
+
+/* What is left of participant q's own slice of stage k, now claimed: its first item, the end in *end; or -1 (none
+   left, or stage k is over: as claim_item). */
+static long claim_slice(stages_run *r, int q, long k, long *end) {
+    const long first = slice_start(r, q), slice = slice_start(r, q + 1) - first;
+    long seen = __atomic_load_n(&r->claims[q].claimed, __ATOMIC_RELAXED);
+    while (seen < (k + 1) * slice)
+        if (__atomic_compare_exchange_n(&r->claims[q].claimed, &seen, (k + 1) * slice, 0, __ATOMIC_RELAXED,
+                                        __ATOMIC_RELAXED)) {
+            *end = first + slice;
+            return first + seen - k * slice;
+        }
     return -1;
 }
 
@@ -331,6 +363,11 @@ static void stage_participant(void *ctx, long id_) {
     int eager = 0;  /* it stole in the last stage: its partners are behind, steal without waiting */
     int left = 0;   /* it left for another participant that waited out a stall */
     for (long k = 0; k < r->stages; ++k) {
+        /* its own slice of stage k ahead, where no one has claimed it yet (one that starts late skips it) */
+        const long first = slice_start(r, id), end = slice_start(r, id + 1);
+        if (k > 0 && r->ahead && items_finished(r) < k * r->items &&
+            __atomic_load_n(&r->claims[id].claimed, __ATOMIC_RELAXED) == k * (end - first))
+            r->ahead(r->c, id, k, first, end);
         if (k > 0 && items_finished(r) < k * r->items) {
             const long start = now_ns();
             long spins = 0, now = start;
@@ -355,7 +392,13 @@ static void stage_participant(void *ctx, long id_) {
             break;
         }
         const long before = finished;
-        for (long item; (item = claim_item(r, id, k)) >= 0; ++finished) r->fn(r->c, k, item);
+        if (kiln_stage_whole_slices) {
+            long item, end;
+            while ((item = claim_slice(r, id, k, &end)) >= 0)
+                for (; item < end; ++item, ++finished) r->fn(r->c, k, item);
+        } else {
+            for (long item; (item = claim_item(r, id, k)) >= 0; ++finished) r->fn(r->c, k, item);
+        }
         if (finished > before) publish(r, id, finished);
     }
     /* the last stage's unclaimed items: no later stage waits for them (one that left for a stall claims none) */
@@ -372,7 +415,7 @@ static void stage_participant(void *ctx, long id_) {
    (pool.c: a worker that has not started when the caller is done is not waited for; OpenMP's loop where the
    pool is off). Returns when every stage is done; 1 when a thread waited out a stall and the others left (the
    file's comment). Sets plan.waited_ns and loop_ns. */
-static int run_stages(const loop_ctx *c, long stages, long items, int threads, item_fn fn) {
+static int run_stages_ahead(const loop_ctx *c, long stages, long items, int threads, item_fn fn, ahead_fn ahead) {
     kiln_recurrent_plan *p = (kiln_recurrent_plan *)c->p;
     const long start = now_ns();
     if (threads <= 1 || items <= 1) {
@@ -390,11 +433,15 @@ static int run_stages(const loop_ctx *c, long stages, long items, int threads, i
     stage_finished finished[participants];
     memset(claims, 0, sizeof claims);
     memset(finished, 0, sizeof finished);
-    stages_run r = {c, stages, items, participants, fn, claims, finished, -1, 0};
+    stages_run r = {c, stages, items, participants, fn, ahead, claims, finished, -1, 0};
     kiln_parallel_for(participants, participants, stage_participant, &r);
     p->waited_ns = r.waited_ns;
     p->loop_ns = now_ns() - start;
     return r.alone >= 0;
+}
+
+static int run_stages(const loop_ctx *c, long stages, long items, int threads, item_fn fn) {
+    return run_stages_ahead(c, stages, items, threads, fn, NULL);
 }
 
 #pragma GCC push_options

@@ -76,7 +76,7 @@ class _Plan(ctypes.Structure):  # kiln_recurrent_plan in recurrent.c
                 ("gates", ctypes.c_int), ("linear_before_reset", ctypes.c_int), ("input_forget", ctypes.c_int),
                 ("generic", ctypes.c_int), ("act", _Act * 3), ("clip", ctypes.c_float), ("stalled", ctypes.c_int),
                 ("waited_ns", ctypes.c_long), ("loop_ns", ctypes.c_long), ("split", ctypes.c_int),
-                ("row_slices", ctypes.c_int)]
+                ("row_slices", ctypes.c_int), ("ahead", ctypes.c_int)]
 
 
 def load(test_kernels: bool = False) -> ctypes.CDLL | None:
@@ -147,6 +147,23 @@ def set_row_split(on: bool) -> None:
         ctypes.c_int.in_dll(lib, "kiln_lstm_fused_row_split").value = int(on)
 
 
+def set_whole_slices(on: bool) -> None:
+    """Whether a thread of recurrent.c's step loop (run_stages: cpu.lstm.fused_blocks, lanes, native; GRU, RNN) claims
+    its own slice of a step's items at once (the default) or item by item (the form before 2026-12-06), as a
+    benchmark's other side. Results are the same either way."""
+    for lib in _LOADED.values():
+        if lib is not None:
+            ctypes.c_int.in_dll(lib, "kiln_stage_whole_slices").value = int(on)
+
+
+def set_fused_ahead(on: bool) -> None:
+    """Whether lstm_fused.c's block split computes each thread's x part of a step before the step's barrier (the
+    default) or after it (the form before 2026-12-06), as a benchmark's other side. The same bits either way."""
+    for lib in _LOADED.values():
+        if lib is not None:
+            ctypes.c_int.in_dll(lib, "kiln_lstm_fused_ahead").value = int(on)
+
+
 def reason(test_kernels: bool = False) -> str | None:
     return _REASON.get(test_kernels)
 
@@ -211,7 +228,7 @@ class _Direction:
         whose last dim is contiguous (or [N, S, H] batch_major), or None; h0, c0, yh, yc: [N, H] views with
         contiguous rows, sharing one row stride (c0, yc: the LSTM's only); lengths: contiguous int32 [N] in
         [0, S] (checked by the caller), or None. Returns the plan it ran: its out fields say how (stalled,
-        waited_ns, loop_ns; row_slices on lstm_fused.c)."""
+        waited_ns, loop_ns; row_slices and ahead on lstm_fused.c)."""
         steps, batch, y_ts, y_ns, state_ns = _geometry(self.cell, x, y, (h0, c0, yh, yc), lengths, batch_major)
         with self._lock:  # the scratch is this layer's: two contexts of one engine take turns
             scratch = _scratch(self._scratch, (steps, batch), lambda: self.scratch_floats(steps, batch))
