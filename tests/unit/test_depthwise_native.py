@@ -104,6 +104,32 @@ def test_kernel_matches_float64_conv2d(case, activation, threads):
         torch.set_num_threads(saved)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_silu_epilogue_within_ulps_of_float64_and_its_specials(threads):
+    # a 1x1 layer of weight 1 and bias 0 hands x to the epilogue unchanged: exp_poly.h's KILN_VSILU on whole
+    # channel vectors and silu_scalar on the 5 channels past them (37 channels), against test_conv_silu's checks
+    from tests.unit.test_conv_silu import silu_checks
+
+    c = 37
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+
+    def run(x: np.ndarray) -> np.ndarray:
+        pixels = -(-len(x) // c)
+        flat = np.zeros(pixels * c, np.float32)
+        flat[:len(x)] = x
+        nhwc = torch.from_numpy(flat.reshape(1, 1, pixels, c))
+        layer = depthwise.DepthwiseConv(torch.ones(c, 1, 1, 1), torch.zeros(c), (1, c, 1, pixels), [1, 1],
+                                        [0, 0, 0, 0], "SiLU", 0.0, 6.0)
+        got = layer(nhwc.permute(0, 3, 1, 2))  # NCHW view of NHWC memory: channels_last
+        return got.permute(0, 2, 3, 1).contiguous().numpy().reshape(-1)[:len(x)]
+
+    try:
+        silu_checks(run, signed_zero=False)
+    finally:
+        torch.set_num_threads(saved)
+
+
 def _random_case(k: int) -> tuple:
     """A random 3x3 layer for the two-row pass (block2; at stride 2 on maps up to 16 outputs wide): odd heights (the
     last row alone), a map of one or two output rows, asymmetric pads, a batch of 2 (a pair never spans two
