@@ -14,7 +14,8 @@
  * kiln_silu: x = x·σ(x) in place, the SiLU of the convolutions around an SE block when it is cheaper here than
  * oneDNN's swish post-op (kiln/kernels/cpu/conv_silu.py): on an AMD EPYC (Zen 4) core that post-op costs
  * 0.55-1.1 ns an element with AVX2, ~0.5 with AVX-512; this loop (silu below) ~0.25 with AVX-512 and ~0.35-0.5
- * with AVX2, its pass over memory included (bench/se_kernels.py).
+ * with AVX2, its pass over memory included (bench/se_kernels.py), before exp_poly.h's KILN_VSILU took 0.61-0.78x
+ * of its SiLU's time (bench/silu_ab.py).
  *
  * Returns 0, or 2 (oneDNN's "invalid arguments") when an operand is not bound: the segment names the layer.
  */
