@@ -104,39 +104,68 @@ def test_kernel_matches_float64_conv2d(case, activation, threads):
         torch.set_num_threads(saved)
 
 
-def _random_case(k: int) -> tuple:
-    """A random 3x3 layer for the two-row pass (block2; at stride 2 on maps up to 16 outputs wide): odd heights (the
-    last row alone), a map of one or two output rows, asymmetric pads, a batch of 2 (a pair never spans two
-    images), channel tails."""
-    rng = np.random.default_rng(_seed("pairs", k))
+@pytest.mark.parametrize("threads", [1, 2])
+def test_silu_epilogue_within_ulps_of_float64_and_its_specials(threads):
+    # a 1x1 layer of weight 1 and bias 0 hands x to the epilogue unchanged: exp_poly.h's KILN_VSILU on whole
+    # channel vectors and silu_scalar on the 5 channels past them (37 channels), against test_conv_silu's checks
+    from tests.unit.test_conv_silu import silu_checks
+
+    c = 37
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+
+    def run(x: np.ndarray) -> np.ndarray:
+        pixels = -(-len(x) // c)
+        flat = np.zeros(pixels * c, np.float32)
+        flat[:len(x)] = x
+        nhwc = torch.from_numpy(flat.reshape(1, 1, pixels, c))
+        layer = depthwise.DepthwiseConv(torch.ones(c, 1, 1, 1), torch.zeros(c), (1, c, 1, pixels), [1, 1],
+                                        [0, 0, 0, 0], "SiLU", 0.0, 6.0)
+        got = layer(nhwc.permute(0, 3, 1, 2))  # NCHW view of NHWC memory: channels_last
+        return got.permute(0, 2, 3, 1).contiguous().numpy().reshape(-1)[:len(x)]
+
+    try:
+        silu_checks(run, signed_zero=False)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _random_case(k: int, size: int = 3) -> tuple:
+    """A random size x size layer for the two-row pass (block2; 3x3 at stride 2 on maps up to 16 outputs wide, 5x5
+    at strides 1 and 2): odd heights (the last row alone), a map of one or two output rows, asymmetric pads, a
+    batch of 2 (a pair never spans two images), channel tails."""
+    rng = np.random.default_rng(_seed("pairs", k) if size == 3 else _seed("pairs", size, k))
     stride = int(rng.integers(1, 3))
-    pads = [int(p) for p in rng.integers(0, 3, 4)]
+    pads = [int(p) for p in rng.integers(0, size, 4)]
     h, wd = int(rng.integers(1, 12)), int(rng.integers(1, 34))  # pairs need 4 (AVX2) or 8 (AVX-512) outputs a row
-    h, wd = max(h, 3 - pads[0] - pads[2]), max(wd, 3 - pads[1] - pads[3])
+    h, wd = max(h, size - pads[0] - pads[2]), max(wd, size - pads[1] - pads[3])
     return int(rng.integers(1, 3)), int(rng.choice([8, 16, 24, 40, 19])), h, wd, stride, pads
 
 
 # maps past PARALLEL_ELEMENTS with an odd number of output rows: at 2 threads a thread's run of rows ends in a row
 # of its own, or a pair would straddle the split
-_LARGE = [(1, 40, 27, 29, 1, [1, 1, 1, 1]), (1, 96, 33, 29, 2, [1, 1, 1, 1]), (2, 24, 25, 30, 1, [0, 1, 2, 1])]
+_LARGE = {3: [(1, 40, 27, 29, 1, [1, 1, 1, 1]), (1, 96, 33, 29, 2, [1, 1, 1, 1]), (2, 24, 25, 30, 1, [0, 1, 2, 1])],
+          5: [(1, 48, 27, 25, 1, [2, 2, 2, 2]), (1, 72, 37, 41, 2, [2, 2, 2, 2]), (2, 24, 25, 30, 1, [1, 2, 3, 2])]}
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("k", range(12 + len(_LARGE)))
-def test_two_row_pass_matches_float64_conv2d_at_random_shapes(k, threads):
-    n, c, h, wd, stride, pads = _random_case(k) if k < 12 else _LARGE[k - 12]
-    rng = np.random.default_rng(_seed("pairs-data", k, threads))
-    w = torch.from_numpy(rng.standard_normal((c, 1, 3, 3)).astype(np.float32))
+@pytest.mark.parametrize("k", range(12 + 3))
+@pytest.mark.parametrize("size", [3, 5])
+def test_two_row_pass_matches_float64_conv2d_at_random_shapes(size, k, threads):
+    n, c, h, wd, stride, pads = _random_case(k, size) if k < 12 else _LARGE[size][k - 12]
+    activation = "Clip" if size == 3 else "SiLU"  # MobileNetV2's epilogue, EfficientNet-B0's
+    rng = np.random.default_rng(_seed("pairs-data", k, threads) if size == 3 else _seed("pairs-data", size, k, threads))
+    w = torch.from_numpy(rng.standard_normal((c, 1, size, size)).astype(np.float32))
     b = torch.from_numpy(rng.standard_normal(c).astype(np.float32))
     x = torch.from_numpy(rng.standard_normal((n, c, h, wd)).astype(np.float32) * 4)
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        layer = depthwise.DepthwiseConv(w, b, (n, c, h, wd), [stride, stride], pads, "Clip", 0.0, 6.0)
+        layer = depthwise.DepthwiseConv(w, b, (n, c, h, wd), [stride, stride], pads, activation, 0.0, 6.0)
         got = layer(x.contiguous(memory_format=torch.channels_last))
     finally:
         torch.set_num_threads(saved)
-    want = _reference(x, w, b, stride, pads, "Clip")
+    want = _reference(x, w, b, stride, pads, activation)
     assert tuple(got.shape) == tuple(want.shape), (got.shape, want.shape)
     err = ((got.double() - want).abs() / (1 + want.abs())).max().item()
     assert err < 1e-5, f"{(n, c, h, wd, stride, pads)}: {err:.2e}"

@@ -13,8 +13,9 @@
  * rows (split among threads); a row is cut into blocks of U output pixels, and per channel vector (or 2-4 of them
  * for short blocks) each input vector of a tap row is loaded once and meets every tap that reads it, every channel
  * vector of a block before the next block (its input pixels are read in address order). A 3x3 layer at stride 1
- * (and at stride 2 on maps up to 16 wide) takes two output rows a pass (block2): each input row the two read is
- * loaded once for both, 4 rows where two passes load 6 (bench/results/dw-avx2-2026-12-06.md). Padding is never
+ * (and at stride 2 on maps up to 16 wide) and a 5x5 layer at strides 1 and 2 take two output rows a pass
+ * (block2): each input row the two read is loaded once for both, 4 rows where two passes load 6 (3x3, stride 1;
+ * 5x5: 6 for 10, or 7 at stride 2) (bench/results/dw-avx2-2026-12-06.md). Padding is never
  * materialised: tap rows above or below the input are skipped, an edge block reads its padding columns from a
  * zero row through a table of column pointers, and an interior block addresses its columns from the row pointer.
  *
@@ -86,18 +87,8 @@ typedef float vf_u __attribute__((vector_size(LANES * 4), aligned(4)));  /* an u
 static inline vf load(const float *p) { return *(const vf_u *)p; }
 static inline void store(float *p, vf v) { *(vf_u *)p = v; }
 
-/* se.c's silu_vector: x / (1 + e^-x), a degree-5 polynomial on the reduced argument (2.5e-7 relative) */
-static inline vf silu_vector(vf x) {
-    const vf z = (vf)VMIN(VMAX(-x, (vf){0} - 87.0f), (vf){0} + 88.0f);
-    const vf n = KILN_EXP_RINT(z);
-    const vf r = KILN_EXP_REDUCE(z, n);
-    vf p = (vf){0} + 8.3128601646e-3f;
-    p = p * r + 4.1889020096e-2f;
-    p = p * r + 1.6667110632e-1f;
-    p = p * r + 4.9999243235e-1f;
-    p = p * r * r + r + 1.0f;
-    return x / (1.0f + p * (vf)KILN_EXP_2N(n, vi));
-}
+/* x·σ(x): exp_poly.h's rational form (≤ 3.4 ulp against float64, one division) */
+KILN_VSILU(silu_vector, static inline, vf, vi, VMIN, VMAX)
 
 static inline vf activate(vf v, int kind, vf lo, vf hi) {
     switch (kind) {
@@ -112,7 +103,7 @@ static inline float activate_scalar(float v, int kind, float lo, float hi) {
     switch (kind) {
     case ACT_RELU: return v > 0.0f ? v : 0.0f;
     case ACT_CLIP: return v < lo ? lo : (v > hi ? hi : v);
-    case ACT_SILU: return v / (1.0f + exp_poly(-v));
+    case ACT_SILU: return silu_scalar(v);
     default: return v;
     }
 }
@@ -315,6 +306,8 @@ typedef void (*block2_fn)(const dw_plan *, const float *const *, const float *co
 #endif
 BLOCKS2(3, 1)
 BLOCKS2(3, 2)
+BLOCKS2(5, 1)
+BLOCKS2(5, 2)
 #define PAIR_S2_MAX_OW 16  /* output width up to which a stride-2 layer takes pairs of rows (kiln_depthwise) */
 
 /* cols[kh][j] for the U pixels from `ow` of output row `oh`: input column ow·S - pl + j of tap row kh, or the
@@ -424,6 +417,11 @@ int kiln_depthwise(void *object, void *stream, int nargs, const void *args) {
         /* at stride 2 only on narrow maps: there (MobileNetV2's 192x28² and 576x14², B0's 240x28², AVX2) pairs were
            0.88-0.95x one row's time, where on 56-112-wide maps, which stream their input from L3, 1.02-1.03x */
         if (p->KW == 3 && p->SW == 2 && p->OW <= PAIR_S2_MAX_OW) pairs = blocks2_3_2;
+        /* 5x5 at both strides and every width (EfficientNet-B0's five 5x5 layers, SiLU, 1 thread): 0.91-0.98x one
+           row's time under AVX2 (blocks of 4: 8 accumulators + 10 weights + 1 input spill a little, and blocks of
+           3 or 2 were slower still), 0.89-0.97x under AVX-512 where taken (maps 8 and more outputs wide) */
+        if (p->KW == 5 && p->SW == 1) pairs = blocks2_5_1;
+        if (p->KW == 5 && p->SW == 2) pairs = blocks2_5_2;
     }
     #pragma omp parallel num_threads(p->threads) if (p->threads > 1)
     {

@@ -14,7 +14,8 @@
  * kiln_silu: x = x·σ(x) in place, the SiLU of the convolutions around an SE block when it is cheaper here than
  * oneDNN's swish post-op (kiln/kernels/cpu/conv_silu.py): on an AMD EPYC (Zen 4) core that post-op costs
  * 0.55-1.1 ns an element with AVX2, ~0.5 with AVX-512; this loop (silu below) ~0.25 with AVX-512 and ~0.35-0.5
- * with AVX2, its pass over memory included (bench/se_kernels.py).
+ * with AVX2, its pass over memory included (bench/se_kernels.py), before exp_poly.h's KILN_VSILU took 0.61-0.78x
+ * of its SiLU's time (bench/silu_ab.py).
  *
  * Returns 0, or 2 (oneDNN's "invalid arguments") when an operand is not bound: the segment names the layer.
  */
@@ -66,24 +67,11 @@ typedef struct {
 typedef float silu_v __attribute__((vector_size(SILU_LANES * 4)));
 typedef int silu_vi __attribute__((vector_size(SILU_LANES * 4)));
 
-/* x·σ(x) = x / (1 + e^-x) on a vector: exp_poly's steps (exp_poly.h) with the ISA's min/max for the clamp
-   (GCC compiles exp_poly's ternary clamp into compares and masked blends, and other select forms into a second
-   division) and a polynomial of degree 5, not 7, fitted to e^r's relative error on [-ln2/2, ln2/2] (Lawson's
-   iteration; 1.7e-7 there in float). SiLU's relative error against float64 stays under 2.5e-7 (4 ulp;
-   exp_poly's loop: 1.7e-7) for x > -80 (below, e^-x is clamped at e^87 and SiLU is under 1e-33;
-   tests/unit/test_conv_silu.py). A pass over B0's maps costs 0.24-0.34 ns an element with AVX-512 and
-   0.35-0.50 with AVX2 on a Zen 4 core, against 0.36-0.46 and 0.56-0.79 for the scalar loop GCC vectorised. */
-static inline silu_v silu_vector(silu_v x) {
-    const silu_v z = (silu_v)SILU_MIN(SILU_MAX(-x, (silu_v){0} - 87.0f), (silu_v){0} + 88.0f);
-    const silu_v n = KILN_EXP_RINT(z);
-    const silu_v r = KILN_EXP_REDUCE(z, n);
-    silu_v p = (silu_v){0} + 8.3128601646e-3f;
-    p = p * r + 4.1889020096e-2f;
-    p = p * r + 1.6667110632e-1f;
-    p = p * r + 4.9999243235e-1f;
-    p = p * r * r + r + 1.0f;
-    return x / (1.0f + p * (silu_v)KILN_EXP_2N(n, silu_vi));
-}
+/* x·σ(x) on a vector: exp_poly.h's rational form (one division; ≤ 3.4 ulp against float64, inf and NaN as
+   stated there; tests/unit/test_conv_silu.py). It replaced exp_poly's steps with a degree-5 polynomial and
+   x / (1 + e^-x), which cost 0.24-0.34 ns an element with AVX-512 and 0.35-0.50 with AVX2 over B0's maps on a
+   Zen 4 core; the rational form 0.79x and 0.64x that per element (bench/silu_accuracy.py). */
+KILN_VSILU(silu_vector, static inline, silu_v, silu_vi, SILU_MIN, SILU_MAX)
 
 static void silu(float *v, long n) {
     long j = 0;
@@ -102,7 +90,7 @@ static void silu(float *v, long n) {
 }
 #else
 static void silu(float *v, long n) {
-    for (long j = 0; j < n; ++j) v[j] = v[j] / (1.0f + exp_poly(-v[j]));
+    for (long j = 0; j < n; ++j) v[j] = silu_scalar(v[j]);
 }
 #endif
 
