@@ -2,14 +2,14 @@
 # Device call (session 24): where BERT-base's batching gain stops at c = 64 (3.21x gRPC on an H100 at ab05db5,
 # bench/results/serve-gain-2026-12-06.md): batching on, gRPC, concurrency 64/128/256, front ends 0/8, client
 # processes 4/8, 2 instances — does throughput follow concurrency (requests wait outside the engine) or stop (the
-# engine's calls)? serve.md and the log in $OUT.  run's carry: [".whl-serve"]; <= 470 s (then ConvNeXt-T b32 per-layer profile, <= 100 s).
+# engine's calls)? serve.md and the log in $OUT.  run's carry: [".whl-serve"]; <= 360 s (then ConvNeXt-T b32 per-layer profile, <= 100 s).
 set -u
 export OUT=${OUT:-/tmp/kiln-batch6}; mkdir -p "$OUT"
 export KILN_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 GPU_TESTS=0 FRONTEND_TESTS=0 FRONTENDS="${FRONTENDS:-0 8}" STAGING_MIB=64 SERVE_MODELS=bert_base \
-  SERVE_CONCURRENCY="${SERVE_CONCURRENCY:-64 128 256}" SERVE_PROCESSES="${SERVE_PROCESSES:-4 8}" SERVE_BENCH_S=330 \
+  SERVE_CONCURRENCY="${SERVE_CONCURRENCY:-64 128 256}" SERVE_PROCESSES="${SERVE_PROCESSES:-4 8}" SERVE_BENCH_S=240 \
   SERVE_ARGS="--batching on --protocols grpc --client wire --window 2.0 --warmup 0.5 --tuning-runs 3" \
-  timeout 345 bash bench/serve_gpu.sh .whl-serve > /dev/null 2>&1
+  timeout 255 bash bench/serve_gpu.sh .whl-serve > /dev/null 2>&1
 grep -E "^== |failed|Error|error|wrong answer" "$OUT/serve_gpu.log" | grep -v "^| " | cut -c1-300 | tail -8
 python3 - "$OUT/serve.md" <<'PY'
 import sys
