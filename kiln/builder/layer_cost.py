@@ -10,8 +10,9 @@ millisecond, with these times.
 Each is the layer's kernel alone on random inputs of its input's shape, one thread, the thread's CPU time (a
 shared machine's waits left out), the fastest of a few calls (a loaded machine only adds time: the minimum moves
 least between builds): the same kernels the engine's tactics run
-(onednn_int8.QConv2d, onednn_int8.W8A16Conv2d with kiln's one-pass split, torch's channels-last float convolution, as
-cpu.conv.onednn_direct is). A layer not a 2-D Conv (a classifier's Gemm) has no W8A16 kernel (weight-only: the fp32
+(onednn_int8.QConv2d, onednn_int8.W8A16Conv2d with kiln's one-pass split, the oneDNN float convolution primitive
+cpu.conv.onednn_direct builds), writing into buffers made once, as a native segment runs them (torch's eager
+convolution and a fresh output per call were 10-40% off the engine's layers, bench/results/quantacc5-2026-12-06.md). A layer not a 2-D Conv (a classifier's Gemm) has no W8A16 kernel (weight-only: the fp32
 kernel) and is costed alike in every precision: it is small beside the convolutions, and its moves are ranked by
 accuracy alone.
 
@@ -32,12 +33,13 @@ import onnx_ir as ir
 import torch
 
 from kiln.builder.timing_cache import TimingCache, environment, signature_key
-from kiln.kernels.cpu import onednn, onednn_int8, split16
+from kiln.kernels.cpu import onednn, onednn_int8, onednn_primitives, split16
 from kiln.kernels.cpu.cpu_features import has_int8_dot_product
 from kiln.quant import qdq
 
 PRECISIONS = ("int8", "w8a16", "fp32")
-CALLS = 7  # timed calls per kernel (after one warm-up); the median
+CALLS = 7  # timed calls per kernel (after one warm-up); the fastest
+COST_MODEL = 2  # how the times are taken (part of the cache key: times taken another way are not read)
 
 
 def available() -> str | None:
@@ -94,12 +96,19 @@ def conv_costs(geometry: dict) -> dict[str, float]:
     wide = onednn_int8.W8A16Conv2d(w_q, w_scale, None, size, stride, pads, dilation, groups, 1 / 65535, False)
     x8 = torch.randint(0, 256, size, generator=generator, dtype=torch.uint8)
     x8 = x8.contiguous(memory_format=torch.channels_last)
+    fp32 = onednn_primitives.Conv2d(wf, None, size, stride, pads, dilation, groups, None, False, False)
+    # as a native segment runs them: the outputs and the bytes in buffers of their own, not allocated per call
+    out = torch.empty(wide.output_size, dtype=torch.float32).contiguous(memory_format=torch.channels_last)
+    out8 = torch.empty(int8.output_size, dtype=torch.float32).contiguous(memory_format=torch.channels_last)
+    hi, lo = split16.split(x, 1 / 65535, 0, torch.uint16)
+
+    def w8a16() -> None:
+        split16.split(x, 1 / 65535, 0, torch.uint16, (hi, lo))
+        wide.lo(lo, out=wide.hi(hi, out))
+
     with torch.inference_mode():
-        return {
-            "int8": _fastest_ms(lambda: int8(x8)),
-            "w8a16": _fastest_ms(lambda: wide(*split16.split(x, 1 / 65535, 0, torch.uint16))),
-            "fp32": _fastest_ms(lambda: torch.nn.functional.conv2d(x, wf, None, stride, pads[:2], dilation, groups)),
-        }
+        return {"int8": _fastest_ms(lambda: int8(x8, out8)), "w8a16": _fastest_ms(w8a16),
+                "fp32": _fastest_ms(lambda: fp32(x))}
 
 
 def layer_costs(model: ir.Model, layers: list[str], say: Callable[[str], None],
@@ -119,8 +128,8 @@ def layer_costs(model: ir.Model, layers: list[str], say: Callable[[str], None],
             if geometry is None:
                 costs[name] = dict.fromkeys(PRECISIONS, 0.0)
                 continue
-            key = signature_key({"kind": "layer cost", "op": "ai.onnx::Conv", **geometry, "precisions": PRECISIONS,
-                                 "environment": env})
+            key = signature_key({"kind": "layer cost", "model": COST_MODEL, "op": "ai.onnx::Conv", **geometry,
+                                 "precisions": PRECISIONS, "environment": env})
             entry = cache.get(key) if cache is not None else None
             if entry is not None and set(entry.get("times_ms", {})) == set(PRECISIONS):
                 costs[name] = {p: float(entry["times_ms"][p]) for p in PRECISIONS}
