@@ -69,7 +69,8 @@ def main() -> None:
     precisions = (*layer_cost.PRECISIONS, "bf16")
     print(f"\n{cpu_name()}, 1 thread, thread CPU time, {args.rounds} interleaved rounds, 1-min load "
           f"{min(loads):.1f}-{max(loads):.1f}, torch {torch.__version__}")
-    print("| layers (kind, output side) | n | " + " | ".join(f"{p} ms" for p in precisions) + " | w8a16 / fp32 | bf16 / fp32 |")
+    print("| layers (kind, output side) | n | " + " | ".join(f"{p} ms" for p in precisions)
+          + " | w8a16 / fp32 | bf16 / fp32 |")
     print("|---|---|" + "---|" * (len(precisions) + 2))
     groups: dict[str, list[str]] = {}
     for name, geometry in layers:

@@ -9,10 +9,10 @@ millisecond, with these times.
 
 Each is the layer's kernel alone on random inputs of its input's shape, one thread, the thread's CPU time (a
 shared machine's waits left out), the fastest of a few calls (a loaded machine only adds time: the minimum moves
-least between builds): the same kernels the engine's tactics run
-(onednn_int8.QConv2d, onednn_int8.W8A16Conv2d with kiln's one-pass split, the oneDNN float convolution primitive
-cpu.conv.onednn_direct builds), writing into buffers made once, as a native segment runs them (torch's eager
-convolution and a fresh output per call were 10-40% off the engine's layers, bench/results/quantacc5-2026-12-06.md). A layer not a 2-D Conv (a classifier's Gemm) has no W8A16 kernel (weight-only: the fp32
+least between builds): the same kernels the engine's tactics run (onednn_int8.QConv2d, onednn_int8.W8A16Conv2d with
+kiln's one-pass split, the oneDNN float convolution primitive cpu.conv.onednn_direct builds), writing into buffers
+made once, as a native segment runs them (torch's eager convolution and a fresh output per call were 10-40% off the
+engine's layers, bench/results/quantacc5-2026-12-06.md). A layer not a 2-D Conv (a classifier's Gemm) has no W8A16 kernel (weight-only: the fp32
 kernel) and is costed alike in every precision: it is small beside the convolutions, and its moves are ranked by
 accuracy alone.
 
