@@ -12,9 +12,9 @@ shared machine's waits left out), the fastest of a few calls (a loaded machine o
 least between builds): the same kernels the engine's tactics run (onednn_int8.QConv2d, onednn_int8.W8A16Conv2d with
 kiln's one-pass split, the oneDNN float convolution primitive cpu.conv.onednn_direct builds), writing into buffers
 made once, as a native segment runs them (torch's eager convolution and a fresh output per call were 10-40% off the
-engine's layers, bench/results/quantacc5-2026-12-06.md). A layer not a 2-D Conv (a classifier's Gemm) has no W8A16 kernel (weight-only: the fp32
-kernel) and is costed alike in every precision: it is small beside the convolutions, and its moves are ranked by
-accuracy alone.
+engine's layers, bench/results/quantacc5-2026-12-06.md). A layer not a 2-D Conv (a classifier's Gemm) has no W8A16
+kernel (weight-only: the fp32 kernel) and is costed alike in every precision: it is small beside the convolutions,
+and its moves are ranked by accuracy alone.
 
 Stable plans: the search's choice follows these times, and on a loaded machine they move 10-30% between builds
 (bench/results/quantacc4-2026-12-06.md run 2: another plan, 3 points less held out). With a timing cache
