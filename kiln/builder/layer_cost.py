@@ -12,7 +12,10 @@ shared machine's waits left out), the fastest of a few calls (a loaded machine o
 least between builds): the same kernels the engine's tactics run (onednn_int8.QConv2d, onednn_int8.W8A16Conv2d with
 kiln's one-pass split, the oneDNN float convolution primitive cpu.conv.onednn_direct builds), writing into buffers
 made once, as a native segment runs them (torch's eager convolution and a fresh output per call were 10-40% off the
-engine's layers, bench/results/quantacc5-2026-12-06.md). A layer not a 2-D Conv (a classifier's Gemm) has no W8A16
+engine's layers, bench/results/quantacc5-2026-12-06.md). A W8A16 or fp32 layer also pays for its output's
+quantizing reorder: it writes float32, and an int8 reader needs a boundary step that an int8 layer's requantizing
+output does not (oneDNN's int8 depthwise is no faster than its fp32 one, so without it a depthwise layer's move to
+fp32 looked free while the engine paid the step and 4x the bytes). A layer not a 2-D Conv (a classifier's Gemm) has no W8A16
 kernel (weight-only: the fp32 kernel) and is costed alike in every precision: it is small beside the convolutions,
 and its moves are ranked by accuracy alone.
 
@@ -39,7 +42,7 @@ from kiln.quant import qdq
 
 PRECISIONS = ("int8", "w8a16", "fp32")
 CALLS = 7  # timed calls per kernel (after one warm-up); the fastest
-COST_MODEL = 2  # how the times are taken (part of the cache key: times taken another way are not read)
+COST_MODEL = 3  # how the times are taken (part of the cache key: times taken another way are not read)
 
 
 def available() -> str | None:
@@ -106,9 +109,12 @@ def conv_costs(geometry: dict) -> dict[str, float]:
         split16.split(x, 1 / 65535, 0, torch.uint16, (hi, lo))
         wide.lo(lo, out=wide.hi(hi, out))
 
+    # a layer off int8 writes float32, which its int8 reader needs quantized: a boundary step of its own in the engine
+    requantize = onednn_int8.ScaledReorder(list(wide.output_size), torch.float32, torch.uint8, 0.05, 0, True)
     with torch.inference_mode():
-        return {"int8": _fastest_ms(lambda: int8(x8, out8)), "w8a16": _fastest_ms(w8a16),
-                "fp32": _fastest_ms(lambda: fp32(x))}
+        boundary = _fastest_ms(lambda: requantize(out))
+        return {"int8": _fastest_ms(lambda: int8(x8, out8)), "w8a16": _fastest_ms(w8a16) + boundary,
+                "fp32": _fastest_ms(lambda: fp32(x)) + boundary}
 
 
 def layer_costs(model: ir.Model, layers: list[str], say: Callable[[str], None],
