@@ -4,6 +4,7 @@ milliseconds per accuracy, against fp32, int8 every layer, the previous 97% engi
 fewest layers) and onnxruntime's QDQ int8 model.
 
     python bench/mnv2_w8a16.py [--rounds 5] [--target 0.97] [--margin 0.01] [--redraws 4] [--no-previous]
+                               [--timing-cache PATH] [--rebuilds N]
 
 Images as quantacc4 (kiln.quant.data.photo_variants: every third of 112 calibrates (38), held out: the other 74 and
 photo_variants(8, seed=1)'s 128 = 202). Agreement = top-1 equal to kiln fp32's top-1 on the same input; redraws:
@@ -12,6 +13,10 @@ fp32's top-1 taken again on each. Engines: real CPU builds (percentile, GPTQ). o
 (MinMax, uint8 activations, per-channel int8 weights, reduce_range) on the same 38 images, ORT_ENABLE_ALL, one
 thread. Timing: interleaved rounds, one block per engine per round, thread CPU time at 1 thread, medians; ratios to
 kiln fp32 per round. Prints tables; CPU and load named.
+
+--timing-cache: the builds' timing cache (the W8A16 search's layer times too: a second run with the same file makes
+the same plan); --rebuilds N: the W8A16 engine built N more times with that cache, each plan printed and compared
+with the first (stable plans), the first one's engine timed.
 """
 
 from __future__ import annotations
@@ -67,6 +72,8 @@ def main() -> None:
     parser.add_argument("--margin", type=float, default=0.01)
     parser.add_argument("--redraws", type=int, default=4)
     parser.add_argument("--no-previous", action="store_true", help="leave out the previous 0.98 float-only engine")
+    parser.add_argument("--timing-cache", default=None, help="the builds' timing cache (layer times of the search too)")
+    parser.add_argument("--rebuilds", type=int, default=0, help="build the W8A16 engine this many more times")
     args = parser.parse_args()
     torch.set_num_threads(1)
     images = photo_variants()
@@ -74,7 +81,8 @@ def main() -> None:
     held = [{"pixel_values": v} for i, v in enumerate(images) if i % 3] + \
         [{"pixel_values": v} for v in photo_variants(8, seed=1)]
     path = str(zoo.mobilenet_v2())
-    common = dict(precision="int8", calibration=calibration, calibrator="percentile", gptq=True)
+    common = dict(precision="int8", calibration=calibration, calibrator="percentile", gptq=True,
+                  timing_cache=args.timing_cache)
     builds = {
         "kiln fp32": dict(),
         "kiln int8 every layer": common,
@@ -102,6 +110,13 @@ def main() -> None:
         print(label, notes[label], flush=True)
         if q.get("w8a16"):
             print("  w8a16:", q["w8a16"], "\n  fp32:", sorted(q.get("kept_float") or {}), flush=True)
+        if label.startswith("kiln int8 + W8A16"):
+            first = (sorted(q.get("kept_float") or {}), q.get("w8a16"))
+            for k in range(args.rebuilds):
+                again = kiln.build(path, **options).plan.header["quantization"]
+                plan = (sorted(again.get("kept_float") or {}), again.get("w8a16"))
+                print(f"  rebuild {k + 1}: {len(plan[0])} fp32 + {len(plan[1])} w8a16, "
+                      f"{'the same plan' if plan == first else 'ANOTHER PLAN'}", flush=True)
         context = engine.create_execution_context()
         runners[label] = lambda feeds, c=context: np.asarray(next(iter(c.run(feeds).values())))
     with tempfile.TemporaryDirectory() as folder:

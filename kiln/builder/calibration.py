@@ -20,6 +20,7 @@ import torch
 from kiln.builder import layer_cost
 from kiln.builder.lower import lower
 from kiln.builder.sensitivity import choose_float_layers
+from kiln.builder.timing_cache import TimingCache
 from kiln.errors import KilnError
 from kiln.ir import dtypes
 from kiln.kernels.cpu import cpu_features
@@ -301,10 +302,16 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
         # the search's expected agreement on the calibration images is optimistic on new ones (0.971 expected ->
         # 96.4% of 202 held out on MobileNetV2, bench/results/quantacc4-2026-12-06.md): it aims this much higher
         aim = min(config.accuracy_target + config.accuracy_margin, 1.0) if top1 else config.accuracy_target
-        # an int8 CPU build chooses by milliseconds: each layer's kernels timed here in int8, W8A16 and fp32
-        costs = layer_cost.layer_costs(model, [t.node.name for t in qdq.targets(model.graph, exclude |
-                                                                                     pinned_weight_only)], say) \
-            if top1 and config.accuracy_weight_only and config.accuracy_by_cost and no_kernel is None else None
+        # an int8 CPU build chooses by milliseconds: each layer's kernels timed here in int8, W8A16 and fp32, or
+        # read from the timing cache (a rebuild with the same data and cache then makes the same plan)
+        costs = None
+        if top1 and config.accuracy_weight_only and config.accuracy_by_cost and no_kernel is None:
+            timings = TimingCache(config.timing_cache) if config.timing_cache else None
+            costs = layer_cost.layer_costs(model, [t.node.name for t in qdq.targets(model.graph, exclude |
+                                                                                         pinned_weight_only)], say,
+                                           timings)
+            if timings is not None:
+                timings.save()
         # (a layer pinned weight-only is float in the search's measurements: not a candidate)
         sensitive, accuracy = choose_float_layers(model, ranges, dtype, evaluation, aim,
                                                   exclude | pinned_weight_only, say, metric=config.accuracy_metric,

@@ -8,11 +8,22 @@ loses on the 112x112 and most depthwise ones (bench/w8a16_conv.py). So the searc
 millisecond, with these times.
 
 Each is the layer's kernel alone on random inputs of its input's shape, one thread, the thread's CPU time (a
-shared machine's waits left out), the median of a few calls: the same kernels the engine's tactics run
-(onednn_int8.QConv2d, onednn_int8.W8A16Conv2d with kiln's one-pass split, torch's channels-last float convolution, as
-cpu.conv.onednn_direct is). A layer not a 2-D Conv (a classifier's Gemm) has no W8A16 kernel (weight-only: the fp32
-kernel) and is costed alike in every precision: it is small beside the convolutions, and its moves are ranked by
-accuracy alone.
+shared machine's waits left out), the fastest of a few calls (a loaded machine only adds time: the minimum moves
+least between builds): the same kernels the engine's tactics run (onednn_int8.QConv2d, onednn_int8.W8A16Conv2d with
+kiln's one-pass split, the oneDNN float convolution primitive cpu.conv.onednn_direct builds), writing into buffers
+made once, as a native segment runs them (torch's eager convolution and a fresh output per call were 10-40% off the
+engine's layers, bench/results/quantacc5-2026-12-06.md). A W8A16 or fp32 layer also pays for its output's
+quantizing reorder: it writes float32, and an int8 reader needs a boundary step that an int8 layer's requantizing
+output does not (oneDNN's int8 depthwise is no faster than its fp32 one, so without it a depthwise layer's move to
+fp32 looked free while the engine paid the step and 4x the bytes). A layer not a 2-D Conv (a classifier's Gemm) has no W8A16
+kernel (weight-only: the fp32 kernel) and is costed alike in every precision: it is small beside the convolutions,
+and its moves are ranked by accuracy alone.
+
+Stable plans: the search's choice follows these times, and on a loaded machine they move 10-30% between builds
+(bench/results/quantacc4-2026-12-06.md run 2: another plan, 3 points less held out). With a timing cache
+(`BuildConfig.timing_cache`, `kiln build --timing-cache`) each layer's times are stored under its shape and the
+machine's environment (kiln/builder/timing_cache.py) and read back by a rebuild: the same calibration data and cache
+give the same plan.
 """
 
 from __future__ import annotations
@@ -21,16 +32,17 @@ import time
 import zlib
 from collections.abc import Callable
 
-import numpy as np
 import onnx_ir as ir
 import torch
 
-from kiln.kernels.cpu import onednn, onednn_int8, split16
+from kiln.builder.timing_cache import TimingCache, environment, signature_key
+from kiln.kernels.cpu import onednn, onednn_int8, onednn_primitives, split16
 from kiln.kernels.cpu.cpu_features import has_int8_dot_product
 from kiln.quant import qdq
 
 PRECISIONS = ("int8", "w8a16", "fp32")
-CALLS = 7  # timed calls per kernel (after one warm-up); the median
+CALLS = 7  # timed calls per kernel (after one warm-up); the fastest
+COST_MODEL = 3  # how the times are taken (part of the cache key: times taken another way are not read)
 
 
 def available() -> str | None:
@@ -45,14 +57,14 @@ def available() -> str | None:
     return None
 
 
-def _median_ms(fn: Callable[[], object]) -> float:
+def _fastest_ms(fn: Callable[[], object]) -> float:
     fn()
     samples = []
     for _ in range(CALLS):
         start = time.thread_time()
         fn()
         samples.append((time.thread_time() - start) * 1e3)
-    return float(np.median(samples))
+    return float(min(samples))
 
 
 def _attr(node: ir.Node, name: str, default):
@@ -60,46 +72,82 @@ def _attr(node: ir.Node, name: str, default):
     return default if a is None else a.value
 
 
-def conv_costs(target: qdq.Target) -> dict[str, float] | None:
-    """{precision: ms} of one Conv target (None: not a 2-D convolution of a static input shape)."""
+def conv_geometry(target: qdq.Target) -> dict | None:
+    """What one Conv target's times depend on (its input size, weight shape, strides, pads, dilations, groups), None
+    where it is not a 2-D convolution of a static input shape."""
     node, shape = target.node, target.activation.shape
-    w = target.weight.const_value.numpy()
-    if node.op_type != "Conv" or w.ndim != 4 or shape is None or len(shape) != 4 \
+    w = target.weight.const_value
+    if node.op_type != "Conv" or w is None or len(w.shape) != 4 or shape is None or len(shape) != 4 \
             or not all(isinstance(d, int) for d in shape) or _attr(node, "auto_pad", "NOTSET") not in ("NOTSET", ""):
         return None
-    size = [int(d) for d in shape]
-    groups, stride = int(_attr(node, "group", 1)), [int(s) for s in _attr(node, "strides", [1, 1])]
-    pads = [int(p) for p in _attr(node, "pads", [0, 0, 0, 0])]
-    dilation = [int(d) for d in _attr(node, "dilations", [1, 1])]
-    generator = torch.Generator().manual_seed(zlib.crc32(node.name.encode()))
+    return {"input": [int(d) for d in shape], "weight": [int(d) for d in w.shape],
+            "strides": [int(s) for s in _attr(node, "strides", [1, 1])],
+            "pads": [int(p) for p in _attr(node, "pads", [0, 0, 0, 0])],
+            "dilations": [int(d) for d in _attr(node, "dilations", [1, 1])], "groups": int(_attr(node, "group", 1))}
+
+
+def conv_costs(geometry: dict) -> dict[str, float]:
+    """{precision: ms} of a convolution of `geometry` (conv_geometry's), its kernels on random data."""
+    size, groups, stride = geometry["input"], geometry["groups"], geometry["strides"]
+    pads, dilation, shape = geometry["pads"], geometry["dilations"], tuple(geometry["weight"])
+    generator = torch.Generator().manual_seed(zlib.crc32(repr(sorted(geometry.items())).encode()))
     x = torch.rand(size, generator=generator).contiguous(memory_format=torch.channels_last)  # [N, C, H, W] in [0, 1)
-    wf = torch.from_numpy(np.array(w, np.float32)).contiguous(memory_format=torch.channels_last)
-    w_q = torch.randint(-127, 128, tuple(w.shape), generator=generator, dtype=torch.int8)
-    w_scale = torch.full((w.shape[0],), 0.01)
+    w_q = torch.randint(-127, 128, shape, generator=generator, dtype=torch.int8)
+    wf = (w_q.float() * 0.01).contiguous(memory_format=torch.channels_last)
+    w_scale = torch.full((shape[0],), 0.01)
     int8 = onednn_int8.QConv2d(w_q, w_scale, None, size, stride, pads, dilation, groups, torch.uint8, 1 / 255, 0, None)
     wide = onednn_int8.W8A16Conv2d(w_q, w_scale, None, size, stride, pads, dilation, groups, 1 / 65535, False)
     x8 = torch.randint(0, 256, size, generator=generator, dtype=torch.uint8)
     x8 = x8.contiguous(memory_format=torch.channels_last)
+    fp32 = onednn_primitives.Conv2d(wf, None, size, stride, pads, dilation, groups, None, False, False)
+    # as a native segment runs them: the outputs and the bytes in buffers of their own, not allocated per call
+    out = torch.empty(wide.output_size, dtype=torch.float32).contiguous(memory_format=torch.channels_last)
+    out8 = torch.empty(int8.output_size, dtype=torch.float32).contiguous(memory_format=torch.channels_last)
+    hi, lo = split16.split(x, 1 / 65535, 0, torch.uint16)
+
+    def w8a16() -> None:
+        split16.split(x, 1 / 65535, 0, torch.uint16, (hi, lo))
+        wide.lo(lo, out=wide.hi(hi, out))
+
+    # a layer off int8 writes float32, which its int8 reader needs quantized: a boundary step of its own in the engine
+    requantize = onednn_int8.ScaledReorder(list(wide.output_size), torch.float32, torch.uint8, 0.05, 0, True)
     with torch.inference_mode():
-        return {
-            "int8": _median_ms(lambda: int8(x8)),
-            "w8a16": _median_ms(lambda: wide(*split16.split(x, 1 / 65535, 0, torch.uint16))),
-            "fp32": _median_ms(lambda: torch.nn.functional.conv2d(x, wf, None, stride, pads[:2], dilation, groups)),
-        }
+        boundary = _fastest_ms(lambda: requantize(out))
+        return {"int8": _fastest_ms(lambda: int8(x8, out8)), "w8a16": _fastest_ms(w8a16) + boundary,
+                "fp32": _fastest_ms(lambda: fp32(x)) + boundary}
 
 
-def layer_costs(model: ir.Model, layers: list[str], say: Callable[[str], None]) -> dict[str, dict[str, float]]:
-    """{layer: {precision: ms}} for `layers` (target names) at the model's shapes, one thread."""
+def layer_costs(model: ir.Model, layers: list[str], say: Callable[[str], None],
+                cache: TimingCache | None = None) -> dict[str, dict[str, float]]:
+    """{layer: {precision: ms}} for `layers` (target names) at the model's shapes, one thread. cache: each
+    convolution's times read from it where it holds them for this shape and machine, else measured and put there
+    (the caller saves it)."""
     by_name = {t.node.name: t for t in qdq.targets(model.graph)}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    measured = reused = 0
     try:
+        env = environment(torch.device("cpu"))  # threads 1: what these times are
         costs = {}
         for name in layers:
-            found = conv_costs(by_name[name]) if name in by_name else None
-            costs[name] = found if found is not None else dict.fromkeys(PRECISIONS, 0.0)
+            geometry = conv_geometry(by_name[name]) if name in by_name else None
+            if geometry is None:
+                costs[name] = dict.fromkeys(PRECISIONS, 0.0)
+                continue
+            key = signature_key({"kind": "layer cost", "model": COST_MODEL, "op": "ai.onnx::Conv", **geometry,
+                                 "precisions": PRECISIONS, "environment": env})
+            entry = cache.get(key) if cache is not None else None
+            if entry is not None and set(entry.get("times_ms", {})) == set(PRECISIONS):
+                costs[name] = {p: float(entry["times_ms"][p]) for p in PRECISIONS}
+                reused += 1
+                continue
+            costs[name] = conv_costs(geometry)
+            measured += 1
+            if cache is not None:
+                cache.put(key, {"layer_cost": True, "times_ms": costs[name]})
     finally:
         torch.set_num_threads(threads)
     total = {p: sum(c[p] for c in costs.values()) for p in PRECISIONS}
-    say("layer costs (ms, 1 thread): " + ", ".join(f"every layer {p} {total[p]:.2f}" for p in PRECISIONS))
+    say("layer costs (ms, 1 thread): " + ", ".join(f"every layer {p} {total[p]:.2f}" for p in PRECISIONS)
+        + (f"; {reused} layer(s) from the timing cache, {measured} measured" if cache is not None else ""))
     return costs

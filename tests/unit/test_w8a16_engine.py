@@ -24,7 +24,9 @@ from kiln.builder import layer_cost
 from kiln.builder.calibration import quantize
 from kiln.builder.config import BuildConfig
 from kiln.builder.sensitivity import choose_float_layers, expected_top1
+from kiln.builder.timing_cache import TimingCache
 from kiln.kernels.cpu import split16
+from kiln.passes import PassOptions, optimize
 from tests.unit.test_quant_sensitivity import LAYERS, _switched, net  # noqa: F401 - net: a fixture
 
 pytestmark = pytest.mark.skipif(layer_cost.available() is not None, reason=f"W8A16: {layer_cost.available()}")
@@ -269,3 +271,55 @@ def test_a_16bit_tensor_read_by_another_op_is_not_folded():
     want = ReferenceEvaluator(model).run(None, {"x": x})
     np.testing.assert_allclose(got["y"], want[0], rtol=0, atol=1e-4 * np.abs(want[0]).max())
     np.testing.assert_allclose(got["side"], want[1], rtol=0, atol=1e-6)
+
+
+def test_a_rebuild_with_the_timing_cache_makes_the_same_plan(net, tmp_path, monkeypatch):
+    """Stable plans: the search's layer times come from the timing cache on a rebuild, so the same calibration data
+    and cache give the same W8A16/fp32 plan however the machine's load moves the timings. The times are made to move
+    here (each measurement a new draw, 0.5x-2x): without the cache a rebuild's costs differ (the check can fail),
+    with it nothing is measured and the plan and its costs are the first build's."""
+    proto, batches = net
+    draws = np.random.default_rng(zlib.crc32(b"noisy layer times"))
+    measured = []
+
+    def noisy(geometry):
+        measured.append(geometry)
+        base = {"int8": 1.0, "w8a16": 2.0, "fp32": 3.0}
+        return {p: v * float(draws.uniform(0.5, 2.0)) for p, v in base.items()}
+
+    monkeypatch.setattr(layer_cost, "conv_costs", noisy)
+    model = optimize(ir.from_proto(proto), PassOptions(fusions=False))
+    *_, switched = _switched(net)
+    target = expected_top1(switched.outputs(set(LAYERS)), switched.reference)  # just above every layer int8
+    cache = tmp_path / "timing.json"
+
+    def build(timing_cache):
+        config = BuildConfig(precision="int8", device="cpu", calibration=batches, calibrator="minmax",
+                             accuracy_metric="top1", accuracy_target=min(target + 1e-3, 1.0), accuracy_margin=0.0,
+                             timing_cache=timing_cache)
+        _, info = quantize(ir.from_proto(proto), config, lambda _m: None)
+        accuracy = info["accuracy"]
+        return accuracy["layer_ms"], (sorted(accuracy["kept_float"]), sorted(info["w8a16"]))
+
+    convs = sum(n.op_type == "Conv" for n in model.graph)
+    first_ms, first_plan = build(str(cache))
+    assert first_plan != ([], [])  # the target moves layers: a plan to keep
+    assert len(measured) == convs and cache.exists()
+    again_ms, again_plan = build(str(cache))
+    assert len(measured) == convs  # every layer's times from the cache
+    assert again_ms == first_ms and again_plan == first_plan
+    names = [n.name for n in model.graph if n.op_type == "Conv"]
+    uncached = layer_cost.layer_costs(model, names, lambda _m: None)
+    assert len(measured) == 2 * convs and uncached != {n: first_ms[n] for n in names}  # measured anew: other times
+    # the entries are keyed by the machine: another environment's are not read
+    monkeypatch.setattr(layer_cost, "environment", lambda device: {"device_name": "another CPU"})
+    layer_cost.layer_costs(model, names, lambda _m: None, TimingCache(cache))
+    assert len(measured) == 3 * convs
+
+
+def test_layer_costs_measure_each_precision_of_a_convolution():
+    """The real kernels: every precision timed, in ms."""
+    geometry = {"input": [1, 64, 28, 28], "weight": [64, 64, 1, 1], "strides": [1, 1], "pads": [0, 0, 0, 0],
+                "dilations": [1, 1], "groups": 1}
+    costs = layer_cost.conv_costs(geometry)
+    assert set(costs) == set(layer_cost.PRECISIONS) and all(v > 0 for v in costs.values())

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -141,42 +143,74 @@ def _activation(step: StepSpec) -> tuple[str, float, float]:
     return _attr(step, "activation", ""), float(_attr(step, "alpha", 0.0)), float(_attr(step, "beta", 0.0))
 
 
-def _prepare_qconv(step: StepSpec, constants: list[Any], device: torch.device):
+@dataclass(frozen=True)
+class QConvParts:
+    """What a QConv's int8 oneDNN tactics (cpu.qconv.onednn here, cpu.qconv.w8a16 in w8a16.py) read from its step and
+    constants: one reading, so that the two agree on the weight's refusal, the geometry, the output and the
+    activation."""
+
+    x_scale: float
+    x_zero: int
+    x_dtype: torch.dtype  # the activation's quantized type (uint8; uint16/int16 for a W8A16 layer)
+    w: torch.Tensor  # int8 [O, C/g, kH, kW]
+    w_scale: torch.Tensor
+    bias: torch.Tensor | None  # int32 at x_scale·w_scale
+    pads: list[int]
+    strides: list[int]
+    dilations: list[int]
+    groups: int
+    y: tuple[torch.dtype, float, int] | None  # the output's (dtype, scale, zero point); None: float32
+    activation: tuple[str, float, float]
+    tuned: tuple[int, ...]  # the input size the tactic was configured for
+
+
+def qconv_parts(step: StepSpec, constants: list[Any]) -> QConvParts:
+    """The QConv's parts, its weight checked (_safe_weight: ValueError with the reason)."""
     x_scale, x_zero, w, w_scale, w_zero = constants[1:6]
     safe = _safe_weight(w, w_zero)
     if safe is not True:
         raise ValueError(safe)
-    bias = constants[8] if len(constants) > 8 else None
     pads, strides, dilations = conv_geometry(step, tuple(w.shape))
-    groups = int(_attr(step, "group", 1))
-    y = _y(constants)
-    activation, alpha, beta = _activation(step)
-    tuned = tuple(step.tactic_config["input_size"])
+    return QConvParts(float(x_scale.reshape(-1)[0]), int(x_zero.reshape(-1)[0]), x_zero.dtype, w, w_scale,
+                      constants[8] if len(constants) > 8 else None, pads, strides, dilations,
+                      int(_attr(step, "group", 1)), _y(constants), _activation(step),
+                      tuple(step.tactic_config["input_size"]))
 
-    def build(size: tuple[int, ...]) -> onednn_int8.QConv2d:
-        return onednn_int8.QConv2d(w, w_scale, bias, list(size), strides, pads, dilations, groups, torch.uint8,
-                                   float(x_scale.reshape(-1)[0]), int(x_zero.reshape(-1)[0]), y, activation,
-                                   alpha, beta)
 
-    primitives = {tuned: build(tuned)}
+def conv_launch(build: Callable[[tuple[int, ...]], Any], tuned: tuple[int, ...], input_dtype: torch.dtype):
+    """A 2-D convolution layer's launch and its `native` (a native-segment member) from `build(input size)` -> an
+    object with `__call__(x)`, `output_size`, `out_dtype` and `bind` (onednn_int8.QConv2d, w8a16.W8A16Layer): built
+    at the tuned size now, at another on first use (at most _CACHED_SHAPES kept). input_dtype: the dtype of its
+    source, which a segment entered at this layer must be given (NativeStep.input_dtype)."""
+    layers = {tuned: build(tuned)}
     lock = threading.Lock()
 
     def launch(ctx, x, *_inputs, **_attributes):
-        x = x.contiguous(memory_format=_CL)  # [N, C, H, W] uint8, NHWC in memory
+        x = x.contiguous(memory_format=_CL)  # [N, C, H, W], NHWC in memory
         with lock:
-            primitive = _built(primitives, tuple(x.shape), build, tuned)
-        return primitive(x)  # [N, O, H', W'] channels-last
+            layer = _built(layers, tuple(x.shape), build, tuned)
+        return layer(x)  # [N, O, H', W'] channels-last
 
     @resizable
 
     def native_at(size: tuple[int, ...]) -> NativeStep:  # inside a native segment (kiln/runtime/native.py)
         with lock:
-            primitive = _built(primitives, tuple(size), build, tuned)
-        return NativeStep(tuple(size), primitive.output_size, same_primitive(primitive),
-                          output_dtype=primitive.out_dtype, input_dtype=torch.uint8)  # _common: uint8 sources
+            layer = _built(layers, tuple(size), build, tuned)
+        return NativeStep(tuple(size), layer.output_size, same_primitive(layer), output_dtype=layer.out_dtype,
+                          input_dtype=input_dtype)
 
     launch.native = native_at(tuned)
     return launch
+
+
+def _prepare_qconv(step: StepSpec, constants: list[Any], device: torch.device):
+    p = qconv_parts(step, constants)
+
+    def build(size: tuple[int, ...]) -> onednn_int8.QConv2d:
+        return onednn_int8.QConv2d(p.w, p.w_scale, p.bias, list(size), p.strides, p.pads, p.dilations, p.groups,
+                                   torch.uint8, p.x_scale, p.x_zero, p.y, *p.activation)
+
+    return conv_launch(build, p.tuned, torch.uint8)  # _common: uint8 sources
 
 
 register(Tactic(

@@ -17,21 +17,18 @@ pair sums can saturate (quantized.py's rule: both bytes are u8 sources).
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
 
 from kiln.kernels.cpu import onednn, onednn_int8, split16, w8a16
 from kiln.plan.spec import StepSpec
-from kiln.tactics.cpu.quantized import _activation, _built, _configure, _constants_refusal, _residual_refusal, \
-    _safe_weight, _y
+from kiln.tactics.cpu.quantized import _activation, _configure, _constants_refusal, _residual_refusal, conv_launch, \
+    qconv_parts
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, conv_geometry, conv_operands_refusal, resizable, \
-    same_primitive
+from kiln.tactics.tactic import InputMeta, Tactic, conv_operands_refusal
 from kiln.tactics.tactic import attribute as _attr
 
-_CL = torch.channels_last
 WIDE = (torch.uint16, torch.int16)  # the 16-bit activation types a W8A16 layer reads
 
 
@@ -61,47 +58,22 @@ def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
 
 
 def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
-    x_scale, x_zero, w, w_scale, w_zero = constants[1:6]
-    safe = _safe_weight(w, w_zero)
-    if safe is not True:
-        raise ValueError(safe)
-    zero, wide = int(x_zero.reshape(-1)[0]), x_zero.dtype
-    if zero != 0:
-        raise ValueError(f"a 16-bit input's zero point {zero}: W8A16Conv2d splits symmetric int16 / [0, amax] uint16")
-    s_x = float(x_scale.reshape(-1)[0])
-    bias = constants[8] if len(constants) > 8 else None  # int32 at s_x·s_w: the real bias for W8A16Conv2d
-    real_bias = None if bias is None else bias.to(torch.float64) * onednn_int8.combined_scales(s_x, w_scale)
-    pads, strides, dilations = conv_geometry(step, tuple(w.shape))
-    groups = int(_attr(step, "group", 1))
-    y = _y(constants)
-    activation, alpha, beta = _activation(step)
-    tuned = tuple(step.tactic_config["input_size"])
+    p = qconv_parts(step, constants)  # quantized.py's QConv reading: the weight rule, geometry, output, activation
+    if p.x_zero != 0:
+        raise ValueError(f"a 16-bit input's zero point {p.x_zero}: W8A16Conv2d splits symmetric int16 / [0, amax] "
+                         "uint16")
+    # the int32 bias at s_x·s_w as a real one: W8A16Conv2d's two convolutions see the input at 256·s_x and s_x
+    real_bias = None if p.bias is None else p.bias.to(torch.float64) * onednn_int8.combined_scales(p.x_scale,
+                                                                                                    p.w_scale)
 
     def build(size: tuple[int, ...]) -> w8a16.W8A16Layer:
-        conv = onednn_int8.W8A16Conv2d(w, w_scale, real_bias, list(size), strides, pads, dilations, groups, s_x,
-                                       wide == torch.int16, activation, alpha, beta)
-        quantize = None if y is None else onednn_int8.ScaledReorder(list(conv.output_size), torch.float32, y[0],
-                                                                      y[1], y[2], True)
-        return w8a16.W8A16Layer(conv, wide, zero, quantize)
+        conv = onednn_int8.W8A16Conv2d(p.w, p.w_scale, real_bias, list(size), p.strides, p.pads, p.dilations,
+                                       p.groups, p.x_scale, p.x_dtype == torch.int16, *p.activation)
+        quantize = None if p.y is None else onednn_int8.ScaledReorder(list(conv.output_size), torch.float32,
+                                                                        *p.y, True)
+        return w8a16.W8A16Layer(conv, p.x_dtype, p.x_zero, quantize)
 
-    primitives = {tuned: build(tuned)}
-    lock = threading.Lock()
-
-    def launch(ctx, x, *_inputs, **_attributes):
-        x = x.contiguous(memory_format=_CL)  # [N, C, H, W] float32, NHWC in memory
-        with lock:
-            layer = _built(primitives, tuple(x.shape), build, tuned)
-        return layer(x)  # [N, O, H', W'] channels-last, float32 or 8-bit
-
-    @resizable
-
-    def native_at(size: tuple[int, ...]) -> NativeStep:  # inside a native segment (kiln/runtime/native.py)
-        with lock:
-            layer = _built(primitives, tuple(size), build, tuned)
-        return NativeStep(tuple(size), layer.output_size, same_primitive(layer), output_dtype=layer.out_dtype)
-
-    launch.native = native_at(tuned)
-    return launch
+    return conv_launch(build, p.tuned, torch.float32)  # the float input, split inside the layer
 
 
 register(Tactic(
