@@ -7,9 +7,9 @@ set -u
 export OUT=${OUT:-/tmp/kiln-batch6}; mkdir -p "$OUT"
 export KILN_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 GPU_TESTS=0 FRONTEND_TESTS=0 FRONTENDS="${FRONTENDS:-0 8}" STAGING_MIB=64 SERVE_MODELS=bert_base \
-  SERVE_CONCURRENCY="${SERVE_CONCURRENCY:-64 128 256}" SERVE_PROCESSES="${SERVE_PROCESSES:-4 8}" SERVE_BENCH_S=240 \
+  SERVE_CONCURRENCY="${SERVE_CONCURRENCY:-64 128 256}" SERVE_PROCESSES="${SERVE_PROCESSES:-4 8}" SERVE_BENCH_S=${SERVE_BENCH_S:-240} \
   SERVE_ARGS="--batching on --protocols grpc --client wire --window 2.0 --warmup 0.5 --tuning-runs 3" \
-  timeout 255 bash bench/serve_gpu.sh .whl-serve > /dev/null 2>&1
+  timeout $(( ${SERVE_BENCH_S:-240} + 15 )) bash bench/serve_gpu.sh .whl-serve > /dev/null 2>&1
 grep -E "^== |failed|Error|error|wrong answer" "$OUT/serve_gpu.log" | grep -v "^| " | cut -c1-300 | tail -8
 python3 - "$OUT/serve.md" <<'PY'
 import sys
