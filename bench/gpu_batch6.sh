@@ -23,6 +23,7 @@ for line in lines:
         if len(c) > 20:  # front ends, client processes, concurrency, infer/s, p50, p99, server us, queue us, engine us, req/call, call ms, loop %, per FE %, client us
             print(" ".join(f"{c[i][:9]:>9}" for i in (3, 6, 7, 8, 9, 11, 12, 13, 15, 16, 17, 19, 21, 23)))
 PY
+[ "${CONVNEXT:-1}" = "1" ] || exit 0
 echo "== ConvNeXt-T batch 32 fp16: kiln's layers (eager per-layer medians; issue 11: 1.19x torch.compile on the H100)"
 timeout 100 python3 -c "
 import sys; sys.path.insert(0, '.')
