@@ -108,6 +108,7 @@ def test_the_view_job_is_queued_for_a_dynamic_profile_only_and_its_segment_is_he
                  for p in engine.profiles]
     assert views(one_shape) == []
     (segment,) = engine.program.segments
+    assert onednn_ahead.AHEAD.wait(timeout=120), "the background thread did not finish"  # the load's traces made
     assert first_calls.entry_key(engine.program, (engine.program.lean_steps[0].inputs[0],), [(3, 5, 64)]) \
         == ((3, 5, 64),)
     assert segment.trace_ahead(((3, 5, 64),)) is False  # on a path traced at load: nothing added
