@@ -37,14 +37,22 @@ DRIVER = r"""
 #include <stdlib.h>
 #include <time.h>
 #include "source.c"
-static double now(void) { struct timespec t; clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
 /* argv: case (silu | swiglu) MR NR reps -> seconds per call, best of 5 passes */
 int main(int argc, char **argv) {
     const int swiglu = argv[1][1] == 'w', mr = atoi(argv[2]), nr = atoi(argv[3]), reps = atoi(argv[4]);
-    float *src = aligned_alloc(64, 64 * 64 * 4), *c = aligned_alloc(64, 64 * 64 * 4), *y = aligned_alloc(64, 64 * 64 * 4);
+    float *src = aligned_alloc(64, 64 * 64 * 4), *c = aligned_alloc(64, 64 * 64 * 4);
+    float *y = aligned_alloc(64, 64 * 64 * 4);
     float *bias = aligned_alloc(64, 64 * 4);
     unsigned s = 12345u;
-    for (int i = 0; i < 64 * 64; ++i) { s = s * 1664525u + 1013904223u; src[i] = ((float)(s >> 8) / 16777216.0f - 0.5f) * 16.0f; }
+    for (int i = 0; i < 64 * 64; ++i) {  /* uniform in [-8, 8): SiLU's curve and past it */
+        s = s * 1664525u + 1013904223u;
+        src[i] = ((float)(s >> 8) / 16777216.0f - 0.5f) * 16.0f;
+    }
     for (int i = 0; i < 64; ++i) bias[i] = 0.01f * (float)(i % 9);
     kiln_gemm_plan p;
     memset(&p, 0, sizeof p);
@@ -106,7 +114,8 @@ def main() -> None:
                 folder.mkdir()
                 libs[(isa, label)] = build(folder, source_at(rev), isa)
         labels = (f"at {args.base}", "working tree")
-        cases = [(isa, kind, mr, nr) for isa, tiles in BUILDS.items() for mr, nr in tiles for kind in ("silu", "swiglu")]
+        cases = [(isa, kind, mr, nr) for isa, tiles in BUILDS.items() for mr, nr in tiles
+                 for kind in ("silu", "swiglu")]
         times = {(case, label): [] for case in cases for label in labels}
         sums = {}
         for r in range(args.rounds):

@@ -187,8 +187,8 @@ def silu_special_errors(got: torch.Tensor, z: torch.Tensor, up: torch.Tensor | N
     bad |= (z < -88) & ~(got.abs() <= 1e-35 * up.abs())  # -inf included; NaN fails the comparison
     bad |= (z == float("inf")) & ~(got == float("inf") * up.sign())
     bad |= z.isnan() & ~got.isnan()
-    return [f"at {tuple(i)}: z {z[tuple(i)].item():.6g} -> {got[tuple(i)].item():.6g}, want ~{want[tuple(i)].item():.6g}"
-            for i in bad.nonzero().tolist()[:5]]
+    return [f"at {tuple(i)}: z {z[tuple(i)].item():.6g} -> {got[tuple(i)].item():.6g}, "
+            f"want ~{want[tuple(i)].item():.6g}" for i in bad.nonzero().tolist()[:5]]
 
 
 def silu_special_cases(kernel=None) -> list[str]:
