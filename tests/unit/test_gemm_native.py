@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -164,6 +165,67 @@ def test_rational_activations_are_within_1e6_of_float64(activation):
         error = (got.double() - want).abs() / want.abs().clamp_min(1.0)  # absolute below 1, relative above
         assert error.max().item() <= 1e-6, \
             f"{activation}, rows of {width}: {error.max().item():.3g} at x = {grid[error.argmax()].item()}"
+
+
+# SiLU's values past its float range and its specials, as kiln/kernels/cpu/exp_poly.h's KILN_VSILU and silu_scalar
+# state them (gemm.c's SiLU and SwiGLU epilogues): x·σ(x) within 1e-6 (absolute below 1, relative above) down to
+# -88; below it, -inf included, under 1e-35 in magnitude (the true value underflows; x / (1 + e^-x) with e^-x
+# clamped gave -6e-9 at -1e30 and -inf at -inf); +inf -> +inf; NaN -> NaN.
+SILU_SPECIALS = [-float("inf"), -1e30, -1e5, -100.0, -88.5, -88.0, -87.5, -30.0, -9.0, -0.5, 0.0, 0.25, 3.0, 20.0,
+                 87.5, 88.5, 100.0, 1e5, 1e30, float("inf"), float("nan")]
+
+
+def silu_special_errors(got: torch.Tensor, z: torch.Tensor, up: torch.Tensor | None = None) -> list[str]:
+    """Where got (fp32) is not SiLU(z) (· up, SwiGLU's gating; up finite and nonzero) as SILU_SPECIALS' comment
+    states it."""
+    got, z = got.double(), z.double()
+    up = torch.ones_like(z) if up is None else up.double().expand_as(z)
+    want = torch.where(z < -88, 0.0, z / (1 + torch.exp(-z.clamp_min(-88))) * up)  # below -88: ~0, checked apart
+    bad = torch.zeros_like(z, dtype=torch.bool)
+    normal = z.isfinite() & (z >= -88)
+    bad |= normal & ((got - want).abs() > 1e-6 * want.abs().clamp_min(1.0))
+    bad |= (z < -88) & ~(got.abs() <= 1e-35 * up.abs())  # -inf included; NaN fails the comparison
+    bad |= (z == float("inf")) & ~(got == float("inf") * up.sign())
+    bad |= z.isnan() & ~got.isnan()
+    return [f"at {tuple(i)}: z {z[tuple(i)].item():.6g} -> {got[tuple(i)].item():.6g}, "
+            f"want ~{want[tuple(i)].item():.6g}" for i in bad.nonzero().tolist()[:5]]
+
+
+def silu_special_cases(kernel=None) -> list[str]:
+    """Both epilogues at SILU_SPECIALS on every path, each value at every lane of a vector and in the tails: through
+    the bias (W = 0: y = b exactly, inf and NaN included) and, for the finite ones, through x Iᵀ (exact) in random
+    places. SwiGLU: gate = the value, up finite (W = [I; 0] or 0, the bias [0 or the values; up])."""
+    errors = []
+    specials = torch.tensor(SILU_SPECIALS)
+    finite = specials[specials.isfinite()]
+    paths = {"whole K": (1 << 30, 0), "K blocks": (0, 1 << 30), "K blocks packed": (0, 0)}
+    for path, (small, pack) in paths.items():
+        for m, n in ((3, 53), (50, 70), (9, 24)):
+            g = torch.Generator().manual_seed(zlib.crc32(f"silu specials {path} {m} {n}".encode()))
+            # the bias: the specials cycled with a shift per width, so each lands on many lanes and tails
+            b = specials[(torch.arange(n) * 5 + n) % len(specials)]
+            x = torch.randn(m, n, generator=g)
+            layer = gemm_native.PackedLinear(torch.zeros(n, n), b, "SiLU", kernel=kernel, small_m=small, pack_m=pack)
+            errors += [f"SiLU bias {path} {m}x{n} {e}" for e in silu_special_errors(layer(x), b.expand(m, n))]
+            x = torch.where(torch.rand(m, n, generator=g) < 0.3,
+                            finite[torch.randint(len(finite), (m, n), generator=g)], 5 * x)
+            layer = gemm_native.PackedLinear(torch.eye(n), None, "SiLU", kernel=kernel, small_m=small, pack_m=pack)
+            errors += [f"SiLU x {path} {m}x{n} {e}" for e in silu_special_errors(layer(x), x)]
+            up = 0.5 + torch.rand(n, generator=g)
+            layer = gemm_native.PackedLinear(torch.zeros(2 * n, n), torch.cat([b, up]), "SwiGLU", kernel=kernel,
+                                             small_m=small, pack_m=pack)
+            errors += [f"SwiGLU bias {path} {m}x{n} {e}" for e in silu_special_errors(layer(x), b.expand(m, n), up)]
+            w = torch.cat([torch.eye(n), torch.zeros(n, n)])
+            layer = gemm_native.PackedLinear(w, torch.cat([torch.zeros(n), up]), "SwiGLU", kernel=kernel,
+                                             small_m=small, pack_m=pack)
+            errors += [f"SwiGLU x {path} {m}x{n} {e}" for e in silu_special_errors(layer(x), x, up)]
+    return errors
+
+
+@pytest.mark.parametrize("kernel", runnable() + runnable(test_kernels=True), ids=lambda k: k.name.replace(" ", "-"))
+def test_silu_and_swiglu_epilogues_at_large_values_and_specials(kernel):
+    errors = silu_special_cases(kernel)
+    assert not errors, f"{len(errors)} cases off, e.g. {errors[:6]}"
 
 
 @pytest.mark.parametrize("kernel", runnable() + runnable(test_kernels=True), ids=lambda k: k.name.replace(" ", "-"))
@@ -426,7 +488,8 @@ def test_engine_on_kiln_gemm_matches_onnxruntime(monkeypatch):
 # vminps clamps and rcpps + a Newton step for the divide), one and two threads, every path: M, N, K off the tile and
 # the K block (6 rows, 16 columns, 256), each epilogue and a residual before or after it (GELU at every shape and
 # path), and the GELU grid of
-# test_rational_activations_are_within_1e6_of_float64 through W = I. Prints one JSON line of (case, error, bound).
+# test_rational_activations_are_within_1e6_of_float64 through W = I, SiLU and SwiGLU at silu_special_cases. Prints
+# one JSON line of (case, error, bound).
 _AVX2_TILE_CASES = r"""
 import json, sys, zlib
 import numpy as np, torch
@@ -473,6 +536,9 @@ x = torch.ones(7, 32)
 x[3, 5] = float("nan")  # NaN passes through the tiles' GELU clamps (row 3 only), as through the other ISAs' masks
 y = gemm_native.PackedLinear(torch.eye(32)[:20], None, "Gelu")(x)
 rows.append(("Gelu of NaN", float(not (y[3].isnan().all() and y[torch.arange(7) != 3].isfinite().all())), 0.0))
+from tests.unit.test_gemm_native import silu_special_cases  # SiLU and SwiGLU at large values and specials
+errors = silu_special_cases()
+rows.append(("SiLU / SwiGLU specials: " + "; ".join(errors[:3]), float(len(errors)), 0.0))
 print(json.dumps(rows))
 """
 
@@ -488,6 +554,6 @@ def test_the_avx2_tile_under_the_cap_matches_float64():
                           capture_output=True, text=True, timeout=600, cwd=root)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(rows) == 6 * 3 * 2 + 6 * 3 + len(ACTIVATION_ORACLE) * 3 + 2
+    assert len(rows) == 6 * 3 * 2 + 6 * 3 + len(ACTIVATION_ORACLE) * 3 + 3
     bad = [row for row in rows if not row[1] <= row[2]]
     assert not bad, f"{len(bad)} of {len(rows)} cases off, e.g. {bad[:3]}"

@@ -70,9 +70,10 @@ static inline float exp_poly(float x) {
 
 /* x·σ(x) on a vector V of floats (VI: of ints), defined as NAME with the attributes DECLARE, MIN and MAX the
    ISA's min and max (they return their second operand where either is NaN, so a NaN x passes through): the SiLU
-   of depthwise.c's and se.c's epilogues. Not exp_poly and a division by 1 + e^-x: on a Zen 4 core the FMA pipes
-   bound that one, so this form trims them. With x' = min(max(x, -88), 87), n = rint(-x'·log2 e) (the 1.5·2²³
-   trick, with its bits used as 2^n below) and r = x' + n·ln2 (Cody-Waite, |r| <= ln2/2), e^-x' = 2^n·e^-r, and
+   of depthwise.c's, se.c's and gemm.c's epilogues (gemm.c's SwiGLU gating too). Not exp_poly and a division by
+   1 + e^-x: on a Zen 4 core the FMA pipes bound that one, so this form trims them. With x' = min(max(x, -88), 87),
+   n = rint(-x'·log2 e) (the 1.5·2²³ trick, with its bits used as 2^n below) and r = x' + n·ln2 (Cody-Waite,
+   |r| <= ln2/2), e^-x' = 2^n·e^-r, and
    e^-r = q(-r)/q(r), q the [3/3] Padé numerator of e^r scaled to q(0) = 1 (1 + r/2 + r²/10 + r³/120; its error
    is under 6e-9 relative on the range), so
        SiLU = x'·q(r) / (q(r) + 2^n·q(-r)),

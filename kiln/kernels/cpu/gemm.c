@@ -30,7 +30,7 @@
 #include <omp.h>
 #endif
 
-#include "exp_poly.h"  /* exp_poly: the activations' σ, SiLU and GELU-tanh; recurrent.c's and lstm.c's cells */
+#include "exp_poly.h"  /* exp_poly: the activations' σ and GELU-tanh; KILN_VSILU, silu_scalar: SiLU, SwiGLU */
 
 typedef int (*get_handle_fn)(void *memory, void **handle);
 
@@ -452,17 +452,66 @@ KILN_AVX2 static void gelu_avx2(float *c, int n) {
     for (; j < n; ++j) c[j] = 0.5f * c[j] * (1.0f + erf_rational(c[j] * 0.70710678118654752f));
 }
 /* 2: AVX-512, 1: AVX2 + FMA, 0: neither (cpuid once; KILN_CPU_ISA=avx2 caps it as it caps the tiles) */
-static int gelu_isa(void) {
+static int epilogue_isa(void) {
     static int isa = -1;
     if (isa < 0) isa = has_avx512() ? 2 : (has_avx2() ? 1 : 0);
     return isa;
+}
+
+/* SiLU, c[j] = c[j]·σ(c[j]), and SwiGLU's gating, y[j] = silu(g[j] + bg[j])·(u[j] + bu[j]) (the biases NULL or
+   not), in AVX-512 / AVX2 registers by exp_poly.h's KILN_VSILU: its rational form, one division, where the loops
+   they replaced, x / (1 + exp_poly(-x)), ran exp_poly's degree-5 polynomial and a division (the epilogues alone at
+   a tile's rows, A/B: bench/gemm_silu_ab.py). Specials as the header states: +inf -> +inf, -inf (and anything
+   below -88) -> -5.3e-37, NaN -> NaN; the old loop gave x·6e-39 below -88 (-inf at -inf, -6e-9 at -1e30). The
+   tail of a row: masked (AVX-512; SwiGLU's half panel of the 8x48 tile is 24 columns, 16 + 8), silu_scalar (AVX2),
+   which treats the specials alike. */
+typedef int kiln_vi8 __attribute__((vector_size(32)));
+typedef int kiln_vi16 __attribute__((vector_size(64)));
+KILN_VSILU(kiln_silu_avx512, static inline __attribute__((always_inline)) KILN_AVX512, kiln_v16, kiln_vi16,
+           _mm512_min_ps, _mm512_max_ps)
+KILN_VSILU(kiln_silu_avx2, static inline __attribute__((always_inline)) KILN_AVX2, kiln_v8, kiln_vi8,
+           _mm256_min_ps, _mm256_max_ps)
+KILN_AVX512 static void silu_avx512(float *c, int n) {
+    for (int j = 0; j < n; j += 16) {
+        const __mmask16 mask = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+        _mm512_mask_storeu_ps(c + j, mask, (__m512)kiln_silu_avx512((kiln_v16)_mm512_maskz_loadu_ps(mask, c + j)));
+    }
+}
+KILN_AVX2 static void silu_avx2(float *c, int n) {
+    int j = 0;
+    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(c + j, (__m256)kiln_silu_avx2((kiln_v8)_mm256_loadu_ps(c + j)));
+    for (; j < n; ++j) c[j] = silu_scalar(c[j]);
+}
+KILN_AVX512 static void gate_avx512(float *y, const float *g, const float *u, const float *bg, const float *bu,
+                                    int n) {
+    for (int j = 0; j < n; j += 16) {
+        const __mmask16 mask = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+        kiln_v16 gate = (kiln_v16)_mm512_maskz_loadu_ps(mask, g + j), up = (kiln_v16)_mm512_maskz_loadu_ps(mask, u + j);
+        if (bg) {
+            gate += (kiln_v16)_mm512_maskz_loadu_ps(mask, bg + j);
+            up += (kiln_v16)_mm512_maskz_loadu_ps(mask, bu + j);
+        }
+        _mm512_mask_storeu_ps(y + j, mask, (__m512)(kiln_silu_avx512(gate) * up));
+    }
+}
+KILN_AVX2 static void gate_avx2(float *y, const float *g, const float *u, const float *bg, const float *bu, int n) {
+    int j = 0;
+    for (; j + 8 <= n; j += 8) {
+        kiln_v8 gate = (kiln_v8)_mm256_loadu_ps(g + j), up = (kiln_v8)_mm256_loadu_ps(u + j);
+        if (bg) {
+            gate += (kiln_v8)_mm256_loadu_ps(bg + j);
+            up += (kiln_v8)_mm256_loadu_ps(bu + j);
+        }
+        _mm256_storeu_ps(y + j, (__m256)(kiln_silu_avx2(gate) * up));
+    }
+    for (; j < n; ++j) y[j] = silu_scalar(bg ? g[j] + bg[j] : g[j]) * (bu ? u[j] + bu[j] : u[j]);
 }
 #endif
 
 /* GELU of n floats by the widest registers this CPU has; 0 where it has none of those (activate's loop runs). */
 static int gelu_vector(float *c, int n) {
 #if defined(__x86_64__) || defined(__i386__)
-    switch (gelu_isa()) {
+    switch (epilogue_isa()) {
     case 2: gelu_avx512(c, n); return 1;
     case 1: gelu_avx2(c, n); return 1;
     default: break;
@@ -470,6 +519,30 @@ static int gelu_vector(float *c, int n) {
 #endif
     (void)c; (void)n;
     return 0;
+}
+
+/* SiLU of n floats at c in place, by the widest registers this CPU has, silu_scalar on none. */
+static void silu_rows(float *c, int n) {
+#if defined(__x86_64__) || defined(__i386__)
+    switch (epilogue_isa()) {
+    case 2: silu_avx512(c, n); return;
+    case 1: silu_avx2(c, n); return;
+    default: break;
+    }
+#endif
+    for (int j = 0; j < n; ++j) c[j] = silu_scalar(c[j]);
+}
+
+/* y[j] = silu(g[j] + bg[j])·(u[j] + bu[j]) for j < n (bg and bu NULL: no bias) likewise; y does not alias g or u. */
+static void gate_row(float *y, const float *g, const float *u, const float *bg, const float *bu, int n) {
+#if defined(__x86_64__) || defined(__i386__)
+    switch (epilogue_isa()) {
+    case 2: gate_avx512(y, g, u, bg, bu, n); return;
+    case 1: gate_avx2(y, g, u, bg, bu, n); return;
+    default: break;
+    }
+#endif
+    for (int j = 0; j < n; ++j) y[j] = silu_scalar(bg ? g[j] + bg[j] : g[j]) * (bu ? u[j] + bu[j] : u[j]);
 }
 
 static void activate(float *c, int n, int activation, float alpha, float beta) {
@@ -500,7 +573,7 @@ static void activate(float *c, int n, int activation, float alpha, float beta) {
         for (int j = 0; j < n; ++j) c[j] = 1.0f / (1.0f + exp_poly(-c[j]));
         break;
     case ACT_SILU:
-        for (int j = 0; j < n; ++j) c[j] = c[j] / (1.0f + exp_poly(-c[j]));
+        silu_rows(c, n);
         break;
     case ACT_HARD_SIGMOID:  /* max(0, min(1, alpha·x + beta)) */
         for (int j = 0; j < n; ++j) {
@@ -567,17 +640,13 @@ static void swiglu_epilogue(const kiln_gemm_plan *p, long nr, const float *c, lo
     const long half = nr / 2, col0 = q * half, out_n = p->out_n;
     const int n = (int)(out_n - col0 < half ? out_n - col0 : half);
     const float *bias = p->bias ? p->bias + q * nr : NULL;
-    float gate[32], up[32];  /* half <= 32 (NR <= 64): copies, so that the loops below vectorise (no aliasing) */
+    float gate[32];  /* half <= 32 (NR <= 64): the gated row, on the stack so that the loop below vectorises */
     for (int i = 0; i < m; ++i) {
-        memcpy(gate, c + i * ldc, (size_t)half * sizeof(float));
-        memcpy(up, c + i * ldc + half, (size_t)half * sizeof(float));
-        if (bias) for (long j = 0; j < half; ++j) { gate[j] += bias[j]; up[j] += bias[half + j]; }
-        for (long j = 0; j < half; ++j) gate[j] = gate[j] / (1.0f + exp_poly(-gate[j])) * up[j];
-        if (res) {
-            const float *r = res + (row0 + i) * out_n + col0;
-            for (int j = 0; j < n; ++j) gate[j] += r[j];
-        }
-        memcpy(y + (row0 + i) * out_n + col0, gate, (size_t)n * sizeof(float));
+        gate_row(gate, c + i * ldc, c + i * ldc + half, bias, bias ? bias + half : NULL, (int)half);
+        float *out = y + (row0 + i) * out_n + col0;
+        const float *r = res ? res + (row0 + i) * out_n + col0 : NULL;
+        if (r) for (int j = 0; j < n; ++j) out[j] = gate[j] + r[j];
+        else for (int j = 0; j < n; ++j) out[j] = gate[j];
     }
 }
 #pragma GCC pop_options
