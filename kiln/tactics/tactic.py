@@ -103,6 +103,18 @@ def conv_operands_refusal(step: StepSpec, x: InputMeta, w: InputMeta) -> str | N
     return None
 
 
+def built_at(cache: dict, key: Any, build: Callable[[Any], Any], keep: Callable[[Any], bool], kept: int) -> Any:
+    """cache[key], made by build(key) on first sight; past `kept` entries the oldest whose key is not kept (keep(key):
+    the tuned size's, made at load) goes. A layer's kernels or primitives per input shape (onednn.py, quantized.py,
+    native_member.py)."""
+    found = cache.get(key)
+    if found is None:
+        if len(cache) > kept:
+            cache.pop(next(k for k in cache if not keep(k)))
+        found = cache[key] = build(key)
+    return found
+
+
 def _why_unavailable(available: Callable[[], bool]) -> str | None:
     """What the library behind an `available` check says of itself: kiln's C kernel libraries and oneDNN keep a
     `reason()` beside `available()` (a bound KernelLibrary method, or a module function)."""

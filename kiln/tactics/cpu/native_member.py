@@ -19,7 +19,7 @@ import torch
 
 from kiln.kernels.cpu import transformer as kernels
 from kiln.plan.spec import StepSpec
-from kiln.tactics.tactic import InputMeta, NativeStep, PlanRule, SizedPlan, resizable, same_primitive
+from kiln.tactics.tactic import InputMeta, NativeStep, PlanRule, SizedPlan, built_at, resizable, same_primitive
 
 # kernels kept per layer for input sizes met at run time (least recently used out): as many as a segment keeps
 # views (kiln/runtime/native.py VIEWS), so that a size a segment has bound once is never built again while its
@@ -90,7 +90,6 @@ def prepared_native(step: StepSpec, reads: Callable[[dict[int, tuple[int, ...]]]
         return dtypes, sizes
 
     @resizable
-
     def native_at(sizes: dict[int, tuple[int, ...]]) -> NativeStep:
         dtypes, sizes = read_sizes(sizes)
         found = entry(sizes)
@@ -169,12 +168,7 @@ def prepared_sized(step: StepSpec, make: Callable[[tuple[int, ...]], Any]):
     sized: dict[tuple[int, ...], Any] = {}
 
     def kernel(size: tuple[int, ...]) -> Any:
-        found = sized.get(size)
-        if found is None:
-            if len(sized) > _SIZED_KEPT:
-                sized.pop(next(k for k in sized if k != tuned))
-            found = sized[size] = make(size)
-        return found
+        return built_at(sized, size, make, lambda k: k == tuned, _SIZED_KEPT)
 
     kernel(tuned)  # at load: the tuned size's kernel
 
@@ -183,7 +177,6 @@ def prepared_sized(step: StepSpec, make: Callable[[tuple[int, ...]], Any]):
         return kernel(tuple(x.shape))(x)  # channels-last
 
     @resizable
-
     def native_at(size: tuple[int, ...]) -> NativeStep:
         found = kernel(tuple(size))
         return NativeStep(tuple(size), found.output_size, same_primitive(found))

@@ -58,7 +58,7 @@ from kiln.ops._util import ints
 from kiln.ops.registry import OpContext, lookup
 from kiln.plan.spec import StepSpec
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import (InputMeta, NativeStep, PlanRule, SizedPlan, Tactic, conv_geometry,
+from kiln.tactics.tactic import (InputMeta, NativeStep, PlanRule, SizedPlan, Tactic, built_at, conv_geometry,
                                  conv_operands_refusal, resizable, same_primitive)
 from kiln.tactics.tactic import attribute as _attr
 
@@ -68,13 +68,8 @@ _CACHED_SHAPES = 8  # primitives kept per layer for input sizes other than the t
 
 def _built(primitives: dict, key, build, tuned: Callable[[Any], bool]):
     """primitives[key], built (build(key)) on first use; past _CACHED_SHAPES, the oldest one that is
-    not for the tuned size (tuned(key)) makes room."""
-    found = primitives.get(key)
-    if found is None:
-        if len(primitives) > _CACHED_SHAPES:
-            primitives.pop(next(k for k in primitives if not tuned(k)))
-        found = primitives[key] = build(key)
-    return found
+    not for the tuned size (tuned(key)) makes room (tactic.built_at)."""
+    return built_at(primitives, key, build, tuned, _CACHED_SHAPES)
 
 
 def _in_chunks(size: tuple[int, ...], tuned: tuple[int, ...]) -> bool:

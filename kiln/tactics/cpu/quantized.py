@@ -29,8 +29,8 @@ from kiln.kernels.cpu import onednn, onednn_int8, onednn_primitives
 from kiln.kernels.cpu.cpu_features import has_int8_dot_product
 from kiln.plan.spec import StepSpec
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import (InputMeta, NativeStep, Tactic, conv_geometry, conv_operands_refusal, resizable,
-                                 same_primitive)
+from kiln.tactics.tactic import (InputMeta, NativeStep, Tactic, built_at, conv_geometry, conv_operands_refusal,
+                                 resizable, same_primitive)
 from kiln.tactics.tactic import attribute as _attr
 from kiln.tactics.tactic import tensor_input as _input
 
@@ -91,13 +91,9 @@ def _y(constants: list[Any]) -> tuple[torch.dtype, float, int] | None:
     return y_zero.dtype, float(y_scale.reshape(-1)[0]), int(y_zero.reshape(-1)[0])
 
 
-def _built(cache: dict, key, build, tuned):
-    found = cache.get(key)
-    if found is None:
-        if len(cache) > _CACHED_SHAPES:
-            cache.pop(next(k for k in cache if k != tuned))
-        found = cache[key] = build(key)
-    return found
+def _built(cache: dict, key: Any, build: Callable[[Any], Any], tuned: Any) -> Any:
+    """built_at with the tuned shape's entry kept, at most _CACHED_SHAPES others."""
+    return built_at(cache, key, build, lambda k: k == tuned, _CACHED_SHAPES)
 
 
 # ---- QConv -------------------------------------------------------------------------------------
