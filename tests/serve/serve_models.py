@@ -7,11 +7,15 @@
              calls on the CPU: its own repository in test_warm_up.py, built with pad_dims batch, seq)
     slow     x FP32 [batch, 4] -> y: x + 0 * (a chain of 1024x1024 matmuls on a value x decides), ~tens of ms
     broken   a folder whose config names an input the engine does not have (fails to load; the others serve)
+
+and `lines_until_ready`, the output of a `kiln serve` process read until it says it is ready.
 """
 
 from __future__ import annotations
 
 import shutil
+import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -127,3 +131,21 @@ def write_repository(root: Path, engines: Path) -> Path:
     (root / "mlp" / "2").mkdir(exist_ok=True)
     shutil.copy(engines / "mlp.kiln", root / "mlp" / "2" / "model.kiln")
     return root
+
+
+READY = "kiln serve: ready"
+
+
+def lines_until_ready(process: subprocess.Popen, seconds: float) -> list[str]:
+    """The lines a `kiln serve` process (text stdout) printed up to and including READY, or up to its output's end
+    or `seconds`, whichever comes first: the caller checks the last line."""
+    lines = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.strip() == READY:
+            break
+    return lines

@@ -15,12 +15,12 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
+from serve_models import lines_until_ready
 
 from kiln.cli import _parser as build_parser
 
@@ -186,15 +186,7 @@ def test_the_manifests_command_line_serves_its_probes_grpc_and_metrics(mlp_repos
     process = subprocess.Popen([sys.executable, "-m", "kiln", "serve", *command], cwd=REPO, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        lines = []
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            line = process.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if line.strip() == "kiln serve: ready":
-                break
+        lines = lines_until_ready(process, 120)
         assert lines and lines[-1].strip() == "kiln serve: ready", "".join(lines)
         http_port = int(moved[str(args.http_port)])
         for kind in ("livenessProbe", "readinessProbe", "startupProbe"):

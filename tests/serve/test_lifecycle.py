@@ -23,6 +23,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from conftest import options
+from serve_models import READY, lines_until_ready
 from tritonclient.utils import InferenceServerException
 
 from kiln.runtime.heap import INTERPRETER_FROZEN
@@ -225,18 +226,10 @@ def _start_cli(repository: Path, *extra: str) -> tuple[subprocess.Popen, dict[st
         [sys.executable, "-m", "kiln", "serve", str(repository), "--http-port", "0", "--grpc-port", "0",
          "--metrics-port", "-1", "--shutdown-timeout", "20", *extra],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    ports, lines = {}, []
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        found = re.match(r"kiln serve: (HTTP|gRPC) on 127\.0\.0\.1:(\d+)", line)
-        if found:
-            ports[found.group(1)] = int(found.group(2))
-        if line.strip() == "kiln serve: ready":
-            return process, ports
+    lines = lines_until_ready(process, 120)
+    if lines and lines[-1].strip() == READY:
+        found = (re.match(r"kiln serve: (HTTP|gRPC) on 127\.0\.0\.1:(\d+)", line) for line in lines)
+        return process, {f.group(1): int(f.group(2)) for f in found if f}
     process.kill()
     raise AssertionError("kiln serve did not start:\n" + "".join(lines))
 

@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +20,7 @@ import pytest
 pytest.importorskip("ray.serve")
 
 import tritonclient.http as httpclient
-from serve_models import CONFIGS, MLP_W, mlp
+from serve_models import CONFIGS, MLP_W, lines_until_ready, mlp
 
 import kiln
 
@@ -57,17 +56,8 @@ def test_kiln_serve_ray_cli(tmp_path, engines):
         [sys.executable, "-m", "kiln", "serve", "--ray", str(tmp_path), "--ray-address", "local", "--http-port",
          str(port), "--proxy-location", "HeadOnly", "--shutdown-timeout", "10"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-    lines = []
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            line = process.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if line.strip() == "kiln serve: ready":
-                break
-        output = "".join(lines)
+        output = "".join(lines_until_ready(process, 240))
         assert "kiln serve: ready" in output, output
         assert "kiln serve: model mlp version 1: READY" in output
         assert re.search(rf"kiln serve: HTTP on 127\.0\.0\.1:{port}", output)
