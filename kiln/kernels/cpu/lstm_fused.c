@@ -55,12 +55,14 @@ typedef struct {
     int pairs_full;             /* 1: the rows as full two-pass tiles, the rest one-pass (fused_tiles); 0: even */
     fused_ahead_fn ahead[6];    /* ahead[m - 1]: the x part of a one-pass tile's m rows (FUSED_AHEAD), or NULL */
     fused_ahead_fn ahead_pairs[8]; /* ... of a two-pass tile's m rows, in its two passes */
+    int wide_rows;              /* rows of the wide tile (FUSED_WIDE), or 0: none */
+    fused_rows_fn wide[3];      /* wide[nb - 1]: the wide tile over nb blocks from `block` */
 } fused_kernel;
 
 /* One tile of a step's block: `rows` batch rows from row0, on `tile`. */
 typedef struct {
     long row0, rows;
-    fused_rows_fn tile;
+    fused_rows_fn tile;         /* or NULL: the kernel's wide tile, over groups of blocks (fused_row_slice) */
 } fused_span;
 
 struct fused_ctx {
@@ -270,6 +272,93 @@ static inline fused_v4 fused_rcp(fused_v4 d) { return 1.0f / d; }
         FUSED_STORE(U, M, acc[i][0], ig[i])                                                                  \
     }
 
+/* One tile of M rows over NB consecutive blocks in two kinds of pass, each weight read once a step: per block the
+   gates i, c̃, f (M x 3 accumulators) and the new cell state c = σ(f) ⊙ c + σ(i) ⊙ tanh(c̃), which needs no o; then
+   the o gates of all NB blocks at once (M x NB accumulators) and h = σ(o) ⊙ tanh(c). Why: capped to AVX2 (16 ymm)
+   a thread of the row split owns 4 of the forecaster's 8 rows, and its tiles were 2 + 2 one-pass (each weight
+   streamed twice a step, 8 accumulators) or the 4-row two-pass tile (8 accumulators, each pass waiting on the FMA
+   latency); 4 rows x 3 gates and 4 rows x 3 blocks are 12 accumulators, a weight vector a gate and the broadcast.
+   The sums run in FUSED_SUMS's order (bias, then k = 0 .. I + H - 1) and the cell in FUSED_PAIRS's expressions:
+   bit-equal to the other tiles. Only in the row split (fused_row_slice), where no x part is computed ahead. */
+#define FUSED_WIDE(NAME, TARGET, V, U, M, NB)                                                                \
+    static __attribute__((noinline)) TARGET void NAME##_wide##M##x##NB(const fused_ctx *c, long step,        \
+                                                                       long block0, long row0) {             \
+        const kiln_recurrent_plan *p = c->p;                                                                 \
+        const long I = p->I, H = p->H;                                                                       \
+        const float *x[M];                                                                                   \
+        _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) x[i] = fused_x_row(p, step, row0 + i);         \
+        const float *h_prev = c->h[step % 2] + row0 * H;                                                     \
+        const int recurrent = step > 0 || p->h0 != NULL;                                                     \
+        const float *xs = NULL;                                                                              \
+        V c_new[NB][M];                                                                                      \
+        _Pragma("GCC unroll 4") for (int bb = 0; bb < (NB); ++bb) {                                          \
+            const long block = block0 + bb;                                                                  \
+            const float *w = p->packed_w + block * (I + H) * 4 * (U), *b = p->bias + block * 4 * (U);        \
+            const long j0 = block * (U), width = H - j0 < (U) ? H - j0 : (U);                                \
+            const float *cell = c->c + row0 * H + j0;                                                        \
+            V acc[M][3], ig[M];                                                                              \
+            FUSED_SUMS(V, U, M, 3, w, w + (I + H) * 2 * (U), b)                                              \
+            FUSED_C_OLD(V, U, M)                                                                             \
+            _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) {                                          \
+                acc[i][0] = NAME##_sigmoid(acc[i][0]);                                                       \
+                acc[i][2] = NAME##_sigmoid(acc[i][2]);                                                       \
+            }                                                                                                \
+            _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) {                                          \
+                ig[i] = acc[i][0] * NAME##_tanh(acc[i][1]);                                                  \
+                __asm__("" : "+x"(ig[i])); /* rounded, as FUSED_PAIRS' (its pass 2 between): fma(f, c, ig) */ \
+            }                                                                                                \
+            _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i)                                            \
+                c_new[bb][i] = acc[i][2] * c_old[i] + ig[i];                              /* c = f c + i c̃ */ \
+        }                                                                                                    \
+        /* the o gates of the NB blocks (panel B's second slot), in FUSED_SUMS's order */                    \
+        const float *wo[NB], *bo[NB];                                                                        \
+        _Pragma("GCC unroll 4") for (int bb = 0; bb < (NB); ++bb) {                                          \
+            wo[bb] = p->packed_w + (block0 + bb) * (I + H) * 4 * (U) + (I + H) * 2 * (U) + (U);              \
+            bo[bb] = p->bias + (block0 + bb) * 4 * (U) + 3 * (U);                                            \
+        }                                                                                                    \
+        V acc[M][NB];                                                                                        \
+        _Pragma("GCC unroll 4") for (int bb = 0; bb < (NB); ++bb) {                                          \
+            V bq;                                                                                            \
+            memcpy(&bq, bo[bb], sizeof bq);                                                                  \
+            _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) acc[i][bb] = bq;                           \
+        }                                                                                                    \
+        for (long k = 0; k < I; ++k) {                                                                      \
+            V wv[NB];                                                                                        \
+            _Pragma("GCC unroll 4") for (int bb = 0; bb < (NB); ++bb) memcpy(&wv[bb], wo[bb] + k * 2 * (U), sizeof(V)); \
+            _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) {                                          \
+                const float xk = x[i][k];                                                                    \
+                _Pragma("GCC unroll 4") for (int bb = 0; bb < (NB); ++bb) acc[i][bb] += xk * wv[bb];         \
+            }                                                                                                \
+        }                                                                                                    \
+        if (recurrent) {                                                                                     \
+            for (long k = I; k < I + H; ++k) {                                                               \
+                V wv[NB];                                                                                    \
+                _Pragma("GCC unroll 4") for (int bb = 0; bb < (NB); ++bb) memcpy(&wv[bb], wo[bb] + k * 2 * (U), sizeof(V)); \
+                _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) {                                      \
+                    const float hs = h_prev[i * H + k - I];                                                  \
+                    _Pragma("GCC unroll 4") for (int bb = 0; bb < (NB); ++bb) acc[i][bb] += hs * wv[bb];     \
+                }                                                                                            \
+            }                                                                                                \
+        }                                                                                                    \
+        _Pragma("GCC unroll 4") for (int bb = 0; bb < (NB); ++bb)                                            \
+            _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) acc[i][bb] = NAME##_sigmoid(acc[i][bb]);   \
+        _Pragma("GCC unroll 4") for (int bb = 0; bb < (NB); ++bb) {                                          \
+            const long block = block0 + bb, j0 = block * (U), width = H - j0 < (U) ? H - j0 : (U);           \
+            float *h_next = c->h[(step + 1) % 2] + row0 * H + j0, *cell = c->c + row0 * H + j0;              \
+            V h_new[M];                                                                                      \
+            _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i)                                            \
+                h_new[i] = acc[i][bb] * NAME##_tanh(c_new[bb][i]);                        /* h = o tanh(c) */ \
+            FUSED_STORE(U, M, c_new[bb][i], h_new[i])                                                        \
+        }                                                                                                    \
+        (void)xs;                                                                                            \
+    }
+
+/* the wide tiles of 4 rows over 1 to 3 blocks (AVX2: 12 ymm accumulators) */
+#define FUSED_WIDE_KERNEL(NAME, TARGET, U)                                                                   \
+    FUSED_WIDE(NAME, TARGET, NAME##_v, U, 4, 1) FUSED_WIDE(NAME, TARGET, NAME##_v, U, 4, 2)                  \
+    FUSED_WIDE(NAME, TARGET, NAME##_v, U, 4, 3)
+#define FUSED_WIDE_FNS(NAME) {NAME##_wide4x1, NAME##_wide4x2, NAME##_wide4x3}
+
 /* The x part of a block's four gates for M rows (the bias and Σ_k x·W, FUSED_SUMS's first half in its order) to
    sums[i][4·U], for fused_ahead: G = 4 in one pass (the one-pass tile's shape), G = 2 in two (the two-pass tile's:
    each weight read once for M rows). */
@@ -350,6 +439,7 @@ FUSED_KERNEL(fused_avx512, KILN_AVX512, 16, _mm512_min_ps, _mm512_max_ps, _mm512
 FUSED_PAIRS_KERNEL(fused_avx512, KILN_AVX512, 16)  /* 8 rows x 2 gates = 16 zmm accumulators */
 FUSED_KERNEL(fused_avx2, KILN_AVX2, 8, _mm256_min_ps, _mm256_max_ps, _mm256_rcp_ps)
 FUSED_PAIRS_KERNEL6(fused_avx2, KILN_AVX2, 8)
+FUSED_WIDE_KERNEL(fused_avx2, KILN_AVX2, 8)  /* 4 rows x 3 gates, 4 rows x 3 blocks */
 #endif
 FUSED_KERNEL(fused_generic, , 4, fused_min, fused_max, fused_rcp)
 
@@ -360,8 +450,9 @@ static const fused_kernel FUSED_KERNELS[] = {
     {"avx512 16 units x 4 gates, 6 rows; 2+2 gates, 8 rows", 16, 6, FUSED_ROW_FNS(fused_avx512),
      8, FUSED_PAIR_FNS(fused_avx512), has_avx512, 0, 0, FUSED_AHEAD_FNS(fused_avx512),
      FUSED_AHEAD_PAIR_FNS(fused_avx512)},
-    {"avx2 8 units x 4 gates, 3 rows; 2+2 gates, 6 rows", 8, 3, FUSED_ROW_FNS(fused_avx2),
-     6, FUSED_PAIR_FNS6(fused_avx2), has_avx2, 0, 1, FUSED_AHEAD_FNS(fused_avx2), FUSED_AHEAD_PAIR_FNS6(fused_avx2)},
+    {"avx2 8 units x 4 gates, 3 rows; 2+2 gates, 6 rows; 3+1 gates, 4 rows", 8, 3, FUSED_ROW_FNS(fused_avx2),
+     6, FUSED_PAIR_FNS6(fused_avx2), has_avx2, 0, 1, FUSED_AHEAD_FNS(fused_avx2), FUSED_AHEAD_PAIR_FNS6(fused_avx2),
+     4, FUSED_WIDE_FNS(fused_avx2)},
     /* the AVX2 kernel before the 6-row two-pass tile (2026-12-06): benches time it beside the one above */
     {"avx2onepass 8 units x 4 gates, 3 rows", 8, 3, FUSED_ROW_FNS(fused_avx2), 0, {0}, has_avx2, 1, 0,
      FUSED_AHEAD_FNS(fused_avx2)},
@@ -473,14 +564,40 @@ typedef struct {
     const long *first;          /* participant q's row groups: spans [first[q], first[q + 1]) */
 } fused_slices;
 
-/* Participant q's row groups through every step, with no barrier: a row's recurrence reads its own h and c only. */
+/* 1: a slice of the row split whose rows fit the kernel's wide tile (FUSED_WIDE: AVX2's 4 rows) runs on it; 0: on
+   the one-pass tiles (4 rows: 2 + 2), the form before 2026-12-06 (bench/lstm_wide_ab.py times both). */
+int kiln_lstm_fused_wide = 1;
+
+/* The blocks of the wide tile's next group from block b0 of `blocks`: 3 (12 accumulators), 2 + 2 for the last 4 (8
+   each, rather than 3 + 1's 4: a pass of 4 accumulators waits on the FMA latency), what is left under 3. */
+static long fused_wide_group(long blocks, long b0) {
+    const long left = blocks - b0;
+    return left == 4 ? 2 : left >= 3 ? 3 : left;
+}
+
+/* Participant q's row groups through every step, with no barrier: a row's recurrence reads its own h and c only.
+   A wide span (tile NULL) runs the blocks in groups (fused_wide_group), the slice's other spans beside it. */
 static void fused_row_slice(void *ctx, long q) {
     const fused_slices *r = (const fused_slices *)ctx;
     const fused_ctx *c = r->c;
     const long first = r->first[q], last = r->first[q + 1];
+    int wide = 0;
+    for (long g = first; g < last; ++g) wide |= c->spans[g].tile == NULL;
+    if (!wide) {
+        for (long step = 0; step < c->p->S; ++step)
+            for (long block = 0; block < c->blocks; ++block)
+                for (long g = first; g < last; ++g) c->spans[g].tile(c, step, block, c->spans[g].row0);
+        return;
+    }
     for (long step = 0; step < c->p->S; ++step)
-        for (long block = 0; block < c->blocks; ++block)
-            for (long g = first; g < last; ++g) c->spans[g].tile(c, step, block, c->spans[g].row0);
+        for (long b0 = 0, nb; b0 < c->blocks; b0 += nb) {
+            nb = fused_wide_group(c->blocks, b0);
+            for (long g = first; g < last; ++g) {
+                const fused_span *s = &c->spans[g];
+                if (s->tile == NULL) c->kernel->wide[nb - 1](c, step, b0, s->row0);
+                else for (long block = b0; block < b0 + nb; ++block) s->tile(c, step, block, s->row0);
+            }
+        }
 }
 
 /* Rows [row0, row0 + n) of a slice as tiles, written to spans (NULL: only counted); returns how many.
@@ -491,12 +608,18 @@ static void fused_row_slice(void *ctx, long q) {
    zoo-cpu-avx2-2026-12-06.md, session 22): batch 6 as one 6-row two-pass tile 0.933 / 1.525 ms (I = 16 / 128)
    against 1.175 / 2.018 as 3 + 3 one-pass (onnxruntime 0.966 / 1.709); but a 4-row two-pass tile (8 accumulators)
    lost to 2 + 2 one-pass, 1.656 vs 1.397 ms (I = 128).
+   `wide` (the row split, fused_row_slice): where the rest is the kernel's wide tile's rows (AVX2: 4), that tile
+   instead (FUSED_WIDE: each weight read once a step for the 4 rows, 12 accumulators).
    Other kernels: ceil(n / MR) tiles as even as they go, two-pass where the rows exceed the one-pass tile's. */
-static long fused_tiles(const fused_kernel *k, long row0, long n, fused_span *spans) {
+static long fused_tiles(const fused_kernel *k, long row0, long n, int wide, fused_span *spans) {
     long count = 0;
     if (k->pairs_full && k->pairs_mr > 0) {
         for (; n >= k->pairs_mr; n -= k->pairs_mr, row0 += k->pairs_mr, ++count)
             if (spans) spans[count] = (fused_span){row0, k->pairs_mr, k->pairs[k->pairs_mr - 1]};
+        if (wide && k->wide_rows > 0 && n == k->wide_rows) {  /* the row split's 4 rows: one wide tile */
+            if (spans) spans[count] = (fused_span){row0, n, NULL};
+            return count + 1;
+        }
         const long groups = (n + k->mr - 1) / k->mr;
         for (long g = 0; g < groups; ++g, ++count) {
             long rows;
@@ -515,17 +638,18 @@ static long fused_tiles(const fused_kernel *k, long row0, long n, fused_span *sp
     return count;
 }
 
-/* The tiles `kernel` runs a slice of n rows on, in row order (fused_tiles): rows[t] and two_pass[t] (1: the
-   two-pass tile) for t < the count returned, at most `most` of them written. For tests and benches. */
-long kiln_lstm_fused_tile_plan(int kernel, long n, long *rows, int *two_pass, long most) {
+/* The tiles `kernel` runs a slice of n rows on, in row order (fused_tiles; `wide`: the row split's plan):
+   rows[t] and two_pass[t] (1: the two-pass tile, 2: the wide tile) for t < the count returned, at most `most` of
+   them written. For tests and benches. */
+long kiln_lstm_fused_tile_plan(int kernel, long n, int wide, long *rows, int *two_pass, long most) {
     if (kernel < 0 || kernel >= FUSED_KERNEL_COUNT || n <= 0) return 0;
     const fused_kernel *k = &FUSED_KERNELS[kernel];
-    const long count = fused_tiles(k, 0, n, NULL);
+    const long count = fused_tiles(k, 0, n, wide, NULL);
     fused_span spans[count];
-    fused_tiles(k, 0, n, spans);
+    fused_tiles(k, 0, n, wide, spans);
     for (long t = 0; t < count && t < most; ++t) {
         rows[t] = spans[t].rows;
-        two_pass[t] = k->pairs_mr > 0 && spans[t].tile == k->pairs[spans[t].rows - 1];
+        two_pass[t] = spans[t].tile == NULL ? 2 : k->pairs_mr > 0 && spans[t].tile == k->pairs[spans[t].rows - 1];
     }
     return count;
 }
@@ -555,17 +679,20 @@ int kiln_lstm_fused(void *object, void *stream, int nargs, const void *args) {
     const long most_slices = N / 2 > 1 ? N / 2 : 1;  /* two rows or more each */
     const int row_split = p->split ? p->split == 1 : kiln_lstm_fused_row_split;
     const long slices = row_split ? (most_slices < threads ? most_slices : threads) : 1;
+    /* the wide tile where no step's blocks are shared between threads: the row split, or one thread */
+    const int wide = kiln_lstm_fused_wide && (slices > 1 || threads == 1);
     p->row_slices = (int)slices;
     p->ahead = 0;
+    p->wide = 0;
     /* each slice's rows (as even as they go) as tiles: spans [first[q], first[q + 1]) */
     long first[slices + 1];
     first[0] = 0;
     for (long q = 0; q < slices; ++q)
-        first[q + 1] = first[q] + fused_tiles(kernel, N * q / slices, N * (q + 1) / slices - N * q / slices, NULL);
+        first[q + 1] = first[q] + fused_tiles(kernel, N * q / slices, N * (q + 1) / slices - N * q / slices, wide, NULL);
     fused_span *spans = (fused_span *)malloc((size_t)first[slices] * sizeof *spans);
     if (!spans) return 3;
     for (long q = 0; q < slices; ++q)
-        fused_tiles(kernel, N * q / slices, N * (q + 1) / slices - N * q / slices, spans + first[q]);
+        fused_tiles(kernel, N * q / slices, N * (q + 1) / slices - N * q / slices, wide, spans + first[q]);
     c.spans = spans;
     c.groups = first[slices];
     /* whole blocks as items while there are two items a thread, else fewer groups an item */
@@ -575,7 +702,10 @@ int kiln_lstm_fused(void *object, void *stream, int nargs, const void *args) {
     states.h_a = c.h[0];
     states.c = c.c;
     load_states(p, &states);
-    if (slices > 1) {
+    int wide_spans = 0;
+    for (long g = 0; g < c.groups; ++g) wide_spans |= spans[g].tile == NULL;
+    if (slices > 1 || wide_spans) {  /* one thread with a wide span: its one slice, with no stage loop */
+        p->wide = wide_spans;
         const long start = now_ns();
         fused_slices r = {&c, first};
         kiln_parallel_for(slices, (int)slices, fused_row_slice, &r);
