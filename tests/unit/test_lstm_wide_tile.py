@@ -1,5 +1,6 @@
 """lstm_fused.c's wide tile (FUSED_WIDE: AVX2's 4 rows, the gates i, c̃, f of a block, then the o gates of up to 3
-blocks), which runs a slice of 4 rows in the row split (the forecaster's 8 rows at 2 threads) and at one thread.
+blocks), which runs a slice of 4 rows in the row split (the forecaster's 8 rows at 2 threads) and at one thread
+(a rest of 4 or 8 rows past the full 6-row tiles: 8 rows as 4 + 4).
 Against onnxruntime's LSTM and torch's in float64 on fresh random inputs: hidden sizes whose blocks group as 1, 2 + 2,
 3, 3 + 2 and 3 + 2 + 2 (a partial block among them), batches 1 / 3 / 4 / 8 / 9 / 10 / 13 at 1 and 2 threads,
 forward, reverse, sequence_lens, with and without initial states, both directions of a bidirectional layer; and
@@ -31,12 +32,21 @@ def test_the_row_split_plans_the_wide_tile_for_a_rest_of_four_rows():
     plan, avx2 = recurrent.fused_tile_plan, _kernel("avx2")
     assert plan(avx2, 4, wide=True) == [(4, "wide")]
     assert plan(avx2, 10, wide=True) == [(6, True), (4, "wide")]
-    assert plan(avx2, 8, wide=True) == [(6, True), (2, False)]  # 8 rows at one thread: as before
+    assert plan(avx2, 8, wide=True) == [(4, "wide"), (4, "wide")]  # one thread's 8 rows: 4 + 4, not 6 + 2
+    assert plan(avx2, 14, wide=True) == [(6, True), (4, "wide"), (4, "wide")]
+    assert plan(avx2, 12, wide=True) == [(6, True), (6, True)]
+    assert plan(avx2, 8, wide=1) == [(6, True), (2, False)]  # mode 1: a rest of 4 only
+    assert plan(avx2, 4, wide=1) == [(4, "wide")]
+    assert plan(avx2, 8, wide=0) == plan(avx2, 8) == [(6, True), (2, False)]
     assert plan(avx2, 5, wide=True) == [(3, False), (2, False)]
+    assert plan(avx2, 2, wide=True) == [(2, False)]
     assert plan(avx2, 4) == [(2, False), (2, False)]  # the block split shares a step's blocks: no wide tile
     for kernel in recurrent.fused_kernels():
         if kernel.name.split()[0] != "avx2":
             assert all(kind != "wide" for rows in range(1, 20) for _, kind in plan(kernel, rows, wide=True))
+        for mode in (0, 1, 2):
+            for rows in range(1, 20):
+                assert sum(r for r, _ in plan(kernel, rows, wide=mode)) == rows, (kernel.name, mode, rows)
 
 
 def _run(layer, values, batch, hidden, *, threads, reverse, lengths, wide, direction=0):
@@ -76,7 +86,8 @@ def test_wide_tile_matches_onnxruntime_and_the_tiles_it_replaces(hidden):
                             f"lengths {lengths}"
                     got, plan = _run(layer, values, batch, hidden, threads=threads, reverse=reverse,
                                      lengths=lengths, wide=True)
-                    assert plan.wide == int(any(rows % 6 == 4 for rows in _slices(batch, threads))), label
+                    assert plan.wide == int(any(rows % 6 == 4 or rows % 6 == 2 and rows > 6
+                                                for rows in _slices(batch, threads))), label
                     before, old = _run(layer, values, batch, hidden, threads=threads, reverse=reverse,
                                        lengths=lengths, wide=False)
                     assert old.wide == 0, label

@@ -280,6 +280,40 @@ static inline fused_v4 fused_rcp(fused_v4 d) { return 1.0f / d; }
    latency); 4 rows x 3 gates and 4 rows x 3 blocks are 12 accumulators, a weight vector a gate and the broadcast.
    The sums run in FUSED_SUMS's order (bias, then k = 0 .. I + H - 1) and the cell in FUSED_PAIRS's expressions:
    bit-equal to the other tiles. Only in the row split (fused_row_slice), where no x part is computed ahead. */
+/* acc[i][g] = *BIAS[g] + Σ_k x_i[k]·W_g[k] + Σ_k h_i[k]·R_g[k] for G vectors, row k of vector g at PTR[g] + k·2·U
+   (FUSED_SUMS's order). The weight vectors held in registers (the asm): GCC otherwise folds them into the FMAs as
+   memory operands, and a k then loads M·G vectors and M broadcasts, as many loads as the core's two a cycle take
+   in the FMAs' time. */
+#define FUSED_WIDE_SUMS(V, U, M, G, PTR, BIAS)                                                               \
+    _Pragma("GCC unroll 4") for (int g = 0; g < (G); ++g) {                                                  \
+        V bq;                                                                                                \
+        memcpy(&bq, (BIAS)[g], sizeof bq);                                                                   \
+        _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) acc[i][g] = bq;                                \
+    }                                                                                                        \
+    for (long k = 0; k < I; ++k) {                                                                           \
+        V wv[G];                                                                                             \
+        _Pragma("GCC unroll 4") for (int g = 0; g < (G); ++g) {                                              \
+            memcpy(&wv[g], (PTR)[g] + k * 2 * (U), sizeof(V));                                               \
+            __asm__("" : "+x"(wv[g]));                                                                       \
+        }                                                                                                    \
+        _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) {                                              \
+            const float xk = x[i][k];                                                                        \
+            _Pragma("GCC unroll 4") for (int g = 0; g < (G); ++g) acc[i][g] += xk * wv[g];                   \
+        }                                                                                                    \
+    }                                                                                                        \
+    if (recurrent)                                                                                           \
+        for (long k = I; k < I + H; ++k) {                                                                   \
+            V wv[G];                                                                                         \
+            _Pragma("GCC unroll 4") for (int g = 0; g < (G); ++g) {                                          \
+                memcpy(&wv[g], (PTR)[g] + k * 2 * (U), sizeof(V));                                           \
+                __asm__("" : "+x"(wv[g]));                                                                   \
+            }                                                                                                \
+            _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) {                                          \
+                const float hs = h_prev[i * H + k - I];                                                      \
+                _Pragma("GCC unroll 4") for (int g = 0; g < (G); ++g) acc[i][g] += hs * wv[g];               \
+            }                                                                                                \
+        }
+
 #define FUSED_WIDE(NAME, TARGET, V, U, M, NB)                                                                \
     static __attribute__((noinline)) TARGET void NAME##_wide##M##x##NB(const fused_ctx *c, long step,        \
                                                                        long block0, long row0) {             \
@@ -289,15 +323,15 @@ static inline fused_v4 fused_rcp(fused_v4 d) { return 1.0f / d; }
         _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) x[i] = fused_x_row(p, step, row0 + i);         \
         const float *h_prev = c->h[step % 2] + row0 * H;                                                     \
         const int recurrent = step > 0 || p->h0 != NULL;                                                     \
-        const float *xs = NULL;                                                                              \
         V c_new[NB][M];                                                                                      \
         _Pragma("GCC unroll 4") for (int bb = 0; bb < (NB); ++bb) {                                          \
             const long block = block0 + bb;                                                                  \
             const float *w = p->packed_w + block * (I + H) * 4 * (U), *b = p->bias + block * 4 * (U);        \
             const long j0 = block * (U), width = H - j0 < (U) ? H - j0 : (U);                                \
             const float *cell = c->c + row0 * H + j0;                                                        \
+            const float *ptr[3] = {w, w + (U), w + (I + H) * 2 * (U)}, *bias[3] = {b, b + (U), b + 2 * (U)}; \
             V acc[M][3], ig[M];                                                                              \
-            FUSED_SUMS(V, U, M, 3, w, w + (I + H) * 2 * (U), b)                                              \
+            FUSED_WIDE_SUMS(V, U, M, 3, ptr, bias)                              /* slots i, c̃ (A), f (B) */ \
             FUSED_C_OLD(V, U, M)                                                                             \
             _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) {                                          \
                 acc[i][0] = NAME##_sigmoid(acc[i][0]);                                                       \
@@ -310,36 +344,14 @@ static inline fused_v4 fused_rcp(fused_v4 d) { return 1.0f / d; }
             _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i)                                            \
                 c_new[bb][i] = acc[i][2] * c_old[i] + ig[i];                              /* c = f c + i c̃ */ \
         }                                                                                                    \
-        /* the o gates of the NB blocks (panel B's second slot), in FUSED_SUMS's order */                    \
-        const float *wo[NB], *bo[NB];                                                                        \
+        /* the o gates of the NB blocks (panel B's second slot) */                                           \
+        const float *ptr[NB], *bias[NB];                                                                     \
         _Pragma("GCC unroll 4") for (int bb = 0; bb < (NB); ++bb) {                                          \
-            wo[bb] = p->packed_w + (block0 + bb) * (I + H) * 4 * (U) + (I + H) * 2 * (U) + (U);              \
-            bo[bb] = p->bias + (block0 + bb) * 4 * (U) + 3 * (U);                                            \
+            ptr[bb] = p->packed_w + (block0 + bb) * (I + H) * 4 * (U) + (I + H) * 2 * (U) + (U);             \
+            bias[bb] = p->bias + (block0 + bb) * 4 * (U) + 3 * (U);                                          \
         }                                                                                                    \
         V acc[M][NB];                                                                                        \
-        _Pragma("GCC unroll 4") for (int bb = 0; bb < (NB); ++bb) {                                          \
-            V bq;                                                                                            \
-            memcpy(&bq, bo[bb], sizeof bq);                                                                  \
-            _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) acc[i][bb] = bq;                           \
-        }                                                                                                    \
-        for (long k = 0; k < I; ++k) {                                                                      \
-            V wv[NB];                                                                                        \
-            _Pragma("GCC unroll 4") for (int bb = 0; bb < (NB); ++bb) memcpy(&wv[bb], wo[bb] + k * 2 * (U), sizeof(V)); \
-            _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) {                                          \
-                const float xk = x[i][k];                                                                    \
-                _Pragma("GCC unroll 4") for (int bb = 0; bb < (NB); ++bb) acc[i][bb] += xk * wv[bb];         \
-            }                                                                                                \
-        }                                                                                                    \
-        if (recurrent) {                                                                                     \
-            for (long k = I; k < I + H; ++k) {                                                               \
-                V wv[NB];                                                                                    \
-                _Pragma("GCC unroll 4") for (int bb = 0; bb < (NB); ++bb) memcpy(&wv[bb], wo[bb] + k * 2 * (U), sizeof(V)); \
-                _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) {                                      \
-                    const float hs = h_prev[i * H + k - I];                                                  \
-                    _Pragma("GCC unroll 4") for (int bb = 0; bb < (NB); ++bb) acc[i][bb] += hs * wv[bb];     \
-                }                                                                                            \
-            }                                                                                                \
-        }                                                                                                    \
+        FUSED_WIDE_SUMS(V, U, M, NB, ptr, bias)                                                              \
         _Pragma("GCC unroll 4") for (int bb = 0; bb < (NB); ++bb)                                            \
             _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) acc[i][bb] = NAME##_sigmoid(acc[i][bb]);   \
         _Pragma("GCC unroll 4") for (int bb = 0; bb < (NB); ++bb) {                                          \
@@ -350,7 +362,6 @@ static inline fused_v4 fused_rcp(fused_v4 d) { return 1.0f / d; }
                 h_new[i] = acc[i][bb] * NAME##_tanh(c_new[bb][i]);                        /* h = o tanh(c) */ \
             FUSED_STORE(U, M, c_new[bb][i], h_new[i])                                                        \
         }                                                                                                    \
-        (void)xs;                                                                                            \
     }
 
 /* the wide tiles of 4 rows over 1 to 3 blocks (AVX2: 12 ymm accumulators) */
@@ -564,9 +575,14 @@ typedef struct {
     const long *first;          /* participant q's row groups: spans [first[q], first[q + 1]) */
 } fused_slices;
 
-/* 1: a slice of the row split whose rows fit the kernel's wide tile (FUSED_WIDE: AVX2's 4 rows) runs on it; 0: on
-   the one-pass tiles (4 rows: 2 + 2), the form before 2026-12-06 (bench/lstm_wide_ab.py times both). */
-int kiln_lstm_fused_wide = 1;
+/* Where no step's blocks are shared between threads (the row split, one thread), which rows run on the kernel's
+   wide tile (FUSED_WIDE: AVX2's 4 rows): 2, a rest of 4 rows past the full two-pass tiles, and of 8 (4 + 4 rather
+   than 6 + 2); 1, a rest of 4 only; 0, none: the one-pass tiles (4 rows: 2 + 2), the form before 2026-12-06.
+   Capped to AVX2 on the Zen 4 EPYC (one layer, 96 steps, 128 units, I = 16 / 128, thread CPU time, load 7-8;
+   bench/results/lstm-2026-12-06.md): 4 rows 0.597 / 1.042 ms on the wide tile against 0.782 / 1.340 as 2 + 2
+   (onnxruntime 0.675 / 1.061); 8 rows at one thread 1.200 / 2.122 as 4 + 4 against 1.304 / 2.221 as 6 + 2.
+   bench/lstm_wide_ab.py times them. */
+int kiln_lstm_fused_wide = 2;
 
 /* The blocks of the wide tile's next group from block b0 of `blocks`: 3 (12 accumulators), 2 + 2 for the last 4 (8
    each, rather than 3 + 1's 4: a pass of 4 accumulators waits on the FMA latency), what is left under 3. */
@@ -614,11 +630,16 @@ static void fused_row_slice(void *ctx, long q) {
 static long fused_tiles(const fused_kernel *k, long row0, long n, int wide, fused_span *spans) {
     long count = 0;
     if (k->pairs_full && k->pairs_mr > 0) {
-        for (; n >= k->pairs_mr; n -= k->pairs_mr, row0 += k->pairs_mr, ++count)
+        const long wr = wide ? k->wide_rows : 0;
+        /* wide == 2: a rest of 2 rows past a full tile as two wide tiles (8 rows: 4 + 4, not 6 + 2) */
+        const long pairs_end = wr > 0 && wide == 2 && n > k->pairs_mr && n % k->pairs_mr == 2 * wr - k->pairs_mr
+                                   ? n - 2 * wr : n;
+        for (long left = pairs_end; left >= k->pairs_mr; left -= k->pairs_mr, n -= k->pairs_mr, row0 += k->pairs_mr, ++count)
             if (spans) spans[count] = (fused_span){row0, k->pairs_mr, k->pairs[k->pairs_mr - 1]};
-        if (wide && k->wide_rows > 0 && n == k->wide_rows) {  /* the row split's 4 rows: one wide tile */
-            if (spans) spans[count] = (fused_span){row0, n, NULL};
-            return count + 1;
+        if (wr > 0 && n % wr == 0 && n / wr <= 2) {  /* the rest as wide tiles */
+            for (; n > 0; n -= wr, row0 += wr, ++count)
+                if (spans) spans[count] = (fused_span){row0, wr, NULL};
+            return count;
         }
         const long groups = (n + k->mr - 1) / k->mr;
         for (long g = 0; g < groups; ++g, ++count) {
@@ -680,7 +701,7 @@ int kiln_lstm_fused(void *object, void *stream, int nargs, const void *args) {
     const int row_split = p->split ? p->split == 1 : kiln_lstm_fused_row_split;
     const long slices = row_split ? (most_slices < threads ? most_slices : threads) : 1;
     /* the wide tile where no step's blocks are shared between threads: the row split, or one thread */
-    const int wide = kiln_lstm_fused_wide && (slices > 1 || threads == 1);
+    const int wide = slices > 1 || threads == 1 ? kiln_lstm_fused_wide : 0;
     p->row_slices = (int)slices;
     p->ahead = 0;
     p->wide = 0;

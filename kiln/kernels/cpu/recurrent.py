@@ -149,13 +149,14 @@ def set_row_split(on: bool) -> None:
         ctypes.c_int.in_dll(lib, "kiln_lstm_fused_row_split").value = int(on)
 
 
-def set_wide_tiles(on: bool) -> None:
-    """Whether lstm_fused.c's row split (and one thread) runs a slice of AVX2's 4 rows on the wide tile (each weight
-    read once a step: the default) or on 2 + 2 one-pass tiles (the form before 2026-12-06), as a benchmark's other
-    side. The same bits either way."""
+def set_wide_tiles(mode: bool | int) -> None:
+    """Which rows lstm_fused.c's row split (and one thread) runs on AVX2's wide tile (4 rows, each weight read once a
+    step), as a benchmark's other side: True or 2 (the default) a rest of 4 or 8 rows past the full 6-row two-pass
+    tiles (8 rows: 4 + 4), 1 a rest of 4 only, False or 0 none (2 + 2 one-pass, 6 + 2: the form before 2026-12-06).
+    The same bits every way (kiln_lstm_fused_wide in lstm_fused.c)."""
     for lib in _LOADED.values():
         if lib is not None:
-            ctypes.c_int.in_dll(lib, "kiln_lstm_fused_wide").value = int(on)
+            ctypes.c_int.in_dll(lib, "kiln_lstm_fused_wide").value = 2 if mode is True else int(mode)
 
 
 def set_whole_slices(on: bool) -> None:
@@ -436,16 +437,18 @@ def fused_kernels(test_kernels: bool = False) -> list[FusedKernel]:
             for i in range(lib.kiln_lstm_fused_kernel_count())]
 
 
-def fused_tile_plan(kernel: FusedKernel, rows: int, *, wide: bool = False) -> list[tuple[int, bool | str]]:
+def fused_tile_plan(kernel: FusedKernel, rows: int, *, wide: bool | int = False) -> list[tuple[int, bool | str]]:
     """The tiles lstm_fused.c runs a slice of `rows` batch rows on, in row order: (rows, two-pass) each. AVX2's
     kernel: full 6-row two-pass tiles, the rest one-pass (8 rows: 6 + 2); the others: tiles as even as they go.
-    `wide`: the row split's plan (and one thread's), where a rest of AVX2's 4 rows is its wide tile: (4, "wide")."""
+    `wide`: the row split's plan (and one thread's) in set_wide_tiles' mode (True: the default), where a rest of
+    AVX2's 4 or 8 rows runs on its wide tile: (4, "wide") each."""
     lib = load()  # the tables of both builds are one (test_only marks an entry, it does not add one)
     if lib is None:
         raise RuntimeError(f"kiln's recurrent layers are not built: {reason()}")
     most = max(int(rows), 1)
     found, two_pass = (ctypes.c_long * most)(), (ctypes.c_int * most)()
-    count = lib.kiln_lstm_fused_tile_plan(kernel.index, int(rows), int(wide), found, two_pass, most)
+    count = lib.kiln_lstm_fused_tile_plan(kernel.index, int(rows), 2 if wide is True else int(wide), found, two_pass,
+                                          most)
     return [(int(found[t]), "wide" if two_pass[t] == 2 else bool(two_pass[t])) for t in range(count)]
 
 
