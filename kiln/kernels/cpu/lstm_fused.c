@@ -19,14 +19,17 @@
  *
  * Two tiles: the four gates of up to MR rows in one pass over K (FUSED_ROWS), and the gates in two passes of two
  * (FUSED_PAIRS: each weight read once a step for more rows): on AVX-512 for a batch past its 6 rows, up to 8; on
- * AVX2 full tiles of 6 rows, the rest one-pass (fused_tiles: 8 rows as 6 + 2).
+ * AVX2 full tiles of 6 rows, the rest one-pass (fused_tiles: 8 rows as 6 + 2). A third on AVX2 where no step's
+ * blocks are shared between threads (FUSED_WIDE: 4 rows, the gates i, c̃, f of a block, then the o gates of up to 3
+ * blocks, each weight read once a step): the row split's 4-row slices, and one thread's rest of 4 or 8 rows.
  *
  * Threads: where each gets two rows or more, each runs a slice of the batch's rows through every step
  * (fused_row_slice): a row's recurrence reads only its own h and c, so the threads never wait for each other
  * (kiln_parallel_for's join at the end; a worker that starts late finds its slice taken). Else they split each
  * step's unit blocks, a barrier a step (run_stages_ahead), each thread computing the x parts of its blocks of the
  * next step before it waits there (fused_ahead). The zoo's LSTM forecaster (batch 8) at 2 threads on the Xeon:
- * 1.06 ms against 1.40 (onnxruntime 1.28), capped to AVX2 1.96 against 2.05 (1.96).
+ * 1.06 ms against 1.40 (onnxruntime 1.28), capped to AVX2 1.96 against 2.05 (1.96); on the Zen 4 EPYC capped to
+ * AVX2 since the wide tile the row split 0.86x onnxruntime against the block split's 1.00x (load 10).
  *
  * Layouts: W and R packed per block, side by side along K, as two panels [blocks][2][I + H][2·U] (panel A
  * gates i, c̃, panel B f, o; column slot·U + j: unit block·U + j, zeros past H), the bias [blocks][4·U] (Wb + Rb,
