@@ -297,7 +297,7 @@ static inline fused_v4 fused_rcp(fused_v4 d) { return 1.0f / d; }
         V wv[G];                                                                                             \
         _Pragma("GCC unroll 4") for (int g = 0; g < (G); ++g) {                                              \
             memcpy(&wv[g], (PTR)[g] + k * 2 * (U), sizeof(V));                                               \
-            __asm__("" : "+x"(wv[g]));                                                                       \
+            __asm__("" : "+v"(wv[g]));                                                                       \
         }                                                                                                    \
         _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) {                                              \
             const float xk = x[i][k];                                                                        \
@@ -309,7 +309,7 @@ static inline fused_v4 fused_rcp(fused_v4 d) { return 1.0f / d; }
             V wv[G];                                                                                         \
             _Pragma("GCC unroll 4") for (int g = 0; g < (G); ++g) {                                          \
                 memcpy(&wv[g], (PTR)[g] + k * 2 * (U), sizeof(V));                                           \
-                __asm__("" : "+x"(wv[g]));                                                                   \
+                __asm__("" : "+v"(wv[g]));                                                                   \
             }                                                                                                \
             _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) {                                          \
                 const float hs = h_prev[i * H + k - I];                                                      \
@@ -342,7 +342,7 @@ static inline fused_v4 fused_rcp(fused_v4 d) { return 1.0f / d; }
             }                                                                                                \
             _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) {                                          \
                 ig[i] = acc[i][0] * NAME##_tanh(acc[i][1]);                                                  \
-                __asm__("" : "+x"(ig[i])); /* rounded, as FUSED_PAIRS' (its pass 2 between): fma(f, c, ig) */ \
+                __asm__("" : "+v"(ig[i])); /* rounded, as FUSED_PAIRS' (its pass 2 between): fma(f, c, ig) */ \
             }                                                                                                \
             _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i)                                            \
                 c_new[bb][i] = acc[i][2] * c_old[i] + ig[i];                              /* c = f c + i c̃ */ \
@@ -451,6 +451,7 @@ static inline fused_v4 fused_rcp(fused_v4 d) { return 1.0f / d; }
    2 gates x 8 units, up to 6 rows (12 of 16) in two passes */
 FUSED_KERNEL(fused_avx512, KILN_AVX512, 16, _mm512_min_ps, _mm512_max_ps, _mm512_rcp14_ps)
 FUSED_PAIRS_KERNEL(fused_avx512, KILN_AVX512, 16)  /* 8 rows x 2 gates = 16 zmm accumulators */
+FUSED_WIDE_KERNEL(fused_avx512, KILN_AVX512, 16)   /* 4 rows x 3 gates, 4 rows x 3 blocks: 12 zmm */
 FUSED_KERNEL(fused_avx2, KILN_AVX2, 8, _mm256_min_ps, _mm256_max_ps, _mm256_rcp_ps)
 FUSED_PAIRS_KERNEL6(fused_avx2, KILN_AVX2, 8)
 FUSED_WIDE_KERNEL(fused_avx2, KILN_AVX2, 8)  /* 4 rows x 3 gates, 4 rows x 3 blocks */
@@ -461,9 +462,9 @@ FUSED_KERNEL(fused_generic, , 4, fused_min, fused_max, fused_rcp)
 
 static const fused_kernel FUSED_KERNELS[] = {
 #if defined(__x86_64__) || defined(__i386__)
-    {"avx512 16 units x 4 gates, 6 rows; 2+2 gates, 8 rows", 16, 6, FUSED_ROW_FNS(fused_avx512),
+    {"avx512 16 units x 4 gates, 6 rows; 2+2 gates, 8 rows; 3+1 gates, 4 rows", 16, 6, FUSED_ROW_FNS(fused_avx512),
      8, FUSED_PAIR_FNS(fused_avx512), has_avx512, 0, 0, FUSED_AHEAD_FNS(fused_avx512),
-     FUSED_AHEAD_PAIR_FNS(fused_avx512)},
+     FUSED_AHEAD_PAIR_FNS(fused_avx512), 4, FUSED_WIDE_FNS(fused_avx512)},
     {"avx2 8 units x 4 gates, 3 rows; 2+2 gates, 6 rows; 3+1 gates, 4 rows", 8, 3, FUSED_ROW_FNS(fused_avx2),
      6, FUSED_PAIR_FNS6(fused_avx2), has_avx2, 0, 1, FUSED_AHEAD_FNS(fused_avx2), FUSED_AHEAD_PAIR_FNS6(fused_avx2),
      4, FUSED_WIDE_FNS(fused_avx2)},
@@ -651,6 +652,10 @@ static long fused_tiles(const fused_kernel *k, long row0, long n, int wide, fuse
             if (spans) spans[count] = (fused_span){row0 + first, rows, k->rows[rows - 1]};
         }
         return count;
+    }
+    if (wide && k->wide_rows > 0 && n == k->wide_rows) {
+        if (spans) spans[count] = (fused_span){row0, n, NULL};
+        return count + 1;
     }
     const int two_pass = k->pairs_mr > 0 && n > k->mr;
     const long groups = (n + (two_pass ? k->pairs_mr : k->mr) - 1) / (two_pass ? k->pairs_mr : k->mr);
