@@ -367,7 +367,7 @@ static inline fused_v4 fused_rcp(fused_v4 d) { return 1.0f / d; }
         }                                                                                                    \
     }
 
-/* the wide tiles of 4 rows over 1 to 3 blocks (AVX2: 12 ymm accumulators) */
+/* the wide tiles of 4 rows over 1 to 3 blocks (12 vector accumulators) */
 #define FUSED_WIDE_KERNEL(NAME, TARGET, U)                                                                   \
     FUSED_WIDE(NAME, TARGET, NAME##_v, U, 4, 1) FUSED_WIDE(NAME, TARGET, NAME##_v, U, 4, 2)                  \
     FUSED_WIDE(NAME, TARGET, NAME##_v, U, 4, 3)
@@ -580,8 +580,9 @@ typedef struct {
 } fused_slices;
 
 /* Where no step's blocks are shared between threads (the row split, one thread), which rows run on the kernel's
-   wide tile (FUSED_WIDE: AVX2's 4 rows): 2, a rest of 4 rows past the full two-pass tiles, and of 8 (4 + 4 rather
-   than 6 + 2); 1, a rest of 4 only; 0, none: the one-pass tiles (4 rows: 2 + 2), the form before 2026-12-06.
+   wide tile (FUSED_WIDE, 4 rows; fused_tiles): on AVX2 2, a rest of 4 rows past the full two-pass tiles, and of 8
+   (4 + 4 rather than 6 + 2); 1, a rest of 4 only; on AVX-512 (1 or 2) a slice of 4 rows; 0, none: the one-pass
+   tiles (4 rows: 2 + 2 on AVX2, one 4-row tile on AVX-512), the form before 2026-12-06.
    Capped to AVX2 on the Zen 4 EPYC (one layer, 96 steps, 128 units, I = 16 / 128, thread CPU time, load 7-8;
    bench/results/lstm-2026-12-06.md): 4 rows 0.597 / 1.042 ms on the wide tile against 0.782 / 1.340 as 2 + 2
    (onnxruntime 0.675 / 1.061); 8 rows at one thread 1.200 / 2.122 as 4 + 4 against 1.304 / 2.221 as 6 + 2.
@@ -628,8 +629,9 @@ static void fused_row_slice(void *ctx, long q) {
    zoo-cpu-avx2-2026-12-06.md, session 22): batch 6 as one 6-row two-pass tile 0.933 / 1.525 ms (I = 16 / 128)
    against 1.175 / 2.018 as 3 + 3 one-pass (onnxruntime 0.966 / 1.709); but a 4-row two-pass tile (8 accumulators)
    lost to 2 + 2 one-pass, 1.656 vs 1.397 ms (I = 128).
-   `wide` (the row split, fused_row_slice): where the rest is the kernel's wide tile's rows (AVX2: 4), that tile
-   instead (FUSED_WIDE: each weight read once a step for the 4 rows, 12 accumulators).
+   `wide` (the row split and one thread, fused_row_slice; kiln_lstm_fused_wide's modes): where the rest is the
+   wide tile's 4 rows, or 8 in mode 2 (8 rows: 4 + 4), wide tiles instead (FUSED_WIDE: each weight read once a step
+   for the 4 rows, 12 accumulators); on kernels with even tiles (AVX-512), a slice of exactly 4 rows.
    Other kernels: ceil(n / MR) tiles as even as they go, two-pass where the rows exceed the one-pass tile's. */
 static long fused_tiles(const fused_kernel *k, long row0, long n, int wide, fused_span *spans) {
     long count = 0;
@@ -638,8 +640,11 @@ static long fused_tiles(const fused_kernel *k, long row0, long n, int wide, fuse
         /* wide == 2: a rest of 2 rows past a full tile as two wide tiles (8 rows: 4 + 4, not 6 + 2) */
         const long pairs_end = wr > 0 && wide == 2 && n > k->pairs_mr && n % k->pairs_mr == 2 * wr - k->pairs_mr
                                    ? n - 2 * wr : n;
-        for (long left = pairs_end; left >= k->pairs_mr; left -= k->pairs_mr, n -= k->pairs_mr, row0 += k->pairs_mr, ++count)
+        for (long left = pairs_end; left >= k->pairs_mr; left -= k->pairs_mr, ++count) {
             if (spans) spans[count] = (fused_span){row0, k->pairs_mr, k->pairs[k->pairs_mr - 1]};
+            n -= k->pairs_mr;
+            row0 += k->pairs_mr;
+        }
         if (wr > 0 && n % wr == 0 && n / wr <= 2) {  /* the rest as wide tiles */
             for (; n > 0; n -= wr, row0 += wr, ++count)
                 if (spans) spans[count] = (fused_span){row0, wr, NULL};
@@ -717,7 +722,8 @@ int kiln_lstm_fused(void *object, void *stream, int nargs, const void *args) {
     long first[slices + 1];
     first[0] = 0;
     for (long q = 0; q < slices; ++q)
-        first[q + 1] = first[q] + fused_tiles(kernel, N * q / slices, N * (q + 1) / slices - N * q / slices, wide, NULL);
+        first[q + 1] = first[q] +
+                       fused_tiles(kernel, N * q / slices, N * (q + 1) / slices - N * q / slices, wide, NULL);
     fused_span *spans = (fused_span *)malloc((size_t)first[slices] * sizeof *spans);
     if (!spans) return 3;
     for (long q = 0; q < slices; ++q)
