@@ -19,14 +19,17 @@
  *
  * Two tiles: the four gates of up to MR rows in one pass over K (FUSED_ROWS), and the gates in two passes of two
  * (FUSED_PAIRS: each weight read once a step for more rows): on AVX-512 for a batch past its 6 rows, up to 8; on
- * AVX2 full tiles of 6 rows, the rest one-pass (fused_tiles: 8 rows as 6 + 2).
+ * AVX2 full tiles of 6 rows, the rest one-pass (fused_tiles: 8 rows as 6 + 2). A third on AVX2 where no step's
+ * blocks are shared between threads (FUSED_WIDE: 4 rows, the gates i, c̃, f of a block, then the o gates of up to 3
+ * blocks, each weight read once a step): the row split's 4-row slices, and one thread's rest of 4 or 8 rows.
  *
  * Threads: where each gets two rows or more, each runs a slice of the batch's rows through every step
  * (fused_row_slice): a row's recurrence reads only its own h and c, so the threads never wait for each other
  * (kiln_parallel_for's join at the end; a worker that starts late finds its slice taken). Else they split each
  * step's unit blocks, a barrier a step (run_stages_ahead), each thread computing the x parts of its blocks of the
  * next step before it waits there (fused_ahead). The zoo's LSTM forecaster (batch 8) at 2 threads on the Xeon:
- * 1.06 ms against 1.40 (onnxruntime 1.28), capped to AVX2 1.96 against 2.05 (1.96).
+ * 1.06 ms against 1.40 (onnxruntime 1.28), capped to AVX2 1.96 against 2.05 (1.96); on the Zen 4 EPYC capped to
+ * AVX2 since the wide tile the row split 0.86x onnxruntime against the block split's 1.00x (load 10).
  *
  * Layouts: W and R packed per block, side by side along K, as two panels [blocks][2][I + H][2·U] (panel A
  * gates i, c̃, panel B f, o; column slot·U + j: unit block·U + j, zeros past H), the bias [blocks][4·U] (Wb + Rb,
@@ -55,12 +58,14 @@ typedef struct {
     int pairs_full;             /* 1: the rows as full two-pass tiles, the rest one-pass (fused_tiles); 0: even */
     fused_ahead_fn ahead[6];    /* ahead[m - 1]: the x part of a one-pass tile's m rows (FUSED_AHEAD), or NULL */
     fused_ahead_fn ahead_pairs[8]; /* ... of a two-pass tile's m rows, in its two passes */
+    int wide_rows;              /* rows of the wide tile (FUSED_WIDE), or 0: none */
+    fused_rows_fn wide[3];      /* wide[nb - 1]: the wide tile over nb blocks from `block` */
 } fused_kernel;
 
 /* One tile of a step's block: `rows` batch rows from row0, on `tile`. */
 typedef struct {
     long row0, rows;
-    fused_rows_fn tile;
+    fused_rows_fn tile;         /* or NULL: the kernel's wide tile, over groups of blocks (fused_row_slice) */
 } fused_span;
 
 struct fused_ctx {
@@ -270,6 +275,104 @@ static inline fused_v4 fused_rcp(fused_v4 d) { return 1.0f / d; }
         FUSED_STORE(U, M, acc[i][0], ig[i])                                                                  \
     }
 
+/* One tile of M rows over NB consecutive blocks in two kinds of pass, each weight read once a step: per block the
+   gates i, c̃, f (M x 3 accumulators) and the new cell state c = σ(f) ⊙ c + σ(i) ⊙ tanh(c̃), which needs no o; then
+   the o gates of all NB blocks at once (M x NB accumulators) and h = σ(o) ⊙ tanh(c). Why: capped to AVX2 (16 ymm)
+   a thread of the row split owns 4 of the forecaster's 8 rows, and its tiles were 2 + 2 one-pass (each weight
+   streamed twice a step, 8 accumulators) or the 4-row two-pass tile (8 accumulators, each pass waiting on the FMA
+   latency); 4 rows x 3 gates and 4 rows x 3 blocks are 12 accumulators, a weight vector a gate and the broadcast.
+   The sums run in FUSED_SUMS's order (bias, then k = 0 .. I + H - 1) and the cell in FUSED_PAIRS's expressions:
+   bit-equal to the other tiles. Only in the row split (fused_row_slice), where no x part is computed ahead. */
+/* acc[i][g] = *BIAS[g] + Σ_k x_i[k]·W_g[k] + Σ_k h_i[k]·R_g[k] for G vectors, row k of vector g at PTR[g] + k·2·U
+   (FUSED_SUMS's order). The weight vectors held in registers (the asm): GCC otherwise folds them into the FMAs as
+   memory operands, and a k then loads M·G vectors and M broadcasts, as many loads as the core's two a cycle take
+   in the FMAs' time. */
+#define FUSED_WIDE_SUMS(V, U, M, G, PTR, BIAS)                                                               \
+    _Pragma("GCC unroll 4") for (int g = 0; g < (G); ++g) {                                                  \
+        V bq;                                                                                                \
+        memcpy(&bq, (BIAS)[g], sizeof bq);                                                                   \
+        _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) acc[i][g] = bq;                                \
+    }                                                                                                        \
+    for (long k = 0; k < I; ++k) {                                                                           \
+        V wv[G];                                                                                             \
+        _Pragma("GCC unroll 4") for (int g = 0; g < (G); ++g) {                                              \
+            memcpy(&wv[g], (PTR)[g] + k * 2 * (U), sizeof(V));                                               \
+            __asm__("" : "+v"(wv[g]));                                                                       \
+        }                                                                                                    \
+        _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) {                                              \
+            const float xk = x[i][k];                                                                        \
+            _Pragma("GCC unroll 4") for (int g = 0; g < (G); ++g) acc[i][g] += xk * wv[g];                   \
+        }                                                                                                    \
+    }                                                                                                        \
+    if (recurrent)                                                                                           \
+        for (long k = I; k < I + H; ++k) {                                                                   \
+            V wv[G];                                                                                         \
+            _Pragma("GCC unroll 4") for (int g = 0; g < (G); ++g) {                                          \
+                memcpy(&wv[g], (PTR)[g] + k * 2 * (U), sizeof(V));                                           \
+                __asm__("" : "+v"(wv[g]));                                                                   \
+            }                                                                                                \
+            _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) {                                          \
+                const float hs = h_prev[i * H + k - I];                                                      \
+                _Pragma("GCC unroll 4") for (int g = 0; g < (G); ++g) acc[i][g] += hs * wv[g];               \
+            }                                                                                                \
+        }
+
+#define FUSED_WIDE(NAME, TARGET, V, U, M, NB)                                                                \
+    static __attribute__((noinline)) TARGET void NAME##_wide##M##x##NB(const fused_ctx *c, long step,        \
+                                                                       long block0, long row0) {             \
+        const kiln_recurrent_plan *p = c->p;                                                                 \
+        const long I = p->I, H = p->H;                                                                       \
+        const float *x[M];                                                                                   \
+        _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) x[i] = fused_x_row(p, step, row0 + i);         \
+        const float *h_prev = c->h[step % 2] + row0 * H;                                                     \
+        const int recurrent = step > 0 || p->h0 != NULL;                                                     \
+        V c_new[NB][M];                                                                                      \
+        _Pragma("GCC unroll 4") for (int bb = 0; bb < (NB); ++bb) {                                          \
+            const long block = block0 + bb;                                                                  \
+            const float *w = p->packed_w + block * (I + H) * 4 * (U), *b = p->bias + block * 4 * (U);        \
+            const long j0 = block * (U), width = H - j0 < (U) ? H - j0 : (U);                                \
+            const float *cell = c->c + row0 * H + j0;                                                        \
+            const float *ptr[3] = {w, w + (U), w + (I + H) * 2 * (U)}, *bias[3] = {b, b + (U), b + 2 * (U)}; \
+            V acc[M][3], ig[M];                                                                              \
+            FUSED_WIDE_SUMS(V, U, M, 3, ptr, bias)                              /* slots i, c̃ (A), f (B) */ \
+            FUSED_C_OLD(V, U, M)                                                                             \
+            _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) {                                          \
+                acc[i][0] = NAME##_sigmoid(acc[i][0]);                                                       \
+                acc[i][2] = NAME##_sigmoid(acc[i][2]);                                                       \
+            }                                                                                                \
+            _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) {                                          \
+                ig[i] = acc[i][0] * NAME##_tanh(acc[i][1]);                                                  \
+                __asm__("" : "+v"(ig[i])); /* rounded, as FUSED_PAIRS' (its pass 2 between): fma(f, c, ig) */ \
+            }                                                                                                \
+            _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i)                                            \
+                c_new[bb][i] = acc[i][2] * c_old[i] + ig[i];                              /* c = f c + i c̃ */ \
+        }                                                                                                    \
+        /* the o gates of the NB blocks (panel B's second slot) */                                           \
+        const float *ptr[NB], *bias[NB];                                                                     \
+        _Pragma("GCC unroll 4") for (int bb = 0; bb < (NB); ++bb) {                                          \
+            ptr[bb] = p->packed_w + (block0 + bb) * (I + H) * 4 * (U) + (I + H) * 2 * (U) + (U);             \
+            bias[bb] = p->bias + (block0 + bb) * 4 * (U) + 3 * (U);                                          \
+        }                                                                                                    \
+        V acc[M][NB];                                                                                        \
+        FUSED_WIDE_SUMS(V, U, M, NB, ptr, bias)                                                              \
+        _Pragma("GCC unroll 4") for (int bb = 0; bb < (NB); ++bb)                                            \
+            _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) acc[i][bb] = NAME##_sigmoid(acc[i][bb]);   \
+        _Pragma("GCC unroll 4") for (int bb = 0; bb < (NB); ++bb) {                                          \
+            const long block = block0 + bb, j0 = block * (U), width = H - j0 < (U) ? H - j0 : (U);           \
+            float *h_next = c->h[(step + 1) % 2] + row0 * H + j0, *cell = c->c + row0 * H + j0;              \
+            V h_new[M];                                                                                      \
+            _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i)                                            \
+                h_new[i] = acc[i][bb] * NAME##_tanh(c_new[bb][i]);                        /* h = o tanh(c) */ \
+            FUSED_STORE(U, M, c_new[bb][i], h_new[i])                                                        \
+        }                                                                                                    \
+    }
+
+/* the wide tiles of 4 rows over 1 to 3 blocks (12 vector accumulators) */
+#define FUSED_WIDE_KERNEL(NAME, TARGET, U)                                                                   \
+    FUSED_WIDE(NAME, TARGET, NAME##_v, U, 4, 1) FUSED_WIDE(NAME, TARGET, NAME##_v, U, 4, 2)                  \
+    FUSED_WIDE(NAME, TARGET, NAME##_v, U, 4, 3)
+#define FUSED_WIDE_FNS(NAME) {NAME##_wide4x1, NAME##_wide4x2, NAME##_wide4x3}
+
 /* The x part of a block's four gates for M rows (the bias and Σ_k x·W, FUSED_SUMS's first half in its order) to
    sums[i][4·U], for fused_ahead: G = 4 in one pass (the one-pass tile's shape), G = 2 in two (the two-pass tile's:
    each weight read once for M rows). */
@@ -348,8 +451,10 @@ static inline fused_v4 fused_rcp(fused_v4 d) { return 1.0f / d; }
    2 gates x 8 units, up to 6 rows (12 of 16) in two passes */
 FUSED_KERNEL(fused_avx512, KILN_AVX512, 16, _mm512_min_ps, _mm512_max_ps, _mm512_rcp14_ps)
 FUSED_PAIRS_KERNEL(fused_avx512, KILN_AVX512, 16)  /* 8 rows x 2 gates = 16 zmm accumulators */
+FUSED_WIDE_KERNEL(fused_avx512, KILN_AVX512, 16)   /* 4 rows x 3 gates, 4 rows x 3 blocks: 12 zmm */
 FUSED_KERNEL(fused_avx2, KILN_AVX2, 8, _mm256_min_ps, _mm256_max_ps, _mm256_rcp_ps)
 FUSED_PAIRS_KERNEL6(fused_avx2, KILN_AVX2, 8)
+FUSED_WIDE_KERNEL(fused_avx2, KILN_AVX2, 8)  /* 4 rows x 3 gates, 4 rows x 3 blocks */
 #endif
 FUSED_KERNEL(fused_generic, , 4, fused_min, fused_max, fused_rcp)
 
@@ -357,11 +462,12 @@ FUSED_KERNEL(fused_generic, , 4, fused_min, fused_max, fused_rcp)
 
 static const fused_kernel FUSED_KERNELS[] = {
 #if defined(__x86_64__) || defined(__i386__)
-    {"avx512 16 units x 4 gates, 6 rows; 2+2 gates, 8 rows", 16, 6, FUSED_ROW_FNS(fused_avx512),
+    {"avx512 16 units x 4 gates, 6 rows; 2+2 gates, 8 rows; 3+1 gates, 4 rows", 16, 6, FUSED_ROW_FNS(fused_avx512),
      8, FUSED_PAIR_FNS(fused_avx512), has_avx512, 0, 0, FUSED_AHEAD_FNS(fused_avx512),
-     FUSED_AHEAD_PAIR_FNS(fused_avx512)},
-    {"avx2 8 units x 4 gates, 3 rows; 2+2 gates, 6 rows", 8, 3, FUSED_ROW_FNS(fused_avx2),
-     6, FUSED_PAIR_FNS6(fused_avx2), has_avx2, 0, 1, FUSED_AHEAD_FNS(fused_avx2), FUSED_AHEAD_PAIR_FNS6(fused_avx2)},
+     FUSED_AHEAD_PAIR_FNS(fused_avx512), 4, FUSED_WIDE_FNS(fused_avx512)},
+    {"avx2 8 units x 4 gates, 3 rows; 2+2 gates, 6 rows; 3+1 gates, 4 rows", 8, 3, FUSED_ROW_FNS(fused_avx2),
+     6, FUSED_PAIR_FNS6(fused_avx2), has_avx2, 0, 1, FUSED_AHEAD_FNS(fused_avx2), FUSED_AHEAD_PAIR_FNS6(fused_avx2),
+     4, FUSED_WIDE_FNS(fused_avx2)},
     /* the AVX2 kernel before the 6-row two-pass tile (2026-12-06): benches time it beside the one above */
     {"avx2onepass 8 units x 4 gates, 3 rows", 8, 3, FUSED_ROW_FNS(fused_avx2), 0, {0}, has_avx2, 1, 0,
      FUSED_AHEAD_FNS(fused_avx2)},
@@ -473,14 +579,46 @@ typedef struct {
     const long *first;          /* participant q's row groups: spans [first[q], first[q + 1]) */
 } fused_slices;
 
-/* Participant q's row groups through every step, with no barrier: a row's recurrence reads its own h and c only. */
+/* Where no step's blocks are shared between threads (the row split, one thread), which rows run on the kernel's
+   wide tile (FUSED_WIDE, 4 rows; fused_tiles): on AVX2 2, a rest of 4 rows past the full two-pass tiles, and of 8
+   (4 + 4 rather than 6 + 2); 1, a rest of 4 only; on AVX-512 (1 or 2) a slice of 4 rows; 0, none: the one-pass
+   tiles (4 rows: 2 + 2 on AVX2, one 4-row tile on AVX-512), the form before 2026-12-06.
+   Capped to AVX2 on the Zen 4 EPYC (one layer, 96 steps, 128 units, I = 16 / 128, thread CPU time, load 7-8;
+   bench/results/lstm-2026-12-06.md): 4 rows 0.597 / 1.042 ms on the wide tile against 0.782 / 1.340 as 2 + 2
+   (onnxruntime 0.675 / 1.061); 8 rows at one thread 1.200 / 2.122 as 4 + 4 against 1.304 / 2.221 as 6 + 2.
+   bench/lstm_wide_ab.py times them. */
+int kiln_lstm_fused_wide = 2;
+
+/* The blocks of the wide tile's next group from block b0 of `blocks`: 3 (12 accumulators), 2 + 2 for the last 4 (8
+   each, rather than 3 + 1's 4: a pass of 4 accumulators waits on the FMA latency), what is left under 3. */
+static long fused_wide_group(long blocks, long b0) {
+    const long left = blocks - b0;
+    return left == 4 ? 2 : left >= 3 ? 3 : left;
+}
+
+/* Participant q's row groups through every step, with no barrier: a row's recurrence reads its own h and c only.
+   A wide span (tile NULL) runs the blocks in groups (fused_wide_group), the slice's other spans beside it. */
 static void fused_row_slice(void *ctx, long q) {
     const fused_slices *r = (const fused_slices *)ctx;
     const fused_ctx *c = r->c;
     const long first = r->first[q], last = r->first[q + 1];
+    int wide = 0;
+    for (long g = first; g < last; ++g) wide |= c->spans[g].tile == NULL;
+    if (!wide) {
+        for (long step = 0; step < c->p->S; ++step)
+            for (long block = 0; block < c->blocks; ++block)
+                for (long g = first; g < last; ++g) c->spans[g].tile(c, step, block, c->spans[g].row0);
+        return;
+    }
     for (long step = 0; step < c->p->S; ++step)
-        for (long block = 0; block < c->blocks; ++block)
-            for (long g = first; g < last; ++g) c->spans[g].tile(c, step, block, c->spans[g].row0);
+        for (long b0 = 0, nb; b0 < c->blocks; b0 += nb) {
+            nb = fused_wide_group(c->blocks, b0);
+            for (long g = first; g < last; ++g) {
+                const fused_span *s = &c->spans[g];
+                if (s->tile == NULL) c->kernel->wide[nb - 1](c, step, b0, s->row0);
+                else for (long block = b0; block < b0 + nb; ++block) s->tile(c, step, block, s->row0);
+            }
+        }
 }
 
 /* Rows [row0, row0 + n) of a slice as tiles, written to spans (NULL: only counted); returns how many.
@@ -491,12 +629,27 @@ static void fused_row_slice(void *ctx, long q) {
    zoo-cpu-avx2-2026-12-06.md, session 22): batch 6 as one 6-row two-pass tile 0.933 / 1.525 ms (I = 16 / 128)
    against 1.175 / 2.018 as 3 + 3 one-pass (onnxruntime 0.966 / 1.709); but a 4-row two-pass tile (8 accumulators)
    lost to 2 + 2 one-pass, 1.656 vs 1.397 ms (I = 128).
+   `wide` (the row split and one thread, fused_row_slice; kiln_lstm_fused_wide's modes): where the rest is the
+   wide tile's 4 rows, or 8 in mode 2 (8 rows: 4 + 4), wide tiles instead (FUSED_WIDE: each weight read once a step
+   for the 4 rows, 12 accumulators); on kernels with even tiles (AVX-512), a slice of exactly 4 rows.
    Other kernels: ceil(n / MR) tiles as even as they go, two-pass where the rows exceed the one-pass tile's. */
-static long fused_tiles(const fused_kernel *k, long row0, long n, fused_span *spans) {
+static long fused_tiles(const fused_kernel *k, long row0, long n, int wide, fused_span *spans) {
     long count = 0;
     if (k->pairs_full && k->pairs_mr > 0) {
-        for (; n >= k->pairs_mr; n -= k->pairs_mr, row0 += k->pairs_mr, ++count)
+        const long wr = wide ? k->wide_rows : 0;
+        /* wide == 2: a rest of 2 rows past a full tile as two wide tiles (8 rows: 4 + 4, not 6 + 2) */
+        const long pairs_end = wr > 0 && wide == 2 && n > k->pairs_mr && n % k->pairs_mr == 2 * wr - k->pairs_mr
+                                   ? n - 2 * wr : n;
+        for (long left = pairs_end; left >= k->pairs_mr; left -= k->pairs_mr, ++count) {
             if (spans) spans[count] = (fused_span){row0, k->pairs_mr, k->pairs[k->pairs_mr - 1]};
+            n -= k->pairs_mr;
+            row0 += k->pairs_mr;
+        }
+        if (wr > 0 && n % wr == 0 && n / wr <= 2) {  /* the rest as wide tiles */
+            for (; n > 0; n -= wr, row0 += wr, ++count)
+                if (spans) spans[count] = (fused_span){row0, wr, NULL};
+            return count;
+        }
         const long groups = (n + k->mr - 1) / k->mr;
         for (long g = 0; g < groups; ++g, ++count) {
             long rows;
@@ -504,6 +657,10 @@ static long fused_tiles(const fused_kernel *k, long row0, long n, fused_span *sp
             if (spans) spans[count] = (fused_span){row0 + first, rows, k->rows[rows - 1]};
         }
         return count;
+    }
+    if (wide && k->wide_rows > 0 && n == k->wide_rows) {
+        if (spans) spans[count] = (fused_span){row0, n, NULL};
+        return count + 1;
     }
     const int two_pass = k->pairs_mr > 0 && n > k->mr;
     const long groups = (n + (two_pass ? k->pairs_mr : k->mr) - 1) / (two_pass ? k->pairs_mr : k->mr);
@@ -515,17 +672,18 @@ static long fused_tiles(const fused_kernel *k, long row0, long n, fused_span *sp
     return count;
 }
 
-/* The tiles `kernel` runs a slice of n rows on, in row order (fused_tiles): rows[t] and two_pass[t] (1: the
-   two-pass tile) for t < the count returned, at most `most` of them written. For tests and benches. */
-long kiln_lstm_fused_tile_plan(int kernel, long n, long *rows, int *two_pass, long most) {
+/* The tiles `kernel` runs a slice of n rows on, in row order (fused_tiles; `wide`: the row split's plan):
+   rows[t] and two_pass[t] (1: the two-pass tile, 2: the wide tile) for t < the count returned, at most `most` of
+   them written. For tests and benches. */
+long kiln_lstm_fused_tile_plan(int kernel, long n, int wide, long *rows, int *two_pass, long most) {
     if (kernel < 0 || kernel >= FUSED_KERNEL_COUNT || n <= 0) return 0;
     const fused_kernel *k = &FUSED_KERNELS[kernel];
-    const long count = fused_tiles(k, 0, n, NULL);
+    const long count = fused_tiles(k, 0, n, wide, NULL);
     fused_span spans[count];
-    fused_tiles(k, 0, n, spans);
+    fused_tiles(k, 0, n, wide, spans);
     for (long t = 0; t < count && t < most; ++t) {
         rows[t] = spans[t].rows;
-        two_pass[t] = k->pairs_mr > 0 && spans[t].tile == k->pairs[spans[t].rows - 1];
+        two_pass[t] = spans[t].tile == NULL ? 2 : k->pairs_mr > 0 && spans[t].tile == k->pairs[spans[t].rows - 1];
     }
     return count;
 }
@@ -555,17 +713,21 @@ int kiln_lstm_fused(void *object, void *stream, int nargs, const void *args) {
     const long most_slices = N / 2 > 1 ? N / 2 : 1;  /* two rows or more each */
     const int row_split = p->split ? p->split == 1 : kiln_lstm_fused_row_split;
     const long slices = row_split ? (most_slices < threads ? most_slices : threads) : 1;
+    /* the wide tile where no step's blocks are shared between threads: the row split, or one thread */
+    const int wide = slices > 1 || threads == 1 ? kiln_lstm_fused_wide : 0;
     p->row_slices = (int)slices;
     p->ahead = 0;
+    p->wide = 0;
     /* each slice's rows (as even as they go) as tiles: spans [first[q], first[q + 1]) */
     long first[slices + 1];
     first[0] = 0;
     for (long q = 0; q < slices; ++q)
-        first[q + 1] = first[q] + fused_tiles(kernel, N * q / slices, N * (q + 1) / slices - N * q / slices, NULL);
+        first[q + 1] = first[q] +
+                       fused_tiles(kernel, N * q / slices, N * (q + 1) / slices - N * q / slices, wide, NULL);
     fused_span *spans = (fused_span *)malloc((size_t)first[slices] * sizeof *spans);
     if (!spans) return 3;
     for (long q = 0; q < slices; ++q)
-        fused_tiles(kernel, N * q / slices, N * (q + 1) / slices - N * q / slices, spans + first[q]);
+        fused_tiles(kernel, N * q / slices, N * (q + 1) / slices - N * q / slices, wide, spans + first[q]);
     c.spans = spans;
     c.groups = first[slices];
     /* whole blocks as items while there are two items a thread, else fewer groups an item */
@@ -575,7 +737,10 @@ int kiln_lstm_fused(void *object, void *stream, int nargs, const void *args) {
     states.h_a = c.h[0];
     states.c = c.c;
     load_states(p, &states);
-    if (slices > 1) {
+    int wide_spans = 0;
+    for (long g = 0; g < c.groups; ++g) wide_spans |= spans[g].tile == NULL;
+    if (slices > 1 || wide_spans) {  /* one thread with a wide span: its one slice, with no stage loop */
+        p->wide = wide_spans;
         const long start = now_ns();
         fused_slices r = {&c, first};
         kiln_parallel_for(slices, (int)slices, fused_row_slice, &r);

@@ -79,6 +79,7 @@ typedef struct {
                               1 the batch's rows, 2 each step's unit blocks (cpu.lstm.fused / cpu.lstm.fused_blocks) */
     int row_slices;        /* out: lstm_fused.c: the slices of rows the threads ran (1: one, or the block split) */
     int ahead;             /* out: lstm_fused.c: 1 where the block split computed each step's x parts ahead */
+    int wide;              /* out: lstm_fused.c: 1 where a slice ran on the kernel's wide tile (FUSED_WIDE) */
 } kiln_recurrent_plan;
 
 static long recurrent_gate_columns(int kernel, long h, int gates) {

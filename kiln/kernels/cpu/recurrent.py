@@ -76,7 +76,8 @@ class _Plan(ctypes.Structure):  # kiln_recurrent_plan in recurrent.c
                 ("gates", ctypes.c_int), ("linear_before_reset", ctypes.c_int), ("input_forget", ctypes.c_int),
                 ("generic", ctypes.c_int), ("act", _Act * 3), ("clip", ctypes.c_float), ("stalled", ctypes.c_int),
                 ("waited_ns", ctypes.c_long), ("loop_ns", ctypes.c_long), ("split", ctypes.c_int),
-                ("row_slices", ctypes.c_int), ("ahead", ctypes.c_int)]
+                ("row_slices", ctypes.c_int), ("ahead", ctypes.c_int),
+                ("wide", ctypes.c_int)]
 
 
 def load(test_kernels: bool = False) -> ctypes.CDLL | None:
@@ -121,7 +122,8 @@ def load(test_kernels: bool = False) -> ctypes.CDLL | None:
                                              ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
         lib.kiln_lstm_fused_scratch_floats.restype = ctypes.c_long
         lib.kiln_lstm_fused_tile_plan.restype = ctypes.c_long
-        lib.kiln_lstm_fused_tile_plan.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
+        lib.kiln_lstm_fused_tile_plan.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_int, ctypes.c_void_p,
+                                                  ctypes.c_void_p,
                                                   ctypes.c_long]
         lib.kiln_lstm_fused_scratch_floats.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_long]
         lib.kiln_recurrent_member.restype = ctypes.c_int
@@ -145,6 +147,16 @@ def set_row_split(on: bool) -> None:
     lib = load()
     if lib is not None:
         ctypes.c_int.in_dll(lib, "kiln_lstm_fused_row_split").value = int(on)
+
+
+def set_wide_tiles(mode: bool | int) -> None:
+    """Which rows lstm_fused.c's row split (and one thread) runs on AVX2's wide tile (4 rows, each weight read once a
+    step), as a benchmark's other side: True or 2 (the default) a rest of 4 or 8 rows past the full 6-row two-pass
+    tiles (8 rows: 4 + 4), 1 a rest of 4 only, False or 0 none (2 + 2 one-pass, 6 + 2: the form before 2026-12-06).
+    The same bits every way (kiln_lstm_fused_wide in lstm_fused.c)."""
+    for lib in _LOADED.values():
+        if lib is not None:
+            ctypes.c_int.in_dll(lib, "kiln_lstm_fused_wide").value = 2 if mode is True else int(mode)
 
 
 def set_whole_slices(on: bool) -> None:
@@ -425,16 +437,19 @@ def fused_kernels(test_kernels: bool = False) -> list[FusedKernel]:
             for i in range(lib.kiln_lstm_fused_kernel_count())]
 
 
-def fused_tile_plan(kernel: FusedKernel, rows: int) -> list[tuple[int, bool]]:
+def fused_tile_plan(kernel: FusedKernel, rows: int, *, wide: bool | int = False) -> list[tuple[int, bool | str]]:
     """The tiles lstm_fused.c runs a slice of `rows` batch rows on, in row order: (rows, two-pass) each. AVX2's
-    kernel: full 6-row two-pass tiles, the rest one-pass (8 rows: 6 + 2); the others: tiles as even as they go."""
+    kernel: full 6-row two-pass tiles, the rest one-pass (8 rows: 6 + 2); the others: tiles as even as they go.
+    `wide`: the row split's plan (and one thread's) in set_wide_tiles' mode (True: the default), where a rest of
+    AVX2's 4 or 8 rows runs on its wide tile: (4, "wide") each."""
     lib = load()  # the tables of both builds are one (test_only marks an entry, it does not add one)
     if lib is None:
         raise RuntimeError(f"kiln's recurrent layers are not built: {reason()}")
     most = max(int(rows), 1)
     found, two_pass = (ctypes.c_long * most)(), (ctypes.c_int * most)()
-    count = lib.kiln_lstm_fused_tile_plan(kernel.index, int(rows), found, two_pass, most)
-    return [(int(found[t]), bool(two_pass[t])) for t in range(count)]
+    count = lib.kiln_lstm_fused_tile_plan(kernel.index, int(rows), 2 if wide is True else int(wide), found, two_pass,
+                                          most)
+    return [(int(found[t]), "wide" if two_pass[t] == 2 else bool(two_pass[t])) for t in range(count)]
 
 
 class FusedLSTMDirection(_Direction):

@@ -8,11 +8,14 @@
                       (lstm_lanes.c); a larger batch runs cpu.lstm.native's loop.
     cpu.lstm.fused    the same LSTMs, any batch: the batch in the rows, the four gates of a block of hidden
                       units in one vector each, input projection, recurrent GEMM and cell in one register tile
-                      (lstm_fused.c); at two threads and more each thread runs a slice of the batch's rows.
+                      (lstm_fused.c); at two threads and more each thread runs a slice of the batch's rows
+                      (with AVX2, a slice of 4 rows on the wide tile that reads each weight once a step).
     cpu.lstm.fused_blocks
                       cpu.lstm.fused with the threads splitting each step's unit blocks instead (a barrier a
-                      step): the faster form on the Zen 4 EPYC, the row split on the Xeon (lstm_fused.c's note on
-                      kiln_lstm_fused_row_split). The builder times the four.
+                      step): the faster form on the Zen 4 EPYC with AVX-512 (forecaster, 2 threads), the row split
+                      on the Xeon and, since the wide tile, capped to AVX2 (lstm_fused.c's notes on
+                      kiln_lstm_fused_row_split and kiln_lstm_fused_wide). The builder times the four; `kiln
+                      inspect` names each layer's pick and the runner-up.
 
 Each: every direction and layout, initial states, sequence_lens (given at run time), clip, every activation
 of the spec but Softplus (with activation_alpha / activation_beta), outputs Y, Y_h (, Y_c). Per direction,
