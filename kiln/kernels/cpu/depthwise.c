@@ -13,11 +13,12 @@
  * rows (split among threads); a row is cut into blocks of U output pixels, and per channel vector (or 2-4 of them
  * for short blocks) each input vector of a tap row is loaded once and meets every tap that reads it, every channel
  * vector of a block before the next block (its input pixels are read in address order). A 3x3 layer at stride 1
- * (and at stride 2 on maps up to 16 wide) and a 5x5 layer at strides 1 and 2 take two output rows a pass
- * (block2): each input row the two read is loaded once for both, 4 rows where two passes load 6 (3x3, stride 1;
- * 5x5: 6 for 10, or 7 at stride 2) (bench/results/dw-avx2-2026-12-06.md). Padding is never
- * materialised: tap rows above or below the input are skipped, an edge block reads its padding columns from a
- * zero row through a table of column pointers, and an interior block addresses its columns from the row pointer.
+ * (and at stride 2: on every width under AVX-512, on maps up to 16 wide under AVX2) and a 5x5 layer at strides 1
+ * and 2 take two output rows a pass (block2): each input row the two read is loaded once for both, 4 rows where
+ * two passes load 6 (3x3, stride 1; 5x5: 6 for 10, or 7 at stride 2) (bench/results/dw-avx2-2026-12-06.md).
+ * Padding is never materialised: tap rows above or below the input are skipped, an edge block reads its padding
+ * columns from a zero row through a table of column pointers, and an interior block addresses its columns from the
+ * row pointer.
  *
  * The weights are packed at build as [K_h][K_w][Cp] (Cp: C rounded up to the vector width, zeros past C) and
  * the bias as [Cp]: one vector load per tap. Channels past the last whole vector run as a scalar loop.
