@@ -5,6 +5,8 @@
   at stride 2) and none, widths below one pixel block, channel counts with a tail past the last whole vector, every
   epilogue (none, ReLU, Clip as ReLU6, SiLU), 1 and 2 threads (a map past PARALLEL_ELEMENTS for the parallel
   form), and a batch of 2.
+- Wide maps (17-37 outputs: 3x3 stride-2 pairs under AVX-512, one row a pass under AVX2) at random odd shapes,
+  strides 1 and 2, 3x3 and 5x5, in this process and in one under KILN_CPU_ISA=avx2.
 - The tactic in an engine: MobileNetV2's inverted-residual blocks (stride 1 with the residual, stride 2) and an
   EfficientNet block (5x5 + SiLU, squeeze-excitation) built on it run as one native segment and equal
   onnxruntime, at the built batch and at others.
@@ -14,7 +16,11 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import zlib
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -24,7 +30,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import kiln
 from kiln.builder import autotune
-from kiln.kernels.cpu import depthwise, onednn
+from kiln.kernels.cpu import cpu_features, depthwise, onednn
 from kiln.plan.spec import StepSpec
 from kiln.runtime.native import Segment
 from kiln.tactics.registry import get
@@ -231,13 +237,6 @@ print(json.dumps([[list(map(str, case)), err] for t in (1, 2) for case, err in w
 def test_wide_maps_under_the_avx2_cap_match_float64_conv2d():
     """The same layers as an AVX2-only CPU runs them (a process under KILN_CPU_ISA=avx2: 8 lanes, one row a pass at
     stride 2 on these widths), 1 and 2 threads."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from kiln.kernels.cpu import cpu_features
-
     if cpu_features.isa() not in ("avx2", "avx512"):
         pytest.skip("needs an x86 CPU with AVX2")
     root = Path(__file__).resolve().parents[2]
