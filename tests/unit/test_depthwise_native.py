@@ -5,6 +5,8 @@
   at stride 2) and none, widths below one pixel block, channel counts with a tail past the last whole vector, every
   epilogue (none, ReLU, Clip as ReLU6, SiLU), 1 and 2 threads (a map past PARALLEL_ELEMENTS for the parallel
   form), and a batch of 2.
+- Wide maps (17-37 outputs: 3x3 stride-2 pairs under AVX-512, one row a pass under AVX2) at random odd shapes,
+  strides 1 and 2, 3x3 and 5x5, in this process and in one under KILN_CPU_ISA=avx2.
 - The tactic in an engine: MobileNetV2's inverted-residual blocks (stride 1 with the residual, stride 2) and an
   EfficientNet block (5x5 + SiLU, squeeze-excitation) built on it run as one native segment and equal
   onnxruntime, at the built batch and at others.
@@ -13,7 +15,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import zlib
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -23,7 +30,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import kiln
 from kiln.builder import autotune
-from kiln.kernels.cpu import depthwise, onednn
+from kiln.kernels.cpu import cpu_features, depthwise, onednn
 from kiln.plan.spec import StepSpec
 from kiln.runtime.native import Segment
 from kiln.tactics.registry import get
@@ -131,9 +138,9 @@ def test_silu_epilogue_within_ulps_of_float64_and_its_specials(threads):
 
 
 def _random_case(k: int, size: int = 3) -> tuple:
-    """A random size x size layer for the two-row pass (block2; 3x3 at stride 2 on maps up to 16 outputs wide, 5x5
-    at strides 1 and 2): odd heights (the last row alone), a map of one or two output rows, asymmetric pads, a
-    batch of 2 (a pair never spans two images), channel tails."""
+    """A random size x size layer for the two-row pass (block2; 3x3 at stride 2 on maps up to 16 outputs wide (every
+    width under AVX-512), 5x5 at strides 1 and 2): odd heights (the last row alone), a map of one or two output rows,
+    asymmetric pads, a batch of 2 (a pair never spans two images), channel tails."""
     rng = np.random.default_rng(_seed("pairs", k) if size == 3 else _seed("pairs", size, k))
     stride = int(rng.integers(1, 3))
     pads = [int(p) for p in rng.integers(0, size, 4)]
@@ -169,6 +176,78 @@ def test_two_row_pass_matches_float64_conv2d_at_random_shapes(size, k, threads):
     assert tuple(got.shape) == tuple(want.shape), (got.shape, want.shape)
     err = ((got.double() - want).abs() / (1 + want.abs())).max().item()
     assert err < 1e-5, f"{(n, c, h, wd, stride, pads)}: {err:.2e}"
+
+
+def wide_cases() -> list[tuple]:
+    """Random odd-sized maps 17 to 37 outputs wide (past PAIR_S2_MAX_OW: under AVX-512 a 3x3 stride-2 layer takes
+    pairs of rows there, under AVX2 one row a pass), 3x3 and 5x5, strides 1 and 2, pads 0 to K - 1 a side, a batch
+    of 1 or 2, channel counts with and without a tail, ReLU6 and SiLU: (n, c, h, w, k, stride, pads, activation)."""
+    cases = []
+    for k in range(8):
+        rng = np.random.default_rng(_seed("wide", k))
+        size, stride = (3, 5)[k % 4 == 3], 2 if k % 4 else 1
+        pads = [int(p) for p in rng.integers(0, size, 4)]
+        h, wd = (int(rng.integers(17, 38)) * stride | 1 for _ in range(2))
+        cases.append((int(rng.integers(1, 3)), int(rng.choice([16, 24, 40, 19, 48])), h, wd, size, stride, pads,
+                      ("Clip", "SiLU")[k % 2]))
+    return cases
+
+
+def wide_errors(threads: int) -> list[tuple[tuple, float]]:
+    """(case, error) of every wide_cases() layer against float64 torch at `threads` OpenMP threads; error: |got -
+    want| over the sum of |terms| + 1 (test_kernel_matches_float64_conv2d's measure). Run in this process and in one
+    under KILN_CPU_ISA=avx2 (the x86-64-v3 build)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    found = []
+    try:
+        for case in wide_cases():
+            n, c, h, wd, size, stride, pads, activation = case
+            rng = np.random.default_rng(_seed("wide-data", case, threads))
+            w = torch.from_numpy(rng.standard_normal((c, 1, size, size)).astype(np.float32))
+            b = torch.from_numpy(rng.standard_normal(c).astype(np.float32))
+            x = torch.from_numpy(rng.standard_normal((n, c, h, wd)).astype(np.float32) * 4)
+            layer = depthwise.DepthwiseConv(w, b, (n, c, h, wd), [stride, stride], pads, activation, 0.0, 6.0)
+            got = layer(x.contiguous(memory_format=torch.channels_last))
+            want = _reference(x, w, b, stride, pads, activation)
+            assert tuple(got.shape) == tuple(want.shape), (case, got.shape, want.shape)
+            scale = torch.nn.functional.conv2d(torch.nn.functional.pad(x.double().abs(), (pads[1], pads[3], pads[0],
+                                               pads[2])), w.double().abs(), None, stride, 0, 1, c) + 1.0
+            found.append((case, ((got.double() - want).abs() / scale).max().item()))
+    finally:
+        torch.set_num_threads(saved)
+    return found
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_wide_maps_match_float64_conv2d(threads):
+    bad = [(case, err) for case, err in wide_errors(threads) if not err < RTOL]
+    assert not bad, f"{len(bad)} of {len(wide_cases())} off (relative to the sum of |terms|): {bad[:3]}"
+
+
+_UNDER_AVX2 = r"""
+import json
+from kiln.kernels.cpu import depthwise
+from tests.unit.test_depthwise_native import wide_errors
+assert depthwise.lanes() == 8, depthwise.lanes()
+print(json.dumps([[list(map(str, case)), err] for t in (1, 2) for case, err in wide_errors(t)]))
+"""
+
+
+def test_wide_maps_under_the_avx2_cap_match_float64_conv2d():
+    """The same layers as an AVX2-only CPU runs them (a process under KILN_CPU_ISA=avx2: 8 lanes, one row a pass at
+    stride 2 on these widths), 1 and 2 threads."""
+    if cpu_features.isa() not in ("avx2", "avx512"):
+        pytest.skip("needs an x86 CPU with AVX2")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "KILN_CPU_ISA": "avx2", "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-c", _UNDER_AVX2], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(rows) == 2 * len(wide_cases())
+    bad = [row for row in rows if not row[1] < RTOL]
+    assert not bad, f"{len(bad)} of {len(rows)} off: {bad[:3]}"
 
 
 def test_kernel_rejects_what_it_cannot_run():

@@ -13,11 +13,12 @@
  * rows (split among threads); a row is cut into blocks of U output pixels, and per channel vector (or 2-4 of them
  * for short blocks) each input vector of a tap row is loaded once and meets every tap that reads it, every channel
  * vector of a block before the next block (its input pixels are read in address order). A 3x3 layer at stride 1
- * (and at stride 2 on maps up to 16 wide) and a 5x5 layer at strides 1 and 2 take two output rows a pass
- * (block2): each input row the two read is loaded once for both, 4 rows where two passes load 6 (3x3, stride 1;
- * 5x5: 6 for 10, or 7 at stride 2) (bench/results/dw-avx2-2026-12-06.md). Padding is never
- * materialised: tap rows above or below the input are skipped, an edge block reads its padding columns from a
- * zero row through a table of column pointers, and an interior block addresses its columns from the row pointer.
+ * (and at stride 2: on every width under AVX-512, on maps up to 16 wide under AVX2) and a 5x5 layer at strides 1
+ * and 2 take two output rows a pass (block2): each input row the two read is loaded once for both, 4 rows where
+ * two passes load 6 (3x3, stride 1; 5x5: 6 for 10, or 7 at stride 2) (bench/results/dw-avx2-2026-12-06.md).
+ * Padding is never materialised: tap rows above or below the input are skipped, an edge block reads its padding
+ * columns from a zero row through a table of column pointers, and an interior block addresses its columns from the
+ * row pointer.
  *
  * The weights are packed at build as [K_h][K_w][Cp] (Cp: C rounded up to the vector width, zeros past C) and
  * the bias as [Cp]: one vector load per tap. Channels past the last whole vector run as a scalar loop.
@@ -308,7 +309,7 @@ BLOCKS2(3, 1)
 BLOCKS2(3, 2)
 BLOCKS2(5, 1)
 BLOCKS2(5, 2)
-#define PAIR_S2_MAX_OW 16  /* output width up to which a stride-2 layer takes pairs of rows (kiln_depthwise) */
+#define PAIR_S2_MAX_OW 16  /* output width up to which a 3x3 stride-2 layer takes pairs of rows under AVX2 */
 
 /* cols[kh][j] for the U pixels from `ow` of output row `oh`: input column ow·S - pl + j of tap row kh, or the
    zero row where that column is padding (the padding is never written out), for the tap rows inside the input;
@@ -414,9 +415,11 @@ int kiln_depthwise(void *object, void *stream, int nargs, const void *args) {
        pairs were 1.05x one row's time (one block of 7 either way); under AVX2 0.84x (4 + 3 against 6 + 1) */
     if (p->KH == p->KW && p->SH == p->SW && p->OW >= U2MAX) {
         if (p->KW == 3 && p->SW == 1) pairs = blocks2_3_1;
-        /* at stride 2 only on narrow maps: there (MobileNetV2's 192x28² and 576x14², B0's 240x28², AVX2) pairs were
-           0.88-0.95x one row's time, where on 56-112-wide maps, which stream their input from L3, 1.02-1.03x */
-        if (p->KW == 3 && p->SW == 2 && p->OW <= PAIR_S2_MAX_OW) pairs = blocks2_3_2;
+        /* at stride 2 under AVX2 only on narrow maps: there (MobileNetV2's 192x28² and 576x14², B0's 240x28²) pairs
+           were 0.88-0.95x one row's time, where on 56-112-wide maps, which stream their input from L3, 1.00-1.03x;
+           under AVX-512 on every width (blocks of 8 pixels: 16 accumulators + 6 weights + 1 input of 32 zmm): on
+           the wide maps 0.90-0.92x one row's time (MobileNetV2's 96x112² and 144x56², 1 thread) */
+        if (p->KW == 3 && p->SW == 2 && (LANES == 16 || p->OW <= PAIR_S2_MAX_OW)) pairs = blocks2_3_2;
         /* 5x5 at both strides and every width (EfficientNet-B0's five 5x5 layers, SiLU, 1 thread): 0.91-0.98x one
            row's time under AVX2 (blocks of 4: 8 accumulators + 10 weights + 1 input spill a little, and blocks of
            3 or 2 were slower still), 0.89-0.97x under AVX-512 where taken (maps 8 and more outputs wide) */
