@@ -9,15 +9,17 @@ first odd batch ~50 ms outside the loop (bench/results/first-shape-2026-12-06.md
 
 Here the entry sizes come from the host, without a layer run on data (segment_entries): the shape function's values
 (as a call computes them), each segment's exits from its own sizes (its runs' scaling, or its members' size rules),
-and each layer between segments run by its op's implementation on meta tensors (torch's shapes without data: no
-memory, no arithmetic), so the op's own shape checks run on the glue before any call. The walk stops at the first
-layer it cannot follow (one that reads its input's values, a nested program, a segment whose layers refuse the
-sizes): the segments past it get nothing ahead and bind at their first call, as before.
+and each layer between segments followed on the host: a view or index op (Reshape, Transpose, Gather, Slice,
+Concat ...) run by its op's implementation on meta tensors (torch's sizes without data: no memory, no arithmetic),
+so the op's own shape checks run on the glue before any call; an elementwise op by its inputs' sizes. The walk
+stops at the first layer it cannot follow (another op, one that reads its input's values, a segment whose layers
+refuse the sizes): the segments past it get nothing ahead and bind at their first call, as before.
 
 The job (segments_job, on first_calls' background thread, after the plan rewrites) then does, per segment, at the
 profiles' largest shapes and at trace_shapes's:
 - a segment of images whose other batches run as runs of it (native_batches.py): native_batches.runs_ahead, whether
-  its members compute each image alone and, where a batch leaves images past its runs, its view at one image;
+  its members compute each image alone and, where a batch leaves images past its runs, its view at one image; then
+  the plans of every batch up to the largest shape's (native_batches.plans_ahead);
 - a segment with views otherwise: its template grown to the largest entry sizes met (Segment.grow_ahead, before any
   trace), then its walk traced at each shape's entry sizes (Segment.trace_ahead), as the one-segment job does.
 """
@@ -33,9 +35,10 @@ import numpy as np
 import torch
 
 from kiln.kernels.cpu import onednn_ahead
+from kiln.ops._util import MULTIDIRECTIONAL, broadcast_sizes
 from kiln.ops.registry import lookup
 from kiln.runtime.native import Segment
-from kiln.runtime.native_batches import another_batch, exit_sizes_in_runs, runs_ahead
+from kiln.runtime.native_batches import another_batch, exit_sizes_in_runs, plans_ahead, runs_ahead
 from kiln.runtime.program import Program
 
 _JOBS = itertools.count()
@@ -103,15 +106,39 @@ def exit_sizes(segment: Segment, key: tuple) -> list[tuple[int, ...]] | None:
     return None if None in found else found
 
 
+# Layers between segments whose sizes the walk follows. Run by the op on meta tensors: views and index ops, whose
+# meta kernels are torch's C++ ones (a meta kernel written in Python, as torch's elementwise references are, imports
+# torch._dynamo at its first call: ~2 s of CPU and its memory in a process that only runs engines)
+ON_META = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Expand", "Slice",
+                     "Concat", "Split", "Gather", "GatherElements"})
+# ... elementwise ones by their sizes alone: one input's sizes and dtype (a unary op), or the inputs' broadcast
+SAME_SIZES = frozenset({"Abs", "Acos", "Acosh", "Asin", "Asinh", "Atan", "Atanh", "Ceil", "Celu", "Cos", "Cosh", "Elu",
+                        "Erf", "Exp", "Floor", "Gelu", "HardSigmoid", "HardSwish", "LeakyRelu", "Log", "Mish", "Neg",
+                        "Not", "Reciprocal", "Relu", "Round", "Selu", "Shrink", "Sigmoid", "Sign", "Sin", "Sinh",
+                        "Softplus", "Softsign", "Sqrt", "Tan", "Tanh", "ThresholdedRelu", "BitwiseNot"})
+TO_BOOL = frozenset({"Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "And", "Or", "Xor", "IsInf", "IsNaN"})
+
+
 def _on_meta(step, args: list) -> list[torch.Tensor] | None:
-    """The outputs of a layer between segments, by its op's own implementation on meta tensors (its float inputs
-    moved there; integer ones, read as axes, shapes or indices, kept): their sizes and dtypes, computed without data.
-    None where the op cannot (it reads an activation's values, runs a nested program, or refuses the shapes)."""
-    if not any(isinstance(a, torch.Tensor) and a.is_meta for a in args) or any(
-            isinstance(v, Program) or (isinstance(v, list) and any(isinstance(p, Program) for p in v))
-            for v in step.attributes.values()):
+    """The outputs of a layer between segments as meta tensors (sizes and dtypes, no data): an ON_META op by its own
+    implementation on meta tensors (its float inputs moved there; integer ones, read as axes, shapes or indices,
+    kept), an elementwise one by its inputs' sizes (SAME_SIZES, MULTIDIRECTIONAL). None where it is none of these,
+    reads an activation's values or refuses the sizes: the segments past it bind at their first call."""
+    op_type = step.ctx.op_type
+    if step.ctx.domain not in ("", "ai.onnx") or len(step.outputs) != 1 and op_type != "Split" \
+            or not any(isinstance(a, torch.Tensor) and a.is_meta for a in args):
         return None
-    op = lookup(step.ctx.op_type, step.ctx.domain)
+    if op_type in SAME_SIZES or op_type in TO_BOOL or op_type in MULTIDIRECTIONAL:
+        shaped = [a for a in args if isinstance(a, torch.Tensor)]
+        if len(shaped) != len(args) or (op_type in SAME_SIZES and len(shaped) != 1):
+            return None
+        try:
+            size = broadcast_sizes(*(tuple(a.shape) for a in shaped))
+        except ValueError:
+            return None
+        dtype = torch.bool if op_type in TO_BOOL else shaped[1 if op_type == "Where" else 0].dtype
+        return [torch.empty(size, dtype=dtype, device="meta")]
+    op = lookup(op_type, step.ctx.domain) if op_type in ON_META else None
     if op is None:
         return None
     moved = [a.to("meta") if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
@@ -141,7 +168,11 @@ def segments_job(program: Program, shapes: list[list[tuple[int, ...]]], largest:
         for inputs in largest:
             made = _ready_at(program_ref, inputs, input_dtypes, met) or made
         for segment, keys in met.values():
-            made = _grow(segment, keys) or made
+            if segment._planned_batch is None:
+                made = _grow(segment, keys) or made
+            else:  # the most images a largest shape gives it
+                batch, first = segment._planned_batch, segment._planned_key[0][0]
+                made = plans_ahead(segment, max(k[0][0] * batch // first for k in keys)) or made
         del met
         for inputs in shapes:
             made = _ready_at(program_ref, inputs, input_dtypes, None) or made
@@ -153,8 +184,8 @@ def segments_job(program: Program, shapes: list[list[tuple[int, ...]]], largest:
 def _ready_at(program_ref: weakref.ref, inputs: list[tuple[int, ...]], input_dtypes: list[torch.dtype],
               met: dict[int, tuple[Segment, list[tuple]]] | None) -> bool:
     """Each segment readied at its entry sizes for `inputs`: runs_ahead for a segment running that batch in runs;
-    for one with views, its sizes noted in `met` (the largest shapes' pass: its template grows to them) or its walk
-    traced there."""
+    for one with views, its walk traced there. In the largest shapes' pass (`met` given) the sizes are noted instead
+    of traced: a view template grows to them, a segment of images gets the plans of every batch up to them."""
     program = program_ref()
     if program is None:
         return False
@@ -163,12 +194,12 @@ def _ready_at(program_ref: weakref.ref, inputs: list[tuple[int, ...]], input_dty
         if key == segment._planned_key:
             continue
         batch, planned = segment._planned_batch, segment._planned_key
-        if batch is not None and another_batch(planned, key) and not key[0][0] * batch % planned[0][0]:
+        in_runs = batch is not None and another_batch(planned, key) and not key[0][0] * batch % planned[0][0]
+        if met is not None and (in_runs or (batch is None and segment._views)):
+            met.setdefault(id(segment), (segment, []))[1].append(key)
+        if in_runs:
             made = runs_ahead(segment, left=bool(key[0][0] * batch // planned[0][0] % batch)) or made
-        elif segment._views and met is not None:
-            if batch is None:
-                met.setdefault(id(segment), (segment, []))[1].append(key)
-        elif segment._views:
+        elif segment._views and met is None:
             made = segment.trace_ahead(key) or made
     return made
 
