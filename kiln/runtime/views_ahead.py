@@ -72,6 +72,8 @@ def segment_entries(program: Program, shapes: list[tuple[int, ...]], input_dtype
             if None in key:
                 return
             yield step.fn, key
+            if step is program.lean_steps[last]:
+                return  # nothing past the last segment is asked
             outputs = exit_sizes(step.fn, key)
             if outputs is None:
                 return
@@ -88,13 +90,24 @@ def segment_entries(program: Program, shapes: list[tuple[int, ...]], input_dtype
 
 def exit_sizes(segment: Segment, key: tuple) -> list[tuple[int, ...]] | None:
     """The sizes of `segment`'s exits at entries of sizes `key`: the planned ones, those of another batch's runs
-    (native_batches.exit_sizes_in_runs), else its members' NativeSteps at `key` (made under its resize lock, as a view
-    makes them); None where a layer cannot bind `key`."""
+    (native_batches.exit_sizes_in_runs), those its view's walk finds by its members' rules alone (making nothing, as
+    Segment.trace_ahead walks), else its members' NativeSteps at `key` (made under its resize lock, as a view makes
+    them); None where a layer cannot bind `key`."""
     if key == segment._planned_key:
         return [tuple(size) for size, _strides, _dtype in segment.exit_shapes]
     in_runs = exit_sizes_in_runs(segment, key)
     if in_runs is not None:
         return in_runs
+    template = segment._grown or segment
+    rewrite = template._rewrite if segment._views else None
+    walked = None
+    if rewrite is not None and tuple(map(len, key)) == tuple(map(len, template.entry_sizes)):
+        try:
+            walked = rewrite._walk(template, key, rules_only=True)
+        except Exception:  # noqa: BLE001  a rule that cannot say: the members' NativeSteps below do
+            walked = None
+    if walked is not None:
+        return [tuple(size) for size in walked[1]]
     with segment._resize_lock:
         try:
             at = segment._natives_at(key)

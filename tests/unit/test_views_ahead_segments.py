@@ -163,6 +163,15 @@ def test_segment_entries_are_the_sizes_the_calls_meet(saved):
             assert [segment for segment, _key in found] == engine.program.segments
     finally:
         native.Segment.__call__ = real
+    images, tokens = engine.program.segments
+    assert views_ahead.exit_sizes(images, ((3, 4, 8, 8),)) == [(3, 8, 8, 8)]  # another batch's runs
+    assert views_ahead.exit_sizes(tokens, ((3, 8, 64),)) == [(3, 8, 16)]  # the view's walk by its rules
+    template = tokens._grown or tokens
+    rewrite, template._rewrite = template._rewrite, None
+    try:  # no plan rewrite: the members' NativeSteps say
+        assert views_ahead.exit_sizes(tokens, ((5, 8, 64),)) == [(5, 8, 16)]
+    finally:
+        template._rewrite = rewrite
 
 
 def test_the_walk_stops_at_a_layer_it_cannot_follow_and_the_job_is_queued_for_a_dynamic_profile(saved, monkeypatch):
