@@ -12,8 +12,9 @@ jobs done (first_calls.primitives_made), then first calls at --shapes in order, 
 --image CxHxW: an image model's pixel_values, --shapes then batches (onnxruntime warmed at batch --warm-batch).
 
 --no-views-ahead: the load's view jobs off (first_calls._trace_job and _segments_job: no template grown, no walk
-traced, no segment readied at load), the tree before them otherwise. --steady: the hot path at shapes already seen, the engine loaded twice in one process (one
-with the view job, one without), calls interleaved in shuffled order, median thread CPU ms per shape and ratio.
+traced, no segment readied at load), the tree before them otherwise. --steady: the hot path at shapes already seen,
+the engine loaded twice in one process (one with the view jobs, one without; --b-first: that one first), calls
+interleaved in shuffled order, median thread CPU ms per shape and ratio.
 
 Rows: first - repeat; of it outside the loop's C call; spans of the parts (rule traces: TracedRule._trace; the
 walk's trace: ViewTrace.learn; the view: Segment._bind_sizes).
@@ -56,6 +57,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--image", default="", help="CxHxW: pixel_values of an image model; --shapes are batches")
     ap.add_argument("--warm-batch", type=int, default=2, help="--image: onnxruntime's warm-up batch")
+    ap.add_argument("--b-first", action="store_true", help="--steady: load B (views ahead on) first")
     args = ap.parse_args()
     if args.steady:
         return steady(args)
@@ -127,16 +129,24 @@ def steady(args) -> None:
     import statistics
 
     real, real_segments = first_calls._trace_job, getattr(first_calls, "_segments_job", None)
-    first_calls._trace_job = lambda program, profiles: None
-    if real_segments is not None:
-        first_calls._segments_job = lambda program, profiles, dtypes: None
-    a = warm_context(args.engine)
-    first_calls.primitives_made(120)
+
+    def load(views_ahead: bool):
+        first_calls._trace_job = real if views_ahead else (lambda program, profiles: None)
+        if real_segments is not None:
+            first_calls._segments_job = real_segments if views_ahead else (lambda program, profiles, dtypes: None)
+        context = warm_context(args.engine)
+        first_calls.primitives_made(120)
+        return context
+
+    if args.b_first:  # which engine a process loads first moves tiny calls by 10-25% (bench/image_batches.py)
+        b = load(True)
+        a = load(False)
+    else:
+        a = load(False)
+        b = load(True)
     first_calls._trace_job = real
     if real_segments is not None:
         first_calls._segments_job = real_segments
-    b = warm_context(args.engine)
-    first_calls.primitives_made(120)
     rng = np.random.default_rng(0)
     if args.image:
         image = tuple(int(v) for v in args.image.split("x"))
@@ -157,7 +167,7 @@ def steady(args) -> None:
             context.run(feeds[shape])
             times.setdefault((name, shape), []).append((time.thread_time_ns() - start) / 1e6)
     print(f"# steady state, {Path(args.engine).name}, 1 thread, load {os.getloadavg()[0]:.1f}, {args.rounds} rounds: "
-          "A views ahead off, B on (ms, median)")
+          f"A views ahead off, B on (ms, median; {'B' if args.b_first else 'A'} loaded first)")
     print("| shape | A | B | B / A |\n|---|---|---|---|")
     for shape in shapes:
         ma, mb = statistics.median(times["A", shape]), statistics.median(times["B", shape])

@@ -11,9 +11,9 @@ Here the entry sizes come from the host, without a layer run on data (segment_en
 (as a call computes them), each segment's exits from its own sizes (its runs' scaling, or its members' size rules),
 and each layer between segments followed on the host: a view or index op (Reshape, Transpose, Gather, Slice,
 Concat ...) run by its op's implementation on meta tensors (torch's sizes without data: no memory, no arithmetic),
-so the op's own shape checks run on the glue before any call; an elementwise op by its inputs' sizes. The walk
-stops at the first layer it cannot follow (another op, one that reads its input's values, a segment whose layers
-refuse the sizes): the segments past it get nothing ahead and bind at their first call, as before.
+so the op's own shape checks run on the glue before any call; an elementwise op or a GEMM by its inputs' sizes.
+The walk stops at the first layer it cannot follow (another op, one that reads its input's values, a segment whose
+layers refuse the sizes): the segments past it get nothing ahead and bind at their first call, as before.
 
 The job (segments_job, on first_calls' background thread, after the plan rewrites) then does, per segment, at the
 profiles' largest shapes and at trace_shapes's:
@@ -138,7 +138,8 @@ def _on_meta(step, args: list) -> list[torch.Tensor] | None:
     kept), an elementwise one by its inputs' sizes (SAME_SIZES, MULTIDIRECTIONAL). None where it is none of these,
     reads an activation's values or refuses the sizes: the segments past it bind at their first call."""
     op_type = step.ctx.op_type
-    if step.ctx.domain not in ("", "ai.onnx") or len(step.outputs) != 1 and op_type != "Split" \
+    if step.ctx.domain not in ("", "ai.onnx", "kiln") or (step.ctx.domain == "kiln") != (op_type == "FusedGemm") \
+            or len(step.outputs) != 1 and op_type != "Split" \
             or not any(isinstance(a, torch.Tensor) and a.is_meta for a in args):
         return None
     if op_type in SAME_SIZES or op_type in TO_BOOL or op_type in MULTIDIRECTIONAL:
@@ -151,6 +152,8 @@ def _on_meta(step, args: list) -> list[torch.Tensor] | None:
             return None
         dtype = torch.bool if op_type in TO_BOOL else shaped[1 if op_type == "Where" else 0].dtype
         return [torch.empty(size, dtype=dtype, device="meta")]
+    if op_type in ("MatMul", "FusedGemm"):
+        return _product_on_meta(op_type, args, step.attributes)
     op = lookup(op_type, step.ctx.domain) if op_type in ON_META else None
     if op is None:
         return None
@@ -164,6 +167,28 @@ def _on_meta(step, args: list) -> list[torch.Tensor] | None:
     if len(outputs) != len(step.outputs) or not all(isinstance(o, torch.Tensor) and o.is_meta for o in outputs):
         return None
     return outputs
+
+
+def _product_on_meta(op_type: str, args: list, attributes: dict) -> list[torch.Tensor] | None:
+    """A MatMul's (numpy's matmul of rank >= 2 operands) or a kiln FusedGemm's (x [..., K] @ W[N, K]ᵀ -> [..., N],
+    SwiGLU halving N) output by its operands' sizes: a GEMM layer the loop runs between segments (one on oneDNN's
+    matmul, outside a segment). None where they do not multiply."""
+    a, b = args[0], args[1] if len(args) > 1 else None
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dim() < 2 or b.dim() < 2:
+        return None
+    if op_type == "FusedGemm":
+        if b.dim() != 2 or a.shape[-1] != b.shape[1]:
+            return None
+        n = b.shape[0] // 2 if attributes.get("activation") == "SwiGLU" else b.shape[0]
+        dtype = torch.float32 if attributes.get("output_float32") else a.dtype
+        return [torch.empty((*a.shape[:-1], n), dtype=dtype, device="meta")]
+    if a.shape[-1] != b.shape[-2]:
+        return None
+    try:
+        batch = broadcast_sizes(tuple(a.shape[:-2]), tuple(b.shape[:-2]))
+    except ValueError:
+        return None
+    return [torch.empty((*batch, a.shape[-2], b.shape[-1]), dtype=a.dtype, device="meta")]
 
 
 def segments_job(program: Program, shapes: list[list[tuple[int, ...]]], largest: list[list[tuple[int, ...]]],

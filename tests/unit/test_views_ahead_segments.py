@@ -250,3 +250,44 @@ def test_the_job_imports_nothing_heavy(saved):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+
+
+@pytest.mark.parametrize("op_type, domain, shapes, dtypes_in, attributes, refused", [
+    ("Sin", "", [(3, 8, 64)], [torch.float32], {}, None),
+    ("Add", "", [(3, 1, 64), (8, 1)], [torch.float32, torch.float32], {}, [(3, 2, 64), (8, 1)]),
+    ("Where", "", [(1, 8, 1), (3, 8, 64), ()], [torch.bool, torch.float32, torch.float32], {},
+     [(1, 7, 1), (3, 8, 64), ()]),
+    ("Less", "", [(3, 8, 64), (64,)], [torch.float32, torch.float32], {}, [(3, 8, 64), (63,)]),
+    ("MatMul", "", [(2, 3, 8, 64), (3, 64, 16)], [torch.float32, torch.float32], {}, [(2, 3, 8, 64), (3, 60, 16)]),
+    ("FusedGemm", "kiln", [(3, 8, 64), (32, 64)], [torch.float32, torch.float32], {"activation": "SwiGLU"},
+     [(3, 8, 60), (32, 64)]),
+    ("Transpose", "", [(3, 8, 64)], [torch.float32], {"perm": [0, 2, 1]}, None),
+    ("Reshape", "", [(3, 8, 64), (3,)], [torch.float32, torch.int64], {}, [(3, 8, 60), (3,)]),
+])
+def test_the_glue_on_meta_has_the_sizes_and_dtypes_of_the_op_on_data(op_type, domain, shapes, dtypes_in, attributes,
+                                                                     refused):
+    """_on_meta's outputs (an op on meta tensors, or by its inputs' sizes) against the op's own implementation on
+    fresh random data of those sizes; sizes that do not fit (`refused`) give None."""
+    from kiln.ops.registry import OpContext, lookup
+
+    rng = np.random.default_rng(zlib.crc32(op_type.encode()))
+
+    def made(sizes, meta):
+        out = []
+        for s, d in zip(sizes, dtypes_in):
+            if d == torch.int64:  # a Reshape's target: a value it reads, kept on the host
+                out.append(torch.tensor([3, 16, 32] if s == (3,) else [0], dtype=torch.int64))
+                continue
+            t = torch.from_numpy(rng.standard_normal(s) > 0) if d == torch.bool else \
+                torch.from_numpy(rng.standard_normal(s).astype(np.float32))
+            out.append(t.to("meta") if meta else t)
+        return out
+
+    ctx = OpContext(name=op_type, op_type=op_type, domain=domain, opset=17, num_inputs=len(shapes), num_outputs=1,
+                    output_dtypes=[None], capture_names=[])
+    step = types.SimpleNamespace(ctx=ctx, outputs=[0], attributes=attributes)
+    expected = lookup(op_type, domain).fn(ctx, *made(shapes, False), **attributes)
+    got = views_ahead._on_meta(step, made(shapes, True))
+    assert got is not None and [(tuple(g.shape), g.dtype) for g in got] == [(tuple(expected.shape), expected.dtype)]
+    if refused is not None:
+        assert views_ahead._on_meta(step, made(refused, True)) is None
