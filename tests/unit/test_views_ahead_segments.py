@@ -85,17 +85,25 @@ def _x(rng, batch: int) -> dict[str, np.ndarray]:
 
 def _first_calls(engine, session, monkeypatch, batches: list[int]) -> tuple[list[str], list[int]]:
     """Run fresh batches on a new context (every new shape binds) against onnxruntime: (what was traced or checked
-    at the calls, Segments made at the calls)."""
+    at the calls, Segments made at the calls), counted on this thread only (a background job of another test's
+    engine in the same process is not these calls' work)."""
     work: list[str] = []
+    caller = threading.get_ident()
+
+    def note(what: str, into: list) -> None:
+        if threading.get_ident() == caller:
+            into.append(what)
+
     for owner, name in ((traced_rules.TracedRule, "_trace"), (view_trace.ViewTrace, "learn")):
         real = getattr(owner, name)
-        monkeypatch.setattr(owner, name, lambda *a, real=real, name=name: work.append(name) or real(*a))
+        monkeypatch.setattr(owner, name, lambda *a, real=real, name=name: note(name, work) or real(*a))
     alone = native_batches.computes_each_image_alone
     monkeypatch.setattr(native_batches, "computes_each_image_alone",
-                        lambda segment: work.append("per-image check") or alone(segment))
-    made: list[int] = []
+                        lambda segment: note("per-image check", work) or alone(segment))
+    made: list[str] = []
     real_segment = native.Segment.__init__
-    monkeypatch.setattr(native.Segment, "__init__", lambda self, *a, **k: made.append(1) or real_segment(self, *a, **k))
+    monkeypatch.setattr(native.Segment, "__init__",
+                        lambda self, *a, **k: note("segment", made) or real_segment(self, *a, **k))
     context = engine.create_execution_context(pad_first_calls=False)
     rng = np.random.default_rng(zlib.crc32(b"first new batches"))
     for batch in batches:
