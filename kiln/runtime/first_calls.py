@@ -51,10 +51,10 @@ import torch
 from kiln.ir import dtypes
 from kiln.kernels.cpu import onednn_ahead
 from kiln.plan.spec import Binding, Profile
+from kiln.runtime import views_ahead
 from kiln.runtime.buckets import MASK_NAMES, Buckets
 from kiln.runtime.direct_run import DirectRuns
 from kiln.runtime.native import Segment
-from kiln.runtime import views_ahead
 from kiln.runtime.program import SHAPE_PLANS, Program, input_signature
 
 BIND_MS = 1.0  # the cost of binding a new shape until one is measured (bert_tiny's ~2.6 ms, BERT-base's more)
