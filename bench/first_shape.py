@@ -7,10 +7,14 @@ jobs done (first_calls.primitives_made), then first calls at --shapes in order, 
 
     python bench/first_shape.py --engine /tmp/first/bert_base.kiln --onnx model.onnx [--no-views-ahead]
     python bench/first_shape.py --engine /tmp/first/bert_base.kiln --steady 2x16,1x8,3x5
+    python bench/first_shape.py --engine /tmp/swin_tiny.kiln --onnx model.onnx --image 3x32x32 --shapes 3,5,1,4,7,16
 
---no-views-ahead: the load's view job off (first_calls._trace_job: no template grown, no walk traced at load), the
-tree before it otherwise. --steady: the hot path at shapes already seen, the engine loaded twice in one process (one
-with the view job, one without), calls interleaved in shuffled order, median thread CPU ms per shape and ratio.
+--image CxHxW: an image model's pixel_values, --shapes then batches (onnxruntime warmed at batch --warm-batch).
+
+--no-views-ahead: the load's view jobs off (first_calls._trace_job and _segments_job: no template grown, no walk
+traced, no segment readied at load), the tree before them otherwise. --steady: the hot path at shapes already seen,
+the engine loaded twice in one process (one with the view jobs, one without; --b-first: that one first), calls
+interleaved in shuffled order, median thread CPU ms per shape and ratio.
 
 Rows: first - repeat; of it outside the loop's C call; spans of the parts (rule traces: TracedRule._trace; the
 walk's trace: ViewTrace.learn; the view: Segment._bind_sizes).
@@ -51,16 +55,29 @@ def main() -> None:
     ap.add_argument("--no-views-ahead", action="store_true")
     ap.add_argument("--steady", default="", help="shapes of the steady-state A/B (then no first calls)")
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--image", default="", help="CxHxW: pixel_values of an image model; --shapes are batches")
+    ap.add_argument("--warm-batch", type=int, default=2, help="--image: onnxruntime's warm-up batch")
+    ap.add_argument("--b-first", action="store_true", help="--steady: load B (views ahead on) first")
     args = ap.parse_args()
     if args.steady:
         return steady(args)
     if args.no_views_ahead:
         first_calls._trace_job = lambda program, profiles: None
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+        if hasattr(first_calls, "_segments_job"):  # (a tree before it has none)
+            first_calls._segments_job = lambda program, profiles, dtypes: None
     rng = np.random.default_rng(0)
-    feeds = {s: {"input_ids": rng.integers(0, 1000, s), "attention_mask": np.ones(s, np.int64)} for s in shapes}
+    if args.image:
+        image = tuple(int(v) for v in args.image.split("x"))
+        shapes = [(int(b),) for b in args.shapes.split(",")]
+        feeds = {s: {"pixel_values": rng.standard_normal((*s, *image)).astype(np.float32)} for s in shapes}
+        warm = {"pixel_values": rng.standard_normal((args.warm_batch, *image)).astype(np.float32)}
+    else:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+        feeds = {s: {"input_ids": rng.integers(0, 1000, s), "attention_mask": np.ones(s, np.int64)} for s in shapes}
+        warm = {"input_ids": rng.integers(0, 1000, (2, 16)), "attention_mask": np.ones((2, 16), np.int64)}
     context = warm_context(args.engine)
     first_calls.primitives_made(120)
+    feeds = {s: {k: v for k, v in f.items() if k in context.engine.input_names} for s, f in feeds.items()}  # (GPT-2)
     spans, timed = span_timer()
     for owner, attribute, name in PARTS:
         setattr(owner, attribute, timed(getattr(owner, attribute), name))
@@ -86,7 +103,6 @@ def main() -> None:
         options.intra_op_num_threads = options.inter_op_num_threads = 1
         session = ort.InferenceSession(args.onnx, options, providers=["CPUExecutionProvider"])
         names = [i.name for i in session.get_inputs()]
-        warm = {"input_ids": rng.integers(0, 1000, (2, 16)), "attention_mask": np.ones((2, 16), np.int64)}
         for _ in range(3):
             session.run(None, {k: v for k, v in warm.items() if k in names})
         for shape in shapes:
@@ -103,7 +119,7 @@ def main() -> None:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     print(f"# {args.label} {Path(args.engine).name}, 1 thread, {cpu}, load {os.getloadavg()[0]:.1f}, "
           f"ahead failed {first_calls.onednn_ahead.AHEAD.failed}")
-    print("| µs | " + " | ".join(f"{b}x{s}" for b, s in shapes) + " |")
+    print("| µs | " + " | ".join("x".join(map(str, s)) for s in shapes) + " |")
     print("|---|" + "---|" * len(shapes))
     for name, values in rows.items():
         print(f"| {name} | " + " | ".join(f"{v:.0f}" for v in values) + " |")
@@ -113,16 +129,33 @@ def steady(args) -> None:
     """Views ahead on (B) and off (A) at shapes already seen: two loads of the engine in one process."""
     import statistics
 
-    real = first_calls._trace_job
-    first_calls._trace_job = lambda program, profiles: None
-    a = warm_context(args.engine)
-    first_calls.primitives_made(120)
+    real, real_segments = first_calls._trace_job, getattr(first_calls, "_segments_job", None)
+
+    def load(views_ahead: bool):
+        first_calls._trace_job = real if views_ahead else (lambda program, profiles: None)
+        if real_segments is not None:
+            first_calls._segments_job = real_segments if views_ahead else (lambda program, profiles, dtypes: None)
+        context = warm_context(args.engine)
+        first_calls.primitives_made(120)
+        return context
+
+    if args.b_first:  # which engine a process loads first moves tiny calls by 10-25% (bench/image_batches.py)
+        b = load(True)
+        a = load(False)
+    else:
+        a = load(False)
+        b = load(True)
     first_calls._trace_job = real
-    b = warm_context(args.engine)
-    first_calls.primitives_made(120)
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.steady.split(",")]
+    if real_segments is not None:
+        first_calls._segments_job = real_segments
     rng = np.random.default_rng(0)
-    feeds = {s: {"input_ids": rng.integers(0, 1000, s), "attention_mask": np.ones(s, np.int64)} for s in shapes}
+    if args.image:
+        image = tuple(int(v) for v in args.image.split("x"))
+        shapes = [(int(v),) for v in args.steady.split(",")]
+        feeds = {s: {"pixel_values": rng.standard_normal((*s, *image)).astype(np.float32)} for s in shapes}
+    else:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.steady.split(",")]
+        feeds = {s: {"input_ids": rng.integers(0, 1000, s), "attention_mask": np.ones(s, np.int64)} for s in shapes}
     times: dict[tuple, list[float]] = {}
     for shape in shapes:  # each bound once on both
         a.run(feeds[shape])
@@ -135,11 +168,11 @@ def steady(args) -> None:
             context.run(feeds[shape])
             times.setdefault((name, shape), []).append((time.thread_time_ns() - start) / 1e6)
     print(f"# steady state, {Path(args.engine).name}, 1 thread, load {os.getloadavg()[0]:.1f}, {args.rounds} rounds: "
-          "A views ahead off, B on (ms, median)")
+          f"A views ahead off, B on (ms, median; {'B' if args.b_first else 'A'} loaded first)")
     print("| shape | A | B | B / A |\n|---|---|---|---|")
     for shape in shapes:
         ma, mb = statistics.median(times["A", shape]), statistics.median(times["B", shape])
-        print(f"| {shape[0]}x{shape[1]} | {ma:.2f} | {mb:.2f} | {mb / ma:.3f} |")
+        print(f"| {'x'.join(map(str, shape))} | {ma:.2f} | {mb:.2f} | {mb / ma:.3f} |")
 
 
 if __name__ == "__main__":

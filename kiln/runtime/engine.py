@@ -112,7 +112,7 @@ class Engine:
             # libgomp's spin count found here (~0.1 s, once a process: omp_governor._check), not in the first call
             omp_governor.governor().locate()
             # the oneDNN primitives of the profiles' row counts, made in the background
-            primitives_ahead(self.program, self.profiles)
+            primitives_ahead(self.program, self.profiles, self._program_dtypes())
         self._threads = threading.local()  # Engine.run's contexts, one per calling thread
 
     def _make_programs(self, weights: dict[str, Any], launches: dict[tuple, Any] | None = None) -> None:
@@ -155,6 +155,16 @@ class Engine:
         program = self.program.with_own_arena()
         plain = None if self.plain_program is None else self.plain_program.with_own_arena()
         return CpuLane(program, plain, _first_calls(self, program), _direct_runs(self, program))
+
+    def _program_dtypes(self) -> list[torch.dtype] | None:
+        """The dtypes of the program's inputs (a half-precision engine's float inputs cast as program_inputs casts
+        them); None where an input is not a tensor of a known type."""
+        found = []
+        for b in self.inputs:
+            if b.kind != "tensor" or b.dtype not in dtypes.BY_NAME:
+                return None
+            found.append(self.internal_dtype.get(b.dtype, dtypes.BY_NAME[b.dtype].torch))
+        return found
 
     @property
     def input_names(self) -> list[str]:

@@ -51,6 +51,7 @@ import torch
 from kiln.ir import dtypes
 from kiln.kernels.cpu import onednn_ahead
 from kiln.plan.spec import Binding, Profile
+from kiln.runtime import views_ahead
 from kiln.runtime.buckets import MASK_NAMES, Buckets
 from kiln.runtime.direct_run import DirectRuns
 from kiln.runtime.native import Segment
@@ -346,20 +347,23 @@ def host_sizes(low: int, high: int) -> list[int]:
     return sizes + [high]
 
 
-def primitives_ahead(program: Program, profiles: list[Profile]) -> int:
+def primitives_ahead(program: Program, profiles: list[Profile], input_dtypes: list[torch.dtype] | None = None
+                     ) -> int:
     """Start making, on a background thread, what a first call at a new row count would otherwise wait for
     (kiln/kernels/cpu/onednn_ahead.py: oneDNN inner products, the runtime-M matmul's first run): each linear
     layer's row counts up to the profiles' largest shape, taken as its tuned row count x (the largest shape's
     elements / the opt shape's): exact for a transformer's token-wise layers, an upper bound for the others. And,
-    first, each segment's plan rewrite where a profile reaches other shapes (_rewrite_job). Returns how many were
-    queued."""
+    first, each segment's plan rewrite where a profile reaches other shapes (_rewrite_job), then its views readied
+    (_trace_job for a program of one segment; with the inputs' dtypes, views_ahead.segments_job for one of several).
+    Returns how many were queued."""
     if not onednn_ahead.enabled() or not profiles:
         return 0
-    jobs = ahead_jobs(program, profiles)
+    jobs = ahead_jobs(program, profiles, input_dtypes)
     return onednn_ahead.AHEAD.schedule(jobs, torch.get_num_threads()) if jobs else 0
 
 
-def ahead_jobs(program: Program, profiles: list[Profile]) -> list[onednn_ahead.Job]:
+def ahead_jobs(program: Program, profiles: list[Profile], input_dtypes: list[torch.dtype] | None = None
+               ) -> list[onednn_ahead.Job]:
     """What primitives_ahead queues for `program` under `profiles`."""
     scale = 1.0
     for profile in profiles:
@@ -369,6 +373,8 @@ def ahead_jobs(program: Program, profiles: list[Profile]) -> list[onednn_ahead.J
     jobs = [job for step in program.steps if hasattr(step.fn, "ahead") for job in step.fn.ahead(scale)]
     if any(tuple(shapes.min) != tuple(shapes.max) for profile in profiles for shapes in profile.inputs.values()):
         trace = _trace_job(program, profiles)
+        if trace is None and len(program.lean_steps) > 1 and input_dtypes is not None:
+            trace = _segments_job(program, profiles, input_dtypes)
         jobs = [_rewrite_job(segment) for segment in program.segments if segment._views] + \
             ([trace] if trace is not None else []) + jobs
     return jobs
@@ -440,6 +446,15 @@ def _trace_job(program: Program, profiles: list[Profile]) -> onednn_ahead.Job | 
             time.sleep(0)  # the GIL to a calling thread, if one waits
         return made
     return onednn_ahead.Job(("view traces", next(_REWRITE_JOBS)), 0, make, counted=False)
+
+
+def _segments_job(program: Program, profiles: list[Profile], input_dtypes: list[torch.dtype]
+                  ) -> onednn_ahead.Job | None:
+    """_trace_job's work for a program of several native segments, or one with layers of its own around its segment
+    (kiln/runtime/views_ahead.py: each segment's entry sizes found through the layers between them, on the host)."""
+    largest = [[tuple(p.inputs[n].max) for n in program.spec.inputs] for p in profiles
+               if all(n in p.inputs for n in program.spec.inputs)]
+    return views_ahead.segments_job(program, trace_shapes(program, profiles), largest, input_dtypes)
 
 
 def _grow_to_largest(program: Program | None, segment: Segment | None, entry_slots: tuple[int, ...],

@@ -220,11 +220,76 @@ def batch_plan(segment: Any, key: tuple) -> BatchPlan | None:
         exit_shapes.append((size, native_strides(size) if nhwc else row_major_strides(size), dtype))
     entry_spans = [dtype.itemsize * math.prod(p) for p, dtype in zip(planned, segment.entry_dtypes)]
     exit_spans = [dtype.itemsize * math.prod(size) for size, _strides, dtype in segment.exit_shapes]
-    one = tuple((p[0] // batch, *p[1:]) for p in planned) if left else None
+    one = one_image_key(segment) if left else None
     if one is not None:
         segment._bind_sizes(one)  # bound now, at the batch's first call (held by key: no cycle through the view)
     return BatchPlan(runs, left, exit_shapes, entry_spans, exit_spans, [s // batch for s in entry_spans],
                      [s // batch for s in exit_spans], one)
+
+
+def one_image_key(segment: Any) -> tuple:
+    """The entry sizes of `segment`'s view at one image (its planned entries' first dims over its planned batch): the
+    images left past a batch's runs run on it."""
+    batch = segment._planned_batch
+    return tuple((p[0] // batch, *p[1:]) for p in segment._planned_key)
+
+
+def exit_sizes_in_runs(segment: Any, key: tuple) -> list[tuple[int, ...]] | None:
+    """The exits' sizes of `segment` at entries of sizes `key` where that batch runs in runs of it (each exit's first
+    dim scaled as the entries'), without binding anything; None where it would not (not another batch of its images,
+    or its members are not known to compute each image alone: runs_ahead asks)."""
+    batch, planned = segment._planned_batch, segment._planned_key
+    if batch is None or not segment._per_image or not another_batch(planned, key) \
+            or key[0][0] * batch % planned[0][0]:
+        return None
+    n = key[0][0] * batch // planned[0][0]
+    return [(size[0] // batch * n, *size[1:]) for size, _strides, _dtype in segment.exit_shapes]
+
+
+def runs_ahead(segment: Any, left: bool) -> bool:
+    """Make now what a segment's first call at another batch makes otherwise (batch_plan): whether its members compute
+    each image alone (~2 ms of Python a segment on swin_tiny), and, where a batch leaves images past its runs (`left`),
+    its view at one image bound and its NCHW entries' one-image reorders: ~50 ms at swin_tiny's first odd batch over
+    its 10 image segments (bench/results/first-shape-2026-12-06.md). For the background thread at load
+    (kiln/runtime/views_ahead.py): the resize lock is held while the answer is set and the view bound, as batch_plan
+    holds it (the members' NativeStep.at are cached in their launches: made one thread at a time). True where
+    something was made."""
+    if segment._planned_batch is None:
+        return False
+    made = False
+    if segment._per_image is None:
+        with segment._resize_lock:  # its members' NativeStep.at (cached in their launches) one thread at a time
+            if segment._per_image is None:
+                segment._per_image, made = computes_each_image_alone(segment), True
+    if not segment._per_image or not left or segment._planned_batch == 1:
+        return made
+    one = one_image_key(segment)
+    if one not in segment.resized:
+        with segment._resize_lock:
+            if one not in segment.resized:
+                segment._bind_sizes(one)
+                made = True
+    for k, _bound, _buffer in segment._staged:
+        if k not in segment._left_reorders:
+            _one_image_reorder(segment, k)
+            made = True
+    return made
+
+
+def plans_ahead(segment: Any, images: int) -> bool:
+    """The BatchPlans of 1 .. `images` images (at most PLANS // 2) made now, as a first call at each batch makes its
+    own (_batch_runs: ~30 µs of Python a segment, ~0.35 ms a new batch over swin_tiny's 10 image segments): a
+    background job at load, after runs_ahead (its per-image check and one-image view are then found made). True where
+    a plan was made."""
+    batch, planned = segment._planned_batch, segment._planned_key
+    if batch is None or not segment._per_image:
+        return False
+    made = False
+    for n in range(1, min(images, PLANS // 2) + 1):
+        key = tuple((p[0] // batch * n, *p[1:]) for p in planned)
+        if key != planned and key not in segment._batch_plans:
+            made = segment._batch_runs(key) is not None or made
+    return made
 
 
 def call_batch(segment: Any, key: tuple, values: tuple, plan: BatchPlan) -> Any:

@@ -1,0 +1,254 @@
+"""A program of several native segments: each segment's views made ready at load, as for one segment (issue 10).
+
+A saved engine whose loop is one native segment traces its view's walk at load (first_calls._trace_job): the
+segment's entry sizes at an input shape are its shape function's answer. A program whose segments are split by
+layers kiln runs outside them (Swin's window partitions as Transposes and Reshapes between its segments, a pooler's
+Gather, a layer without a native kernel in the middle) has each segment's entry sizes behind the layers before it,
+so it got nothing ahead, and its first call at a new shape paid what the one-segment job makes at load: swin_tiny's
+first odd batch ~50 ms outside the loop (bench/results/first-shape-2026-12-06.md).
+
+Here the entry sizes come from the host, without a layer run on data (segment_entries): the shape function's values
+(as a call computes them), each segment's exits from its own sizes (its runs' scaling, or its members' size rules),
+and each layer between segments followed on the host: a view or index op (Reshape, Transpose, Gather, Slice,
+Concat ...) run by its op's implementation on meta tensors (torch's sizes without data: no memory, no arithmetic),
+so the op's own shape checks run on the glue before any call; an elementwise op or a GEMM by its inputs' sizes.
+The walk stops at the first layer it cannot follow (another op, one that reads its input's values, a segment whose
+layers refuse the sizes): the segments past it get nothing ahead and bind at their first call, as before.
+
+The job (segments_job, on first_calls' background thread, after the plan rewrites) then does, per segment, at the
+profiles' largest shapes and at trace_shapes's:
+- a segment of images whose other batches run as runs of it (native_batches.py): native_batches.runs_ahead, whether
+  its members compute each image alone and, where a batch leaves images past its runs, its view at one image; then
+  the plans of every batch up to the largest shape's (native_batches.plans_ahead);
+- a segment with views otherwise: its template grown to the largest entry sizes met (Segment.grow_ahead, before any
+  trace), then its walk traced at each shape's entry sizes (Segment.trace_ahead), as the one-segment job does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import weakref
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from kiln.kernels.cpu import onednn_ahead
+from kiln.ops._util import MULTIDIRECTIONAL, broadcast_sizes
+from kiln.ops.registry import lookup
+from kiln.runtime.native import Segment
+from kiln.runtime.native_batches import another_batch, exit_sizes_in_runs, plans_ahead, runs_ahead
+from kiln.runtime.program import Program
+
+_JOBS = itertools.count()
+
+
+def segment_entries(program: Program, shapes: list[tuple[int, ...]], input_dtypes: list[torch.dtype]
+                    ) -> Iterator[tuple[Segment, tuple]]:
+    """Each native segment of `program`'s loop with its entry sizes at inputs of `shapes` (of `input_dtypes`), in
+    loop order, as far as the layers between them can be followed (the module's doc). A generator: what the caller
+    does with a segment (runs_ahead) is done before its exits' sizes are asked. Nothing where the program's shape
+    values need more than the inputs' sizes (a shape function reading data, or steps the loop runs)."""
+    function = program.shape_function
+    if (function is None and program.shape_steps) or \
+            (function is not None and (not program.plans_ahead or not function.shapes_only)):
+        return
+    env = list(program.template)
+    for s, shape in zip(program.input_slots, shapes):
+        env[s] = np.broadcast_to(np.zeros((), np.int64), shape)  # the shape function reads sizes only
+    try:
+        if function is not None:
+            function(env)
+    except Exception:  # noqa: BLE001  shapes its layers refuse: a call says why, this only looks ahead
+        return
+    for s, shape, dtype in zip(program.input_slots, shapes, input_dtypes):
+        env[s] = torch.empty(shape, dtype=dtype, device="meta")
+    last = max((i for i, step in enumerate(program.lean_steps) if isinstance(step.fn, Segment)), default=-1)
+    for step in program.lean_steps[:last + 1]:
+        args = [env[s] if s >= 0 else None for s in step.inputs]
+        if isinstance(step.fn, Segment):
+            key = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args)
+            if None in key:
+                return
+            yield step.fn, key
+            if step is program.lean_steps[last]:
+                return  # nothing past the last segment is asked
+            outputs = exit_sizes(step.fn, key)
+            if outputs is None:
+                return
+            outputs = [torch.empty(size, dtype=dtype, device="meta")
+                       for size, (_size, _strides, dtype) in zip(outputs, step.fn.exit_shapes)]
+        else:
+            outputs = _on_meta(step, args)
+            if outputs is None:
+                return
+        for s, value in zip(step.outputs, outputs):
+            if s >= 0:
+                env[s] = value
+
+
+def exit_sizes(segment: Segment, key: tuple) -> list[tuple[int, ...]] | None:
+    """The sizes of `segment`'s exits at entries of sizes `key`: the planned ones, those of another batch's runs
+    (native_batches.exit_sizes_in_runs), those its view's walk finds by its members' rules alone (making nothing, as
+    Segment.trace_ahead walks), else its members' NativeSteps at `key` (made under its resize lock, as a view makes
+    them); None where a layer cannot bind `key`."""
+    if key == segment._planned_key:
+        return [tuple(size) for size, _strides, _dtype in segment.exit_shapes]
+    in_runs = exit_sizes_in_runs(segment, key)
+    if in_runs is not None:
+        return in_runs
+    template = segment._grown or segment
+    rewrite = template._rewrite if segment._views else None
+    walked = None
+    if rewrite is not None and tuple(map(len, key)) == tuple(map(len, template.entry_sizes)):
+        try:
+            walked = rewrite._walk(template, key, rules_only=True)
+        except Exception:  # noqa: BLE001  a rule that cannot say: the members' NativeSteps below do
+            walked = None
+    if walked is not None:
+        return [tuple(size) for size in walked[1]]
+    with segment._resize_lock:
+        try:
+            at = segment._natives_at(key)
+        except Exception:  # noqa: BLE001  a layer refusing these sizes: its first call binds (or runs) as before
+            return None
+    sizes = dict(zip(segment.entries, key))
+    sizes.update((slot, tuple(form[0])) for slot, form in at.forms.items())
+    found = [sizes.get(slot) for slot in segment.exits]
+    return None if None in found else found
+
+
+# Layers between segments whose sizes the walk follows. Run by the op on meta tensors: views and index ops, whose
+# meta kernels are torch's C++ ones (a meta kernel written in Python, as torch's elementwise references are, imports
+# torch._dynamo at its first call: ~2 s of CPU and its memory in a process that only runs engines)
+ON_META = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Expand", "Slice",
+                     "Concat", "Split", "Gather", "GatherElements"})
+# ... elementwise ones by their sizes alone: one input's sizes and dtype (a unary op), or the inputs' broadcast
+SAME_SIZES = frozenset({"Abs", "Acos", "Acosh", "Asin", "Asinh", "Atan", "Atanh", "Ceil", "Celu", "Cos", "Cosh", "Elu",
+                        "Erf", "Exp", "Floor", "Gelu", "HardSigmoid", "HardSwish", "LeakyRelu", "Log", "Mish", "Neg",
+                        "Not", "Reciprocal", "Relu", "Round", "Selu", "Shrink", "Sigmoid", "Sign", "Sin", "Sinh",
+                        "Softplus", "Softsign", "Sqrt", "Tan", "Tanh", "ThresholdedRelu", "BitwiseNot"})
+TO_BOOL = frozenset({"Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "And", "Or", "Xor", "IsInf", "IsNaN"})
+
+
+def _on_meta(step, args: list) -> list[torch.Tensor] | None:
+    """The outputs of a layer between segments as meta tensors (sizes and dtypes, no data): an ON_META op by its own
+    implementation on meta tensors (its float inputs moved there; integer ones, read as axes, shapes or indices,
+    kept), an elementwise one by its inputs' sizes (SAME_SIZES, MULTIDIRECTIONAL). None where it is none of these,
+    reads an activation's values or refuses the sizes: the segments past it bind at their first call."""
+    op_type = step.ctx.op_type
+    if step.ctx.domain not in ("", "ai.onnx", "kiln") or (step.ctx.domain == "kiln") != (op_type == "FusedGemm") \
+            or len(step.outputs) != 1 and op_type != "Split" \
+            or not any(isinstance(a, torch.Tensor) and a.is_meta for a in args):
+        return None
+    if op_type in SAME_SIZES or op_type in TO_BOOL or op_type in MULTIDIRECTIONAL:
+        shaped = [a for a in args if isinstance(a, torch.Tensor)]
+        if len(shaped) != len(args) or (op_type in SAME_SIZES and len(shaped) != 1):
+            return None
+        try:
+            size = broadcast_sizes(*(tuple(a.shape) for a in shaped))
+        except ValueError:
+            return None
+        dtype = torch.bool if op_type in TO_BOOL else shaped[1 if op_type == "Where" else 0].dtype
+        return [torch.empty(size, dtype=dtype, device="meta")]
+    if op_type in ("MatMul", "FusedGemm"):
+        return _product_on_meta(op_type, args, step.attributes)
+    op = lookup(op_type, step.ctx.domain) if op_type in ON_META else None
+    if op is None:
+        return None
+    moved = [a.to("meta") if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    try:
+        result = op.fn(step.ctx, *moved, **step.attributes)
+    except Exception:  # noqa: BLE001  an op that needs values: the segments past it bind at their first call
+        return None
+    outputs = list(result) if isinstance(result, (tuple, list)) and len(step.outputs) > 1 else \
+        [result[0] if isinstance(result, tuple) else result]
+    if len(outputs) != len(step.outputs) or not all(isinstance(o, torch.Tensor) and o.is_meta for o in outputs):
+        return None
+    return outputs
+
+
+def _product_on_meta(op_type: str, args: list, attributes: dict) -> list[torch.Tensor] | None:
+    """A MatMul's (numpy's matmul of rank >= 2 operands) or a kiln FusedGemm's (x [..., K] @ W[N, K]ᵀ -> [..., N],
+    SwiGLU halving N) output by its operands' sizes: a GEMM layer the loop runs between segments (one on oneDNN's
+    matmul, outside a segment). None where they do not multiply."""
+    a, b = args[0], args[1] if len(args) > 1 else None
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dim() < 2 or b.dim() < 2:
+        return None
+    if op_type == "FusedGemm":
+        if b.dim() != 2 or a.shape[-1] != b.shape[1]:
+            return None
+        n = b.shape[0] // 2 if attributes.get("activation") == "SwiGLU" else b.shape[0]
+        dtype = torch.float32 if attributes.get("output_float32") else a.dtype
+        return [torch.empty((*a.shape[:-1], n), dtype=dtype, device="meta")]
+    if a.shape[-1] != b.shape[-2]:
+        return None
+    try:
+        batch = broadcast_sizes(tuple(a.shape[:-2]), tuple(b.shape[:-2]))
+    except ValueError:
+        return None
+    return [torch.empty((*batch, a.shape[-2], b.shape[-1]), dtype=a.dtype, device="meta")]
+
+
+def segments_job(program: Program, shapes: list[list[tuple[int, ...]]], largest: list[list[tuple[int, ...]]],
+                 input_dtypes: list[torch.dtype]) -> onednn_ahead.Job | None:
+    """The job readying every segment of a program of several (the module's doc) at `shapes` (trace_shapes's),
+    growing templates to `largest` (each profile's largest input shapes) first. None where no segment has views.
+    Holds the program weakly; lets a calling thread have the GIL between shapes."""
+    if not shapes or not any(isinstance(step.fn, Segment) and step.fn._views for step in program.lean_steps):
+        return None
+    program_ref = weakref.ref(program)
+
+    def make() -> bool:
+        met: dict[int, tuple[Segment, list[tuple]]] = {}  # the largest shapes' entry sizes of each view segment
+        made = False
+        for inputs in largest:
+            made = _ready_at(program_ref, inputs, input_dtypes, met) or made
+        for segment, keys in met.values():
+            if segment._planned_batch is None:
+                made = _grow(segment, keys) or made
+            else:  # the most images a largest shape gives it
+                batch, first = segment._planned_batch, segment._planned_key[0][0]
+                made = plans_ahead(segment, max(k[0][0] * batch // first for k in keys)) or made
+        del met
+        for inputs in shapes:
+            made = _ready_at(program_ref, inputs, input_dtypes, None) or made
+            time.sleep(0)  # the GIL to a calling thread, if one waits
+        return made
+    return onednn_ahead.Job(("segment views", next(_JOBS)), 0, make, counted=False)
+
+
+def _ready_at(program_ref: weakref.ref, inputs: list[tuple[int, ...]], input_dtypes: list[torch.dtype],
+              met: dict[int, tuple[Segment, list[tuple]]] | None) -> bool:
+    """Each segment readied at its entry sizes for `inputs`: runs_ahead for a segment running that batch in runs;
+    for one with views, its walk traced there. In the largest shapes' pass (`met` given) the sizes are noted instead
+    of traced: a view template grows to them, a segment of images gets the plans of every batch up to them."""
+    program = program_ref()
+    if program is None:
+        return False
+    made = False
+    for segment, key in segment_entries(program, inputs, input_dtypes):
+        if key == segment._planned_key:
+            continue
+        batch, planned = segment._planned_batch, segment._planned_key
+        in_runs = batch is not None and another_batch(planned, key) and not key[0][0] * batch % planned[0][0]
+        if met is not None and (in_runs or (batch is None and segment._views)):
+            met.setdefault(id(segment), (segment, []))[1].append(key)
+        if in_runs:
+            made = runs_ahead(segment, left=bool(key[0][0] * batch // planned[0][0] % batch)) or made
+        elif segment._views and met is None:
+            made = segment.trace_ahead(key) or made
+    return made
+
+
+def _grow(segment: Segment, keys: list[tuple]) -> bool:
+    """The segment's view template grown to the largest of `keys` along each entry dim (Segment.grow_ahead), before
+    its walk is traced: a first call past the planned arena would grow it, and the next new shapes trace again."""
+    if any(tuple(map(len, k)) != tuple(map(len, keys[0])) for k in keys):
+        return False
+    grown = tuple(tuple(map(max, *dims)) if len(keys) > 1 else dims[0] for dims in zip(*keys))
+    try:
+        return segment.grow_ahead(grown)
+    except ValueError:  # a layer that cannot bind them: a call past the arena binds as before
+        return False
