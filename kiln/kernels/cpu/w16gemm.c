@@ -208,45 +208,71 @@ static inline __attribute__((always_inline)) void store_vector(const w16_plan *p
     else for (long j = 0; j < n; j++) ((int8_t *)y)[at + j] = (int8_t)t[j];
 }
 
-/* An MR x NV·LANES tile: rows [r0, r0 + MR) of the block a, channel blocks [ob, ob + NV); every chunk of kc pairs
-   summed in int32 registers, chunks past the first added in float32 (f, on the stack). MR and NV are constants
-   at each call (the switch in run_block): the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void tile(const w16_plan *p, const int16_t *a, long K2, long r0,
-                                                       long rows, long m0, long ob, void *y, const int MR,
-                                                       const int NV)
+/* The k loop of an MR x NV·LANES tile alone (MR, NV constants: each instance its own small function, so the
+   register allocator sees only the accumulators, NV weight vectors and a broadcast: with the epilogue inlined
+   beside it GCC kept the accumulators on the stack, 3x slower): rows a + r·astride, k pairs [q0, q1), the int32
+   sums to out [MR][NV·LANES]. */
+#define DEFINE_KERNEL(MR, NV)                                                                                      \
+    static __attribute__((noinline)) void kernel_##MR##_##NV(const int16_t *a, long astride, const int16_t *w,    \
+                                                             long wstride, long q0, long q1, int32_t *out) {      \
+        vi acc[MR][NV];                                                                                            \
+        _Pragma("GCC unroll 16") for (int r = 0; r < MR; r++)                                                     \
+            _Pragma("GCC unroll 16") for (int v = 0; v < NV; v++) acc[r][v] = VZERO();                            \
+        for (long q = q0; q < q1; q++) {                                                                           \
+            vi wv[NV];                                                                                             \
+            _Pragma("GCC unroll 16") for (int v = 0; v < NV; v++) wv[v] = VLOAD(w + v * wstride + q * LANES * 2); \
+            _Pragma("GCC unroll 16") for (int r = 0; r < MR; r++) {                                               \
+                const vi b = VBCAST(a + r * astride + q * 2);                                                      \
+                _Pragma("GCC unroll 16") for (int v = 0; v < NV; v++) acc[r][v] = DOT(acc[r][v], b, wv[v]);        \
+            }                                                                                                      \
+        }                                                                                                          \
+        _Pragma("GCC unroll 16") for (int r = 0; r < MR; r++)                                                     \
+            _Pragma("GCC unroll 16") for (int v = 0; v < NV; v++) ISTORE(out + (r * NV + v) * LANES, acc[r][v]);  \
+    }
+
+#if LANES == 16
+DEFINE_KERNEL(6, 4)
+DEFINE_KERNEL(6, 3)
+DEFINE_KERNEL(12, 2)
+DEFINE_KERNEL(12, 1)
+#else
+DEFINE_KERNEL(4, 3)
+DEFINE_KERNEL(6, 2)
+DEFINE_KERNEL(6, 1)
+#endif
+
+typedef void (*kernel_fn)(const int16_t *, long, const int16_t *, long, long, long, int32_t *);
+
+/* An MR x NV·LANES tile: rows [r0, r0 + MR) of the block a, channel blocks [ob, ob + NV); each chunk of kc pairs
+   exact in int32 (kernel), chunks past the first summed in float32; then the epilogue, from L1. */
+static void tile(const w16_plan *p, const int16_t *a, long K2, long r0, long rows, long m0, long ob, void *y,
+                 const int MR, const int NV, kernel_fn kernel)
 {
-    const int16_t *w = p->w + ob * K2 * LANES * 2;
-    const long wstride = K2 * LANES * 2;
-    vi acc[MR][NV];
-    vf f[MR][NV];
-    const long kc = p->kc;
+    int32_t sums[12 * 4 * LANES] __attribute__((aligned(64)));
+    float part[12 * 4 * LANES] __attribute__((aligned(64)));
+    const long kc = p->kc, wstride = K2 * LANES * 2;
+    const int chunked = kc < K2;
     for (long c0 = 0; c0 < K2; c0 += kc) {
         const long c1 = c0 + kc < K2 ? c0 + kc : K2;
-        for (int r = 0; r < MR; r++)
-            for (int v = 0; v < NV; v++) acc[r][v] = VZERO();
-        for (long q = c0; q < c1; q++) {
-            vi wv[NV];
-            for (int v = 0; v < NV; v++) wv[v] = VLOAD(w + v * wstride + q * LANES * 2);
-            for (int r = 0; r < MR; r++) {
-                const vi b = VBCAST(a + (r0 + r) * K2 * 2 + q * 2);
-                for (int v = 0; v < NV; v++) acc[r][v] = DOT(acc[r][v], b, wv[v]);
+        kernel(a + r0 * K2 * 2, K2 * 2, p->w + ob * wstride, wstride, c0, c1, sums);
+        if (chunked)
+            for (int i = 0; i < MR * NV; i++) {
+                vf f = VCVT(VLOAD(sums + i * LANES));
+                FSTORE(part + i * LANES, c0 == 0 ? f : FADD(FLOAD(part + i * LANES), f));
             }
-        }
-        if (c1 < K2 || c0 > 0)
-            for (int r = 0; r < MR; r++)
-                for (int v = 0; v < NV; v++) f[r][v] = c0 == 0 ? VCVT(acc[r][v]) : FADD(f[r][v], VCVT(acc[r][v]));
     }
-    const int chunked = kc < K2;
     for (int v = 0; v < NV; v++) {
         const long o = (ob + v) * LANES;
         const vf s = FLOAD(p->scale + o), b = FLOAD(p->bias + o);
-        for (int r = 0; r < MR; r++) {
-            if (r0 + r >= rows) break;
-            const vf sum = chunked ? f[r][v] : VCVT(acc[r][v]);
-            store_vector(p, y, m0 + r0 + r, o, FMADD(sum, s, b), acc[r][v]);
+        for (int r = 0; r < MR && r0 + r < rows; r++) {
+            const int i = (r * NV + v) * LANES;
+            const vi raw = VLOAD(sums + i);
+            const vf sum = chunked ? FLOAD(part + i) : VCVT(raw);
+            store_vector(p, y, m0 + r0 + r, o, FMADD(sum, s, b), raw);
         }
     }
 }
+#define tile(p, a, K2, r0, rows, m0, ob, y, MR, NV) tile(p, a, K2, r0, rows, m0, ob, y, MR, NV, kernel_##MR##_##NV)
 
 /* every output channel of the block's rows (rows <= RB valid), in tiles of NV channel vectors */
 static void run_block(const w16_plan *p, const int16_t *a, long K2, long rows, long m0, void *y)
