@@ -324,3 +324,19 @@ def test_layer_costs_measure_each_precision_of_a_convolution():
                 "dilations": [1, 1], "groups": 1}
     costs = layer_cost.conv_costs(geometry)
     assert set(costs) == set(layer_cost.PRECISIONS) and all(v > 0 for v in costs.values())
+
+
+def test_a_pointwise_layer_is_costed_at_the_faster_w8a16_tactic(monkeypatch):
+    """COST_MODEL 4: a 1x1 layer's W8A16 time is the faster of the split path and the one-pass GEMM (the tuner's two
+    W8A16 tactics); a 3x3 layer has no GEMM."""
+    pointwise = {"input": [1, 64, 28, 28], "weight": [96, 64, 1, 1], "strides": [1, 1], "pads": [0, 0, 0, 0],
+                 "dilations": [1, 1], "groups": 1}  # 4.8M multiply-adds: ~0.05 ms either way
+    full = dict(pointwise, weight=[96, 64, 3, 3], pads=[1, 1, 1, 1])
+    w, s = torch.zeros(96, 64, 1, 1, dtype=torch.int8), torch.ones(96)
+    assert layer_cost._pointwise(full, w, s) is None
+    assert callable(layer_cost._pointwise(pointwise, w, s))
+    slow = layer_cost.conv_costs(pointwise)
+    calls = []
+    monkeypatch.setattr(layer_cost, "_pointwise", lambda *_args: lambda: calls.append(1))  # a GEMM that costs nothing
+    fast = layer_cost.conv_costs(pointwise)
+    assert calls and fast["w8a16"] < 0.01 < slow["w8a16"]
