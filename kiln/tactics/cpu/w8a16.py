@@ -19,7 +19,7 @@ with a 16-bit source (kiln/passes/fusion/qdq_layers.py) whose QuantizeLinear it 
 
 It refuses a signed 16-bit zero point other than 0 and a uint16 one other than 0 (W8A16Conv2d's byte split assumes
 the symmetric int16 and the [0, amax] uint16 that qdq.insert makes), and on a CPU without VNNI the weights whose
-pair sums can saturate (quantized.py's rule: both bytes are u8 sources).
+pair sums can saturate (quantized.py's rule: both bytes are u8 sources); the GEMM does not (int16 products).
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
 
 
 def _prepare_gemm(step: StepSpec, constants: list[Any], device: torch.device):
-    p = qconv_parts(step, constants)
+    p = qconv_parts(step, constants, byte_pairs=False)  # int16 products: no pair sum saturates, VNNI or not
     if p.x_zero != 0:
         raise ValueError(f"a 16-bit input's zero point {p.x_zero}: w16gemm takes symmetric int16 / [0, amax] uint16")
     real_bias = None if p.bias is None else p.bias.to(torch.float64) * onednn_int8.combined_scales(p.x_scale,
