@@ -4,7 +4,7 @@ milliseconds per accuracy, against fp32, int8 every layer, the previous 97% engi
 fewest layers) and onnxruntime's QDQ int8 model.
 
     python bench/mnv2_w8a16.py [--rounds 5] [--target 0.97] [--margin 0.01] [--redraws 4] [--no-previous]
-                               [--timing-cache PATH] [--rebuilds N]
+                               [--timing-cache PATH] [--rebuilds N] [--split-too]
 
 Images as quantacc4 (kiln.quant.data.photo_variants: every third of 112 calibrates (38), held out: the other 74 and
 photo_variants(8, seed=1)'s 128 = 202). Agreement = top-1 equal to kiln fp32's top-1 on the same input; redraws:
@@ -16,7 +16,9 @@ kiln fp32 per round. Prints tables; CPU and load named.
 
 --timing-cache: the builds' timing cache (the W8A16 search's layer times too: a second run with the same file makes
 the same plan); --rebuilds N: the W8A16 engine built N more times with that cache, each plan printed and compared
-with the first (stable plans), the first one's engine timed.
+with the first (stable plans), the first one's engine timed. --split-too: the W8A16 engine built again with the
+one-pass GEMM tactic (cpu.qconv.w8a16_gemm) taken away, from the same timing cache (a temporary one where none is
+given): the same plan, its 1x1 W8A16 layers on the split path (cpu.qconv.w8a16), timed beside it.
 """
 
 from __future__ import annotations
@@ -40,7 +42,12 @@ import kiln  # noqa: E402
 from kiln import zoo  # noqa: E402
 from kiln.builder.timing_cache import cpu_name  # noqa: E402
 from kiln.quant.data import photo_variants  # noqa: E402
+from kiln.tactics import registry  # noqa: E402
+from kiln.tactics.cpu import w8a16 as w8a16_tactics  # noqa: E402
 from kiln.zoo.timing import time_samples  # noqa: E402
+
+
+GEMM = "cpu.qconv.w8a16_gemm"
 
 
 def ort_qdq_session(path: str, calibration: list[dict], folder: str):
@@ -74,7 +81,11 @@ def main() -> None:
     parser.add_argument("--no-previous", action="store_true", help="leave out the previous 0.98 float-only engine")
     parser.add_argument("--timing-cache", default=None, help="the builds' timing cache (layer times of the search too)")
     parser.add_argument("--rebuilds", type=int, default=0, help="build the W8A16 engine this many more times")
+    parser.add_argument("--split-too", action="store_true",
+                        help="the W8A16 engine again without the one-pass GEMM tactic (the same plan)")
     args = parser.parse_args()
+    if args.split_too and args.timing_cache is None:
+        args.timing_cache = str(Path(tempfile.mkdtemp()) / "timing.json")
     torch.set_num_threads(1)
     images = photo_variants()
     calibration = [{"pixel_values": v} for v in images[::3]]
@@ -89,13 +100,23 @@ def main() -> None:
         f"kiln int8 + W8A16, target {args.target} + {args.margin}": dict(
             common, accuracy_target=args.target, accuracy_metric="top1", accuracy_margin=args.margin),
     }
+    if args.split_too:
+        builds["kiln int8 + W8A16, split path only (the same plan)"] = dict(
+            builds[f"kiln int8 + W8A16, target {args.target} + {args.margin}"])
     if not args.no_previous:
         builds["kiln int8, target 0.98 float only (before)"] = dict(
             common, accuracy_target=0.98, accuracy_metric="top1", accuracy_margin=0.0, accuracy_weight_only=False)
     runners, notes = {}, {}
     for label, options in builds.items():
         start = time.perf_counter()
-        engine = kiln.build(path, **options)
+        registry.load_device("cpu")
+        gemm = registry._TACTICS.pop(GEMM) if label.endswith("split path only (the same plan)") else None
+        try:
+            engine = kiln.build(path, **options)
+        finally:
+            if gemm is not None:
+                registry._TACTICS[GEMM] = gemm
+        tactics = [s.tactic for s in engine.plan.program.steps]
         q = engine.plan.header.get("quantization") or {}
         ran = [v["precision"].split(" (")[0] for v in (q.get("layers") or {}).values()]
         accuracy = q.get("accuracy") or {}
@@ -105,6 +126,7 @@ def main() -> None:
                         "expected_top1": accuracy.get("top1"), "plan": accuracy.get("chosen_plan"),
                         "plans": {k: (len(v["kept_float"]), len(v["w8a16"]), v["ms"])
                                   for k, v in (accuracy.get("plans") or {}).items()},
+                        "w8a16 tactics": {t: tactics.count(t) for t in w8a16_tactics.TACTICS},
                         "segments": len(engine.program.segments),
                         "members": sum(len(s.members) for s in engine.program.segments)}
         print(label, notes[label], flush=True)

@@ -15,7 +15,9 @@ made once, as a native segment runs them (torch's eager convolution and a fresh 
 engine's layers, bench/results/quantacc5-2026-12-06.md). A W8A16 or fp32 layer also pays for its output's
 quantizing reorder: it writes float32, and an int8 reader needs a boundary step that an int8 layer's requantizing
 output does not (oneDNN's int8 depthwise is no faster than its fp32 one, so without it a depthwise layer's move to
-fp32 looked free while the engine paid the step and 4x the bytes). A layer not a 2-D Conv (a classifier's Gemm) has no W8A16
+fp32 looked free while the engine paid the step and 4x the bytes). A 1x1 layer's W8A16 time is the faster of the split
+path and the one-pass GEMM (cpu.qconv.w8a16_gemm, kiln/kernels/cpu/w16gemm.c), as the tuner picks between them in
+the engine; the GEMM requantizes in its epilogue, so it pays no boundary step. A layer not a 2-D Conv (a classifier's Gemm) has no W8A16
 kernel (weight-only: the fp32 kernel) and is costed alike in every precision: it is small beside the convolutions,
 and its moves are ranked by accuracy alone.
 
@@ -36,13 +38,14 @@ import onnx_ir as ir
 import torch
 
 from kiln.builder.timing_cache import TimingCache, environment, signature_key
-from kiln.kernels.cpu import onednn, onednn_int8, onednn_primitives, split16
+from kiln.kernels.cpu import onednn, onednn_int8, onednn_primitives, split16, w16gemm
 from kiln.kernels.cpu.cpu_features import has_int8_dot_product
 from kiln.quant import qdq
 
 PRECISIONS = ("int8", "w8a16", "fp32")
 CALLS = 7  # timed calls per kernel (after one warm-up); the fastest
-COST_MODEL = 3  # how the times are taken (part of the cache key: times taken another way are not read)
+COST_MODEL = 4  # how the times are taken (part of the cache key: times taken another way are not read)
+# 4: a 1x1 layer's W8A16 time the faster of the split path and w16gemm's one pass (3: the split path only)
 
 
 def available() -> str | None:
@@ -113,8 +116,27 @@ def conv_costs(geometry: dict) -> dict[str, float]:
     requantize = onednn_int8.ScaledReorder(list(wide.output_size), torch.float32, torch.uint8, 0.05, 0, True)
     with torch.inference_mode():
         boundary = _fastest_ms(lambda: requantize(out))
-        return {"int8": _fastest_ms(lambda: int8(x8, out8)), "w8a16": _fastest_ms(w8a16) + boundary,
-                "fp32": _fastest_ms(lambda: fp32(x)) + boundary}
+        costs = {"int8": _fastest_ms(lambda: int8(x8, out8)), "w8a16": _fastest_ms(w8a16) + boundary,
+                 "fp32": _fastest_ms(lambda: fp32(x)) + boundary}
+        gemm = _pointwise(geometry, w_q, w_scale)
+        if gemm is not None:  # the tuner's other W8A16 tactic: the engine runs the faster
+            costs["w8a16"] = min(costs["w8a16"], _fastest_ms(gemm))
+        return costs
+
+
+def _pointwise(geometry: dict, w_q: torch.Tensor, w_scale: torch.Tensor) -> Callable[[], object] | None:
+    """A call of the one-pass W8A16 GEMM on random data of the layer's input, writing uint8 (its epilogue's requantize:
+    no boundary step), or None where the layer is not a 1x1 convolution it runs or the kernel is not built."""
+    if w16gemm.pointwise_refusal(tuple(geometry["weight"][2:]), geometry["strides"], geometry["pads"],
+                                 geometry["dilations"], geometry["groups"]) is not None or not w16gemm.available():
+        return None
+    size = geometry["input"]
+    generator = torch.Generator().manual_seed(zlib.crc32(repr(("gemm", sorted(geometry.items()))).encode()))
+    x = torch.rand(size, generator=generator).contiguous(memory_format=torch.channels_last)
+    layer = w16gemm.W16Gemm(w_q, w_scale, None, size, 1 / 65535, torch.uint16, y=(torch.uint8, 0.05, 0),
+                            activation="Clip", beta=6.0)
+    out = torch.empty(layer.output_size, dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
+    return lambda: layer(x, out)
 
 
 def layer_costs(model: ir.Model, layers: list[str], say: Callable[[str], None],

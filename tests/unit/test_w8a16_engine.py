@@ -27,6 +27,7 @@ from kiln.builder.sensitivity import choose_float_layers, expected_top1
 from kiln.builder.timing_cache import TimingCache
 from kiln.kernels.cpu import split16
 from kiln.passes import PassOptions, optimize
+from kiln.tactics.cpu import w8a16 as w8a16_tactics
 from tests.unit.test_quant_sensitivity import LAYERS, _switched, net  # noqa: F401 - net: a fixture
 
 pytestmark = pytest.mark.skipif(layer_cost.available() is not None, reason=f"W8A16: {layer_cost.available()}")
@@ -109,7 +110,7 @@ def test_a_built_w8a16_layer_is_the_qdq_graph(shape, out, kernel, stride, pads, 
     engine = kiln.build(model, device="cpu")
     steps = engine.plan.program.steps
     layer = next(s for s in steps if s.name == "layer")
-    assert layer.op_type == "QConv" and layer.tactic == "cpu.qconv.w8a16"
+    assert layer.op_type == "QConv" and layer.tactic in w8a16_tactics.TACTICS
     assert not any(s.op_type == "QuantizeLinear" for s in steps)  # the 16-bit quantize folded into the layer
     context = engine.create_execution_context()
     reference = ReferenceEvaluator(model)
@@ -137,7 +138,7 @@ def test_an_8bit_layer_is_not_w8a16():
         if t.name == "z":
             t.CopyFrom(numpy_helper.from_array(np.array(0, np.uint8), "z"))
     engine = kiln.build(eight, device="cpu")
-    assert next(s for s in engine.plan.program.steps if s.name == "layer").tactic != "cpu.qconv.w8a16"
+    assert next(s for s in engine.plan.program.steps if s.name == "layer").tactic not in w8a16_tactics.TACTICS
     x = rng.uniform(0, 6, (1, 16, 9, 11)).astype(np.float32)
     got = engine.create_execution_context().run({"x": x})["y"]
     want = ReferenceEvaluator(model).run(None, {"x": x})[0]
@@ -226,7 +227,7 @@ def test_w8a16_layers_in_a_native_segment_are_the_emulation(monkeypatch):
     proto = ir.to_proto(model)
     engine = kiln.build(proto, device="cpu")
     tactics = {s.name: s.tactic for s in engine.plan.program.steps}
-    assert tactics["dw"] == tactics["project"] == "cpu.qconv.w8a16"
+    assert tactics["dw"] == "cpu.qconv.w8a16" and tactics["project"] in w8a16_tactics.TACTICS
     assert any({"dw", "project"} <= {m.ctx.name for m in s.members} for s in engine.program.segments)
     monkeypatch.setenv("KILN_NATIVE_SEGMENTS", "0")
     alone = kiln.build(proto, device="cpu")
@@ -323,3 +324,19 @@ def test_layer_costs_measure_each_precision_of_a_convolution():
                 "dilations": [1, 1], "groups": 1}
     costs = layer_cost.conv_costs(geometry)
     assert set(costs) == set(layer_cost.PRECISIONS) and all(v > 0 for v in costs.values())
+
+
+def test_a_pointwise_layer_is_costed_at_the_faster_w8a16_tactic(monkeypatch):
+    """COST_MODEL 4: a 1x1 layer's W8A16 time is the faster of the split path and the one-pass GEMM (the tuner's two
+    W8A16 tactics); a 3x3 layer has no GEMM."""
+    pointwise = {"input": [1, 64, 28, 28], "weight": [96, 64, 1, 1], "strides": [1, 1], "pads": [0, 0, 0, 0],
+                 "dilations": [1, 1], "groups": 1}  # 4.8M multiply-adds: ~0.05 ms either way
+    full = dict(pointwise, weight=[96, 64, 3, 3], pads=[1, 1, 1, 1])
+    w, s = torch.zeros(96, 64, 1, 1, dtype=torch.int8), torch.ones(96)
+    assert layer_cost._pointwise(full, w, s) is None
+    assert callable(layer_cost._pointwise(pointwise, w, s))
+    slow = layer_cost.conv_costs(pointwise)
+    calls = []
+    monkeypatch.setattr(layer_cost, "_pointwise", lambda *_args: lambda: calls.append(1))  # a GEMM that costs nothing
+    fast = layer_cost.conv_costs(pointwise)
+    assert calls and fast["w8a16"] < 0.01 < slow["w8a16"]
