@@ -61,11 +61,17 @@ _RANDOM = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLi
 
 class _Memo:
     """A group's values by the values of the dims it follows, least recently used out (MEMO_ENTRIES, MEMO_BYTES;
-    the newest always kept). Contexts of one engine share it: a lock around the dict."""
+    the newest always kept). Contexts of one engine share it: a lock around the dict.
+
+    `held` is the bytes of the distinct storages its entries keep alive, each counted once however many entries
+    view it: a _Prefix's values at each d are views of one base (BERT-base's position embeddings at every sequence
+    length, which the load's view job fills: first_calls.memo_shapes, are two 1.5 MB bases, where summing each
+    view's bytes counted ~200 MB and kept 5 of 256 entries)."""
 
     def __init__(self) -> None:
         self._kept: OrderedDict[tuple, tuple] = OrderedDict()
-        self._bytes: dict[tuple, int] = {}
+        self._storages: dict[tuple, dict[Any, int]] = {}  # each entry's storages: data address -> bytes
+        self._counts: dict[Any, int] = {}  # each storage's entries (its bytes counted in `held` while > 0)
         self.held = 0
         self._lock = threading.Lock()
 
@@ -77,21 +83,38 @@ class _Memo:
             return found
 
     def put(self, key: tuple, values: tuple) -> None:
-        size = sum(v.nbytes for v in values if isinstance(v, torch.Tensor))
+        storages = {}
+        for v in values:
+            if isinstance(v, torch.Tensor):
+                try:
+                    storage = v.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+                except (RuntimeError, NotImplementedError):  # no storage of its own to share (a sparse tensor)
+                    storages[("tensor", id(v))] = v.nbytes
         with self._lock:
             if key in self._kept:
                 return
             self._kept[key] = values
-            self._bytes[key] = size
-            self.held += size
+            self._storages[key] = storages
+            counts = self._counts
+            for address, size in storages.items():
+                held = counts.get(address, 0)
+                counts[address] = held + 1
+                if not held:
+                    self.held += size
             while len(self._kept) > 1 and (len(self._kept) > MEMO_ENTRIES or self.held > MEMO_BYTES):
                 old, _ = self._kept.popitem(last=False)
-                self.held -= self._bytes.pop(old)
+                for address, size in self._storages.pop(old).items():
+                    counts[address] -= 1
+                    if not counts[address]:
+                        del counts[address]
+                        self.held -= size
 
     def clear(self) -> None:
         with self._lock:
             self._kept.clear()
-            self._bytes.clear()
+            self._storages.clear()
+            self._counts.clear()
             self.held = 0
 
     def __len__(self) -> int:
