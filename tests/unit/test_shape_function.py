@@ -499,3 +499,25 @@ def test_a_function_reading_only_its_inputs_sizes_gives_the_steps_values_for_num
     for n, m in ((3, 5), (7, 2), (3, 5)):
         x = rng.standard_normal((n, m), dtype=np.float32)
         np.testing.assert_array_equal(sized.run({"x": x})["y"], session.run(None, {"x": x})[0])  # one exact add
+
+
+def test_a_memo_counts_each_storage_once_and_lets_it_go_with_its_last_entry(monkeypatch):
+    """_Memo.held is the bytes of the distinct storages its entries keep alive: views of one base (a _Prefix's
+    narrowed values at each sequence length) count the base once, however many entries hold them; a storage's bytes
+    leave `held` when its last entry is evicted. Fails with each view's own bytes summed (BERT-base's 256 sequence
+    lengths counted ~200 MB of two 1.5 MB bases, and MEMO_BYTES kept 5 of them)."""
+    from kiln.runtime import shape_function as sf
+
+    monkeypatch.setattr(sf, "MEMO_ENTRIES", 4)
+    memo = sf._Memo()
+    base = torch.zeros(1, 512, 64)
+    for d in range(1, 4):
+        memo.put((d,), (d, base[:, :d], None, base.as_strided((1, d, 64), base.stride())))
+    assert len(memo) == 3 and memo.held == base.untyped_storage().nbytes()
+    own = [torch.ones(10, 10) for _ in range(4)]
+    for k, t in enumerate(own):
+        memo.put((100 + k,), (t,))  # each its own storage; (1,), (2,), (3,) out by MEMO_ENTRIES, the base with them
+    assert len(memo) == 4 and memo.held == 4 * own[0].untyped_storage().nbytes()
+    assert memo.get((1,)) is None and memo.get((103,)) is not None
+    memo.clear()
+    assert memo.held == 0 and len(memo) == 0
