@@ -7,7 +7,8 @@ C call (the whole call less its loop), and the spans of the shape values (ShapeF
 
     python bench/first_shape_ab.py --engine /tmp/first/bert_base.kiln --pairs 60 --a-without memos
 
---a-without memos: A's view job fills no shape-function memos (first_calls.memo_shapes empty while its job runs).
+--a-without memos: A's view job fills no shape-function memos (first_calls.memo_shapes empty while its job runs);
+grid-rows: A's index grids cut each corner by a copy (shape_function._GridBase's rows and corners dropped after load).
 Shapes: batch x sequence inside the profile (8 x 256 for /tmp/first's engines), at most --tokens tokens (short
 loops), none of the view job's trace_shapes (each engine's first call at each is a first call of the walk, not of
 the traces) unless --traced.
@@ -29,18 +30,29 @@ import kiln  # noqa: E402,F401  (before torch: kiln sets OpenMP's wait policy)
 import numpy as np  # noqa: E402
 
 from first_call_direct import span_timer, warm_context  # noqa: E402
-from kiln.runtime import first_calls, native  # noqa: E402
+from kiln.runtime import first_calls, native, shape_function  # noqa: E402
 from kiln.runtime.shape_function import ShapeFunction  # noqa: E402
 
-WITHOUT = {
+def _no_grid_rows(context) -> None:
+    """The shape function's grids cut each corner by a copy, as before _GridBase's rows (their corners dropped)."""
+    for value in context.program.shape_function.fn.__globals__.values():
+        base = getattr(value, "_base", None)
+        if type(value).__name__ == "_Grid" and base is not None:
+            base._corners.clear()
+            base._row_bytes = shape_function.GRID_ROWS_BYTES
+
+
+WITHOUT = {  # what A leaves out: (owner, attribute, its value during A's load) or a function of A's context after
     "memos": (first_calls, "memo_shapes", lambda program, profiles: []),
+    "grid-rows": _no_grid_rows,
 }
 
 
 def load(path: str, without: list[str]):
     """A warmed context whose load's background jobs ran with `without`'s parts left out."""
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in (WITHOUT[w] for w in without)]
-    for owner, name, value in (WITHOUT[w] for w in without):
+    patches = [WITHOUT[w] for w in without if isinstance(WITHOUT[w], tuple)]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
         setattr(owner, name, value)
     try:
         context = warm_context(path)
@@ -49,6 +61,9 @@ def load(path: str, without: list[str]):
     finally:
         for owner, name, value in saved:
             setattr(owner, name, value)
+    for w in without:
+        if not isinstance(WITHOUT[w], tuple):
+            WITHOUT[w](context)
     return context
 
 

@@ -65,7 +65,7 @@ def main() -> None:
                             ("rule traces (caller)", spans.get("rule traces", 0.0)),
                             ("walk trace (caller)", spans.get("walk trace", 0.0))):
             rows.setdefault(name, []).append(value)
-        rows.setdefault("walk paths after", []).append(rewrite._whole.paths)
+        rows.setdefault("walk paths right after the call", []).append(rewrite._whole.paths)
         first_calls.primitives_made(30)  # the deferred traces done before the next shape
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     print(f"# {'A (traced by the call)' if args.off else 'B (traced on the background thread)'} "

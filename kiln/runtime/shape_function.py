@@ -56,6 +56,7 @@ SMALL = 64  # an int64 constant of at most this many elements (0-D or 1-D) is kn
 MEMO_ENTRIES = 256  # a group's values kept for at most this many values of its dims ...
 MEMO_BYTES = 8 << 20  # ... and this many bytes of tensors (an encoder's position embeddings: seq x hidden floats)
 GRID_BYTES = 4 << 20  # the largest index grid a _Grid keeps to cut smaller ones from
+GRID_ROWS_BYTES = 8 << 20  # ... and the most bytes of its rows of corners (_GridBase) it keeps
 _RANDOM = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
 
 
@@ -279,7 +280,15 @@ class _Grid:
 class _GridBase:
     """A _Grid's grid at the sizes of `parts`, and its numpy view: a corner is cut by numpy (a slice and a copy, then
     torch.from_numpy: ~3x cheaper than as_strided and clone through torch's dispatch), laid out as the Concat lays
-    it out (a fresh C-ordered array: canonical strides, axes of size 1 included)."""
+    it out (a fresh C-ordered array: canonical strides, axes of size 1 included).
+
+    The corners of one rest of shape (every axis but the first: an exported mask's [1, 1, s]) at each first axis b
+    are the first b rows of one C-ordered array, the corner at the base's whole first axis: a "row" made once per
+    rest (its first use: the load's view job meets every sequence, first_calls.memo_shapes), and each b's corner a
+    view of it kept beside it, so a new b x s signature's grid is a dict look-up, not a slice, a copy and a
+    from_numpy (each ~20-30 µs right after a run has cooled the caches; BERT-base: the rows of every sequence 1-256
+    4.2 MB, GRID_ROWS_BYTES at most). The views are read only, as the copies were (shape plans' values are inputs of
+    the loop, never written)."""
 
     def __init__(self, parts: tuple[torch.Tensor, ...], grid: torch.Tensor):
         self.parts, self.grid, self.sizes = parts, grid, tuple(grid.shape)
@@ -287,13 +296,35 @@ class _GridBase:
             self.array = grid.numpy() if grid.is_contiguous() else None
         except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16)
             self.array = None
+        self._corners: dict[tuple, torch.Tensor] = {}  # shape -> its corner, a view of its rest's row
+        self._row_bytes = 0  # the rows' bytes (the views hold none of their own)
 
     def corner(self, shape: tuple) -> torch.Tensor:
-        """The grid's corner at `shape` (its last axis whole), a new contiguous tensor."""
+        """The grid's corner at `shape` (its last axis whole), a contiguous tensor."""
+        found = self._corners.get(shape)
+        if found is not None:
+            return found
         if self.array is not None:
+            if shape and self._row_bytes < GRID_ROWS_BYTES:
+                made = self._row(shape)
+                if made is not None:
+                    return made
             return torch.from_numpy(self.array[tuple(map(slice, shape))].copy())
         grid = self.grid
         return grid.as_strided((*shape, grid.shape[-1]), grid.stride()).clone(memory_format=torch.contiguous_format)
+
+    def _row(self, shape: tuple) -> torch.Tensor | None:
+        """The row of `shape`'s rest made, its corners at every first axis kept (views); `shape`'s, or None where
+        the row would pass GRID_ROWS_BYTES."""
+        rest = tuple(shape[1:])
+        row = torch.from_numpy(self.array[(slice(None), *map(slice, rest))].copy())
+        if self._row_bytes + row.nbytes > GRID_ROWS_BYTES:
+            return None
+        self._row_bytes += row.nbytes
+        corners = {(b, *rest): row[:b] for b in range(1, row.shape[0])}
+        corners[(row.shape[0], *rest)] = row
+        self._corners.update(corners)  # one C call: a reader on another thread sees none or all of them
+        return corners.get(tuple(shape))
 
 
 def _larger(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor | None:
