@@ -8,7 +8,7 @@ jobs done (first_calls.primitives_made), then first calls at --shapes in order, 
     python bench/first_shape.py --engine /tmp/first/bert_base.kiln --onnx model.onnx [--no-views-ahead]
     python bench/first_shape.py --engine /tmp/first/bert_base.kiln --steady 2x16,1x8,3x5
 
---no-memos: the view job's memo shapes off (first_calls.memo_shapes empty). --no-views-ahead: the load's view job off (first_calls._trace_job: no template grown, no walk traced at load), the
+--no-memos: the view job's memo shapes off (first_calls.memo_shapes empty); --no-grid-rows: each grid corner a copy. --no-views-ahead: the load's view job off (first_calls._trace_job: no template grown, no walk traced at load), the
 tree before it otherwise. --steady: the hot path at shapes already seen, the engine loaded twice in one process (one
 with the view job, one without), calls interleaved in shuffled order, median thread CPU ms per shape and ratio.
 
@@ -51,6 +51,8 @@ def main() -> None:
     ap.add_argument("--no-views-ahead", action="store_true")
     ap.add_argument("--no-memos", action="store_true", help="the view job fills no shape-function memos (A of "
                     "first_calls.memo_shapes)")
+    ap.add_argument("--no-grid-rows", action="store_true", help="index grids' corners cut by a copy each (A of "
+                    "shape_function._GridBase's rows: GRID_ROWS_BYTES 0)")
     ap.add_argument("--steady", default="", help="shapes of the steady-state A/B (then no first calls)")
     ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args()
@@ -60,6 +62,9 @@ def main() -> None:
         first_calls._trace_job = lambda program, profiles: None
     if args.no_memos:
         first_calls.memo_shapes = lambda program, profiles: []
+    if args.no_grid_rows:
+        from kiln.runtime import shape_function
+        shape_function.GRID_ROWS_BYTES = 0
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     rng = np.random.default_rng(0)
     feeds = {s: {"input_ids": rng.integers(0, 1000, s), "attention_mask": np.ones(s, np.int64)} for s in shapes}
