@@ -202,8 +202,8 @@ def test_the_load_fills_the_shape_functions_memos_and_first_calls_find_them(dyna
     """The view job runs the shape function at every value of each dim (first_calls.memo_shapes): bert_tiny's
     sequence memo holds every sequence 1-48 of its profile, their bytes each storage once
     (the sequence's values are views of one base), and first calls at fresh shapes compute no group's values (no
-    memo put) and cut no mask grid (its corners at every batch of each sequence kept at load: shape_function._GridBase)
-    and match onnxruntime. Fails without the memo shapes (puts at new sequences; 11 sequences kept)."""
+    memo put), make no row of a mask grid's corners (shape_function._GridBase; this export has none) and match
+    onnxruntime. Fails without the memo shapes (puts at new sequences; 11 sequences kept)."""
     from kiln.runtime import shape_function as sf
 
     engine, session = dynamic_bert_tiny
@@ -214,11 +214,14 @@ def test_the_load_fills_the_shape_functions_memos_and_first_calls_find_them(dyna
     shapes = first_calls.memo_shapes(engine.program, engine.profiles)
     assert len(shapes) == 4 + 48 - 1 and [(1, 1), (1, 1)] in shapes and [(4, 1), (4, 1)] in shapes \
         and [(1, 48), (1, 48)] in shapes
-    puts, rows = [], []
+    puts, rows = [], []  # this program's only (another engine's background job in this process is not this test's)
+    grids = [g for g in engine.program.shape_function.fn.__globals__.values() if isinstance(g, sf._Grid)]
     real = sf._Memo.put
-    monkeypatch.setattr(sf._Memo, "put", lambda self, key, values: puts.append(key) or real(self, key, values))
+    monkeypatch.setattr(sf._Memo, "put", lambda self, key, values: (any(self is m for m in memos) and puts.append(key))
+                        or real(self, key, values))
     row = sf._GridBase._row
-    monkeypatch.setattr(sf._GridBase, "_row", lambda self, shape: rows.append(shape) or row(self, shape))
+    monkeypatch.setattr(sf._GridBase, "_row", lambda self, shape: (any(self is g._base for g in grids)
+                                                                  and rows.append(shape)) or row(self, shape))
     context = engine.create_execution_context(pad_first_calls=False)
     rng = np.random.default_rng(zlib.crc32(b"memos filled at load"))
     for _ in range(10):
@@ -230,4 +233,5 @@ def test_the_load_fills_the_shape_functions_memos_and_first_calls_find_them(dyna
         np.testing.assert_allclose(next(iter(context.run(feeds).values())), session.run(None, feeds)[0],
                                    rtol=ORT_TOL, atol=ORT_TOL, err_msg=f"{batch}x{seq}")
     assert puts == [], f"group values computed at a call: {puts}"
-    assert rows == [], f"a mask grid's row of corners made at a call: {rows}"  # every sequence's made at load
+    assert rows == [], f"a mask grid's row of corners made at a call: {rows}"  # each sequence's at load (where the
+    # export has an index grid: this bert_tiny's mask has none; test_shape_function.py's grid model checks the rows)
