@@ -8,7 +8,8 @@ jobs done (first_calls.primitives_made), then first calls at --shapes in order, 
     python bench/first_shape.py --engine /tmp/first/bert_base.kiln --onnx model.onnx [--no-views-ahead]
     python bench/first_shape.py --engine /tmp/first/bert_base.kiln --steady 2x16,1x8,3x5
 
---no-memos: the view job's memo shapes off (first_calls.memo_shapes empty); --no-grid-rows: each grid corner a copy. --no-views-ahead: the load's view job off (first_calls._trace_job: no template grown, no walk traced at load), the
+--no-memos: the view job's memo shapes off (first_calls.memo_shapes empty); --no-grid-rows: each grid corner a
+copy. --no-views-ahead: the load's view job off (first_calls._trace_job: no template grown, no walk traced at load), the
 tree before it otherwise. --steady: the hot path at shapes already seen, the engine loaded twice in one process (one
 with the view job, one without), calls interleaved in shuffled order, median thread CPU ms per shape and ratio.
 

@@ -190,7 +190,7 @@ class _PlanRewrite:
         self._arguments = ViewArguments()  # the oneDNN members' arguments, kept across views (tables, handles)
         # the walk of view() as closed forms of the entry dims, where every member it evaluates has a rule
         self._whole = ViewTrace(template.entries, tuple(len(size) for size in template.entry_sizes))
-        self._ahead = False  # whether the load's view job traced the walk (learn_at): a call's misses then defer theirs
+        self._ahead = False  # whether the load's view job traced the walk (learn_at): a call's misses defer theirs
         self._pending: set[tuple] = set()  # keys whose traces wait on the background thread (_learn_later)
 
     def view(self, template: Any, key: tuple) -> _Resized | None:

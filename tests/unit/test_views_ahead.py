@@ -187,7 +187,7 @@ def test_a_call_off_the_loads_traced_paths_leaves_its_traces_to_the_background_t
         feeds = _x(rng, batch, seq)
         np.testing.assert_allclose(context.run(feeds)["y"], session.run(None, feeds)[0], rtol=ORT_TOL, atol=ORT_TOL,
                                    err_msg=f"{batch}x{seq}")
-        assert [t for t in traces if t[1] == threading.get_ident()] == [], f"traced on the calling thread at {batch}x{seq}"
+        assert [t for t in traces if t[1] == threading.get_ident()] == [], f"traced by the call at {batch}x{seq}"
     assert deferred, "no call met a class the load did not trace: the test shows nothing"
     assert onednn_ahead.AHEAD.wait(timeout=120) and onednn_ahead.AHEAD.failed == failed
     assert rewrite._whole.paths > paths and any(name == "learn" for name, _ in traces)  # traced on the thread
