@@ -11,7 +11,8 @@ jobs done (first_calls.primitives_made), then first calls at --shapes in order, 
 
 --image CxHxW: an image model's pixel_values, --shapes then batches (onnxruntime warmed at batch --warm-batch).
 
---no-views-ahead: the load's view jobs off (first_calls._trace_job and _segments_job: no template grown, no walk
+--no-memos: the view job's memo shapes off (first_calls.memo_shapes empty); --no-grid-rows: each grid corner a
+copy. --no-views-ahead: the load's view jobs off (first_calls._trace_job and _segments_job: no template grown, no walk
 traced, no segment readied at load), the tree before them otherwise. --steady: the hot path at shapes already seen,
 the engine loaded twice in one process (one with the view jobs, one without; --b-first: that one first), calls
 interleaved in shuffled order, median thread CPU ms per shape and ratio.
@@ -53,6 +54,10 @@ def main() -> None:
     ap.add_argument("--shapes", default="3x5,2x7,1x8,4x33,1x100,2x61,3x250")
     ap.add_argument("--label", default="")
     ap.add_argument("--no-views-ahead", action="store_true")
+    ap.add_argument("--no-memos", action="store_true", help="the view job fills no shape-function memos (A of "
+                    "first_calls.memo_shapes)")
+    ap.add_argument("--no-grid-rows", action="store_true", help="index grids' corners cut by a copy each (A of "
+                    "shape_function._GridBase's rows: GRID_ROWS_BYTES 0)")
     ap.add_argument("--steady", default="", help="shapes of the steady-state A/B (then no first calls)")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--image", default="", help="CxHxW: pixel_values of an image model; --shapes are batches")
@@ -65,6 +70,11 @@ def main() -> None:
         first_calls._trace_job = lambda program, profiles: None
         if hasattr(first_calls, "_segments_job"):  # (a tree before it has none)
             first_calls._segments_job = lambda program, profiles, dtypes: None
+    if args.no_memos:
+        first_calls.memo_shapes = lambda program, profiles: []
+    if args.no_grid_rows:
+        from kiln.runtime import shape_function
+        shape_function.GRID_ROWS_BYTES = 0
     rng = np.random.default_rng(0)
     if args.image:
         image = tuple(int(v) for v in args.image.split("x"))

@@ -417,6 +417,37 @@ def trace_shapes(program: Program, profiles: list[Profile]) -> list[list[tuple[i
     return [list(shape) for shape in ordered[:TRACE_SHAPES]]
 
 
+MEMO_AHEAD = 256  # values of each dim whose shape-function memos the view job fills at load (the smallest)
+
+
+def memo_shapes(program: Program | None, profiles: list[Profile]) -> list[list[tuple[int, ...]]]:
+    """The input shapes at which _trace_job runs the program's shape function after its traces, to fill its memos
+    (kiln/runtime/shape_function.py _Memo: the values that follow one dim, an encoder's position embeddings and
+    mask-grid parts per sequence length, its aranges per batch) at every value of each dim the profiles allow (the
+    MEMO_AHEAD smallest), the other dims at their min: a later first call at a new batch x sequence then finds both
+    dims' values kept and computes only what needs both (BERT-base: the sequence's four narrowed views and the
+    batch's one, ~40-60 µs of a first call right after a run, bench/results/first-shape-2026-12-06.md). The memos'
+    own bounds (MEMO_ENTRIES, MEMO_BYTES) still hold; a narrowed value is a view of its group's kept base and holds
+    no bytes of its own. Empty where trace_shapes is (a profile that does not name every input)."""
+    if program is None or program.shape_function is None or not program.shape_function.memos:
+        return []
+    names = list(program.spec.inputs)
+    shapes: dict[tuple, None] = {}
+    for profile in profiles:
+        if any(n not in profile.inputs for n in names):
+            return []
+        ranges = [profile.inputs[n] for n in names]
+        rank = max(len(r.min) for r in ranges)
+        lows = [min((r.min[j] for r in ranges if j < len(r.min)), default=1) for j in range(rank)]
+        highs = [max((r.max[j] for r in ranges if j < len(r.max)), default=1) for j in range(rank)]
+        for j in range(rank):
+            for value in range(lows[j], min(highs[j], lows[j] + MEMO_AHEAD - 1) + 1):
+                point = [*lows[:j], value, *lows[j + 1:]]
+                shapes[tuple(tuple(min(max(point[i], r.min[i]), r.max[i]) for i in range(len(r.min)))
+                             for r in ranges)] = None
+    return [list(shape) for shape in shapes]
+
+
 def _trace_job(program: Program, profiles: list[Profile]) -> onednn_ahead.Job | None:
     """A job tracing, at load, the view's walk of a one-segment program (Segment.trace_ahead) at trace_shapes's
     shapes: the rules' and the walk's paths a first call at a new shape traced otherwise (a saved BERT-base's first
@@ -444,6 +475,14 @@ def _trace_job(program: Program, profiles: list[Profile]) -> onednn_ahead.Job | 
             made = (key is not None and segment.trace_ahead(key)) or made
             del program, segment
             time.sleep(0)  # the GIL to a calling thread, if one waits
+        for k, inputs in enumerate(memo_shapes(program_ref(), profiles)):
+            program = program_ref()
+            if program is None:
+                break
+            entry_key(program, entry_slots, inputs)  # its shape function's memos filled at each dim's value
+            del program
+            if k % 8 == 7:
+                time.sleep(0)
         return made
     return onednn_ahead.Job(("view traces", next(_REWRITE_JOBS)), 0, make, counted=False)
 

@@ -8,9 +8,11 @@ module, which does not import it back.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import math
 import sys
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -18,14 +20,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from kiln.kernels.cpu import native_loop, onednn
+from kiln.kernels.cpu import native_loop, onednn, onednn_ahead
 from kiln.kernels.cpu.form_choice import PARALLEL, SERIAL, FormChooser
 from kiln.runtime.native_members import _bind_member, _entry_forms, _form, _forms, _run_loop, serial_calls, writes_of
 from kiln.runtime.view_arguments import ViewArguments, arguments_layout
 from kiln.runtime.view_mirrors import _Mirror, _MirrorRun, _arena_checks, _mirror_runs, _mirrors
 from kiln.runtime.view_trace import ViewTrace
-from kiln.tactics.traced_rules import TracedRule
+from kiln.tactics.traced_rules import TRACES, TracedRule, untraced
 from kiln.tactics.tactic import NativeStep, SizedPrimitive, native_strides, row_major_strides
+
+
+PENDING_TRACES = 8  # keys a segment's view leaves to the background thread's traces at once (_learn_later)
+_LATER = itertools.count()  # the deferred traces' job keys (each its own: ids are reused)
 
 
 def _c_loop_over(c: tuple, calls: list, template_calls: list) -> tuple:
@@ -184,6 +190,8 @@ class _PlanRewrite:
         self._arguments = ViewArguments()  # the oneDNN members' arguments, kept across views (tables, handles)
         # the walk of view() as closed forms of the entry dims, where every member it evaluates has a rule
         self._whole = ViewTrace(template.entries, tuple(len(size) for size in template.entry_sizes))
+        self._ahead = False  # whether the load's view job traced the walk (learn_at): a call's misses defer theirs
+        self._pending: set[tuple] = set()  # keys whose traces wait on the background thread (_learn_later)
 
     def view(self, template: Any, key: tuple) -> _Resized | None:
         """`template`'s view (the segment this rewrite was made for) at entry sizes `key`, or None: a rule or a
@@ -194,14 +202,46 @@ class _PlanRewrite:
         traced = self.traced_view(template, key)
         if traced is not None:
             return traced
-        walked = self._walk(template, key)
+        defer = self._ahead and self._calls is not None and onednn_ahead.enabled()
+        if defer:  # a class of sizes the load's traces missed: the rules run plainly, traced on the background
+            with untraced():
+                walked = self._walk(template, key)
+        else:
+            walked = self._walk(template, key)
         if walked is None:
             return None
         values, exits, natives, bound = walked
         if self._calls is not None and not natives and not bound:  # every member's plan rewritten
-            self._whole.learn(self, key, values, exits)  # the next views on this path: one call (TRACES paths at most)
+            if defer:
+                self._learn_later(template, key)
+            else:
+                self._whole.learn(self, key, values, exits)  # the next views on this path: one call (TRACES at most)
             return self._assembled(template, key, values, exits)
         return self._bound_view(template, key, values, exits, natives, bound)
+
+    def _learn_later(self, template: Any, key: tuple) -> None:
+        """Queue learn_at(template, key) on the background thread (onednn_ahead.AHEAD): a call at sizes off every
+        traced path of a walk traced at load (a class of sizes trace_shapes did not meet) walks with its rules run
+        plainly (~0.6 ms on BERT-base) and leaves the rules' and the walk's traces (~4 ms of Python) to the thread,
+        so the next sizes of that class are one call of the traced walk. At most PENDING_TRACES keys wait at once
+        (a later miss of their class queues again); none once the walk has TRACES paths or cannot be traced. The
+        job holds the template and this rewrite weakly."""
+        forms = self._whole
+        if len(self._pending) >= PENDING_TRACES or key in self._pending or not forms.traceable \
+                or forms.paths >= TRACES:
+            return
+        self._pending.add(key)
+        template_ref, rewrite_ref = weakref.ref(template), weakref.ref(self)
+
+        def make() -> bool:
+            template, rewrite = template_ref(), rewrite_ref()
+            if template is None or rewrite is None:
+                return False
+            try:
+                return rewrite.learn_at(template, key)
+            finally:
+                rewrite._pending.discard(key)
+        onednn_ahead.AHEAD.schedule([onednn_ahead.Job(("view trace", next(_LATER)), 0, make, counted=False)], 1)
 
     def learn_at(self, template: Any, key: tuple) -> bool:
         """Trace view()'s walk at entry sizes `key` ahead of any call there, binding nothing: each rule's path at
@@ -210,6 +250,7 @@ class _PlanRewrite:
         of the template or its views, only the traced rules and walk (each under its lock). It stops at a member
         without a rule (its NativeStep or oneDNN primitive would be made: left to a call). True where it added a
         path of the walk."""
+        self._ahead = True
         if self._calls is None or tuple(map(len, key)) != self._whole.ranks or self._whole(key) is not None:
             return False
         walked = self._walk(template, key, rules_only=True)

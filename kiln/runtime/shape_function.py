@@ -56,16 +56,23 @@ SMALL = 64  # an int64 constant of at most this many elements (0-D or 1-D) is kn
 MEMO_ENTRIES = 256  # a group's values kept for at most this many values of its dims ...
 MEMO_BYTES = 8 << 20  # ... and this many bytes of tensors (an encoder's position embeddings: seq x hidden floats)
 GRID_BYTES = 4 << 20  # the largest index grid a _Grid keeps to cut smaller ones from
+GRID_ROWS_BYTES = 8 << 20  # ... and the most bytes of its rows of corners (_GridBase) it keeps
 _RANDOM = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
 
 
 class _Memo:
     """A group's values by the values of the dims it follows, least recently used out (MEMO_ENTRIES, MEMO_BYTES;
-    the newest always kept). Contexts of one engine share it: a lock around the dict."""
+    the newest always kept). Contexts of one engine share it: a lock around the dict.
+
+    `held` is the bytes of the distinct storages its entries keep alive, each counted once however many entries
+    view it: a _Prefix's values at each d are views of one base (BERT-base's position embeddings at every sequence
+    length, which the load's view job fills: first_calls.memo_shapes, are two 1.5 MB bases, where summing each
+    view's bytes counted ~200 MB and kept 5 of 256 entries)."""
 
     def __init__(self) -> None:
         self._kept: OrderedDict[tuple, tuple] = OrderedDict()
-        self._bytes: dict[tuple, int] = {}
+        self._storages: dict[tuple, dict[Any, int]] = {}  # each entry's storages: data address -> bytes
+        self._counts: dict[Any, int] = {}  # each storage's entries (its bytes counted in `held` while > 0)
         self.held = 0
         self._lock = threading.Lock()
 
@@ -77,21 +84,38 @@ class _Memo:
             return found
 
     def put(self, key: tuple, values: tuple) -> None:
-        size = sum(v.nbytes for v in values if isinstance(v, torch.Tensor))
+        storages = {}
+        for v in values:
+            if isinstance(v, torch.Tensor):
+                try:
+                    storage = v.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+                except (RuntimeError, NotImplementedError):  # no storage of its own to share (a sparse tensor)
+                    storages[("tensor", id(v))] = v.nbytes
         with self._lock:
             if key in self._kept:
                 return
             self._kept[key] = values
-            self._bytes[key] = size
-            self.held += size
+            self._storages[key] = storages
+            counts = self._counts
+            for address, size in storages.items():
+                held = counts.get(address, 0)
+                counts[address] = held + 1
+                if not held:
+                    self.held += size
             while len(self._kept) > 1 and (len(self._kept) > MEMO_ENTRIES or self.held > MEMO_BYTES):
                 old, _ = self._kept.popitem(last=False)
-                self.held -= self._bytes.pop(old)
+                for address, size in self._storages.pop(old).items():
+                    counts[address] -= 1
+                    if not counts[address]:
+                        del counts[address]
+                        self.held -= size
 
     def clear(self) -> None:
         with self._lock:
             self._kept.clear()
-            self._bytes.clear()
+            self._storages.clear()
+            self._counts.clear()
             self.held = 0
 
     def __len__(self) -> int:
@@ -256,7 +280,15 @@ class _Grid:
 class _GridBase:
     """A _Grid's grid at the sizes of `parts`, and its numpy view: a corner is cut by numpy (a slice and a copy, then
     torch.from_numpy: ~3x cheaper than as_strided and clone through torch's dispatch), laid out as the Concat lays
-    it out (a fresh C-ordered array: canonical strides, axes of size 1 included)."""
+    it out (a fresh C-ordered array: canonical strides, axes of size 1 included).
+
+    The corners of one rest of shape (every axis but the first: an exported mask's [1, 1, s]) at each first axis b
+    are the first b rows of one C-ordered array, the corner at the base's whole first axis: a "row" made once per
+    rest (its first use: the load's view job meets every sequence, first_calls.memo_shapes), and each b's corner a
+    view of it kept beside it, so a new b x s signature's grid is a dict look-up, not a slice, a copy and a
+    from_numpy (each ~20-30 µs right after a run has cooled the caches; BERT-base: the rows of every sequence 1-256
+    4.2 MB, GRID_ROWS_BYTES at most). The views are read only, as the copies were (shape plans' values are inputs of
+    the loop, never written)."""
 
     def __init__(self, parts: tuple[torch.Tensor, ...], grid: torch.Tensor):
         self.parts, self.grid, self.sizes = parts, grid, tuple(grid.shape)
@@ -264,13 +296,35 @@ class _GridBase:
             self.array = grid.numpy() if grid.is_contiguous() else None
         except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16)
             self.array = None
+        self._corners: dict[tuple, torch.Tensor] = {}  # shape -> its corner, a view of its rest's row
+        self._row_bytes = 0  # the rows' bytes (the views hold none of their own)
 
     def corner(self, shape: tuple) -> torch.Tensor:
-        """The grid's corner at `shape` (its last axis whole), a new contiguous tensor."""
+        """The grid's corner at `shape` (its last axis whole), a contiguous tensor."""
+        found = self._corners.get(shape)
+        if found is not None:
+            return found
         if self.array is not None:
+            if shape and self._row_bytes < GRID_ROWS_BYTES:
+                made = self._row(shape)
+                if made is not None:
+                    return made
             return torch.from_numpy(self.array[tuple(map(slice, shape))].copy())
         grid = self.grid
         return grid.as_strided((*shape, grid.shape[-1]), grid.stride()).clone(memory_format=torch.contiguous_format)
+
+    def _row(self, shape: tuple) -> torch.Tensor | None:
+        """The row of `shape`'s rest made, its corners at every first axis kept (views); `shape`'s, or None where
+        the row would pass GRID_ROWS_BYTES."""
+        rest = tuple(shape[1:])
+        row = torch.from_numpy(self.array[(slice(None), *map(slice, rest))].copy())
+        if self._row_bytes + row.nbytes > GRID_ROWS_BYTES:
+            return None
+        self._row_bytes += row.nbytes
+        corners = {(b, *rest): row[:b] for b in range(1, row.shape[0])}
+        corners[(row.shape[0], *rest)] = row
+        self._corners.update(corners)  # one C call: a reader on another thread sees none or all of them
+        return corners.get(tuple(shape))
 
 
 def _larger(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor | None:

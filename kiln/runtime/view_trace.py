@@ -45,6 +45,11 @@ class ViewTrace:
     def paths(self) -> int:
         return self._forms.paths
 
+    @property
+    def traceable(self) -> bool:
+        """False once a trace failed or disagreed (ClosedForms.learn then adds no path)."""
+        return self._forms.traceable
+
     def __call__(self, key: tuple) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]] | None:
         try:
             return self._forms(tuple(chain.from_iterable(key)))

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import operator
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from itertools import chain
-from collections.abc import Callable
 from typing import Any
 
 from kiln.tactics.tactic import PlanRule, SizedPlan
@@ -165,6 +166,21 @@ def _condition(guards: list[tuple[str, Any]]) -> str:
     return " and ".join(tests) or "True"
 
 
+_UNTRACED = threading.local()  # `on`: this thread's rules answer untraced (untraced())
+
+
+@contextmanager
+def untraced() -> Iterator[None]:
+    """Within it, this thread's TracedRules run a rule off every traced path without tracing it (the path left to
+    a later trace, another thread's: native_views._PlanRewrite.view defers a call's traces to the background)."""
+    before = getattr(_UNTRACED, "on", False)
+    _UNTRACED.on = True
+    try:
+        yield
+    finally:
+        _UNTRACED.on = before
+
+
 class TracedRule:
     """A PlanRule (NativeStep.plan_at) answering from its traced closed forms where the sizes follow a traced path,
     else by running it (and tracing that path, up to TRACES, where the rule is `traceable`).
@@ -187,7 +203,7 @@ class TracedRule:
         if answers is not None and (found := answers(dims)) is not None:
             return found
         answer = self.rule(sizes)
-        if self._traceable and self._paths < TRACES:
+        if self._traceable and self._paths < TRACES and not getattr(_UNTRACED, "on", False):
             self._trace(sizes, structure, dims, answer)
         return answer
 

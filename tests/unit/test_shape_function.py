@@ -422,7 +422,8 @@ def _grid_model() -> bytes:
 def test_an_index_grid_over_two_dims_is_a_corner_of_a_larger_one_and_equals_the_steps(tmp_path, monkeypatch):
     """The grid is made once at the largest dims seen (growing along either dim) and a new n x m's is its corner:
     equal to the steps, strides included, at fresh shapes in any order (smaller, larger along one dim and smaller
-    along the other, 1s); past GRID_BYTES computed by the ops, equal too; first calls equal onnxruntime."""
+    along the other, 1s), whether a view of its row of corners (_GridBase) or a copy (GRID_ROWS_BYTES 0); past
+    GRID_BYTES computed by the ops, equal too; first calls equal onnxruntime."""
     from kiln.runtime import shape_function as sf
 
     path = tmp_path / "grid.onnx"
@@ -437,8 +438,9 @@ def test_an_index_grid_over_two_dims_is_a_corner_of_a_larger_one_and_equals_the_
     rng = np.random.default_rng()
     shapes = [(2, 5), (3, 3), (1, 7), (4, 2), (1, 1), (3, 6), (5, 1), (2, 9)] + \
         [(int(rng.integers(1, 7)), int(rng.integers(1, 13))) for _ in range(8)]
-    for limit in (sf.GRID_BYTES, 64):
+    for limit, rows in ((sf.GRID_BYTES, sf.GRID_ROWS_BYTES), (sf.GRID_BYTES, 0), (64, sf.GRID_ROWS_BYTES)):
         monkeypatch.setattr(sf, "GRID_BYTES", limit)
+        monkeypatch.setattr(sf, "GRID_ROWS_BYTES", rows)  # 0: each corner cut by a copy, no row of corners kept
         grids[0]._base = None
         for n, m in shapes:
             x = rng.standard_normal((n, m)).astype(np.float32)
@@ -452,6 +454,8 @@ def test_an_index_grid_over_two_dims_is_a_corner_of_a_larger_one_and_equals_the_
             assert base is None or base.grid.numel() * 8 <= 64
         else:
             assert base is not None and base.sizes == (max(n for n, _ in shapes), max(m for _, m in shapes), 2)
+            # the corners of each m at every n: views of one row per m (_GridBase), none past GRID_ROWS_BYTES
+            assert (len(base._corners) > 0) == (rows > 0) and base._row_bytes <= rows
 
 
 def _size_model() -> bytes:
@@ -499,3 +503,25 @@ def test_a_function_reading_only_its_inputs_sizes_gives_the_steps_values_for_num
     for n, m in ((3, 5), (7, 2), (3, 5)):
         x = rng.standard_normal((n, m), dtype=np.float32)
         np.testing.assert_array_equal(sized.run({"x": x})["y"], session.run(None, {"x": x})[0])  # one exact add
+
+
+def test_a_memo_counts_each_storage_once_and_lets_it_go_with_its_last_entry(monkeypatch):
+    """_Memo.held is the bytes of the distinct storages its entries keep alive: views of one base (a _Prefix's
+    narrowed values at each sequence length) count the base once, however many entries hold them; a storage's bytes
+    leave `held` when its last entry is evicted. Fails with each view's own bytes summed (BERT-base's 256 sequence
+    lengths counted ~200 MB of two 1.5 MB bases, and MEMO_BYTES kept 5 of them)."""
+    from kiln.runtime import shape_function as sf
+
+    monkeypatch.setattr(sf, "MEMO_ENTRIES", 4)
+    memo = sf._Memo()
+    base = torch.zeros(1, 512, 64)
+    for d in range(1, 4):
+        memo.put((d,), (d, base[:, :d], None, base.as_strided((1, d, 64), base.stride())))
+    assert len(memo) == 3 and memo.held == base.untyped_storage().nbytes()
+    own = [torch.ones(10, 10) for _ in range(4)]
+    for k, t in enumerate(own):
+        memo.put((100 + k,), (t,))  # each its own storage; (1,), (2,), (3,) out by MEMO_ENTRIES, the base with them
+    assert len(memo) == 4 and memo.held == 4 * own[0].untyped_storage().nbytes()
+    assert memo.get((1,)) is None and memo.get((103,)) is not None
+    memo.clear()
+    assert memo.held == 0 and len(memo) == 0
