@@ -25,7 +25,7 @@ Exit: the thread is a daemon, and a daemon thread inside torch when the interpre
 C++ code (torch's op bindings, the storage deleter of a tensor made with torch.frombuffer) takes the GIL back through
 pybind11, Python ends a thread that asks for the GIL while it finalizes (pthread_exit), and that forced unwind through
 a C++ destructor is std::terminate: "terminate called without an active exception", after the program's own work was
-done (issue 14: CI's `kiln serve` engine process; a script that builds an engine and exits, ~1 in 3 on this VM). The
+done (issue 14: CI's `kiln serve` engine process; a script that builds an engine and exits, 1 run in 2-3 here). The
 thread was found freeing its last job's closure (the layer it held, whose weights are frombuffer tensors) as the
 interpreter finalized: stop() had returned as soon as the job was made. So the thread drops each job before it says
 it is idle, and stop(), at exit (atexit), joins it: nothing of it runs once the interpreter finalizes.
