@@ -54,6 +54,7 @@ class Pending:
 
 _NO_SIZES: dict[str, int] = {}
 
+STOP_TIMEOUT_S = 30.0  # close() waits this long at most for the instances' idle threads to end
 HELD_COPY_BYTES = 1 << 20  # parts up to this size are copied with the GIL held (~0.1 ms each at most)
 
 
@@ -287,7 +288,10 @@ class Batcher:
             self.loop.call_soon(self._dispatch)
 
     async def close(self) -> None:
-        """Stop intake; finish what is queued and running; stop the instances' threads."""
+        """Stop intake; finish what is queued and running; stop the instances' threads and wait until they have
+        ended (polled: the loop serves on meanwhile). Ended, not only told to: `kiln serve` exits right after, and a
+        daemon thread still ending as the interpreter finalizes may be inside torch, which aborts the process
+        (kiln/kernels/cpu/onednn_ahead.py's docstring; issue 14)."""
         self.closing = True
         if self.loop is not None:
             self._dispatch()
@@ -296,6 +300,9 @@ class Batcher:
                 await self._drained.wait()
         for instance in self.instances:
             instance.stop()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while not all(instance.stopped for instance in self.instances) and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)  # idle threads: each ends as soon as it wakes
 
     # ---- dispatch ---------------------------------------------------------------------------------
 

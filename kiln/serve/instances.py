@@ -235,7 +235,12 @@ class Instance:
         self._work.put((loop, batch))
 
     def stop(self) -> None:
+        """Tell the thread to end (after the batches submitted before); `stopped` says when it has."""
         self._work.put(None)
+
+    @property
+    def stopped(self) -> bool:
+        return not self.thread.is_alive()
 
     def _serve(self) -> None:
         if self.cuda:
@@ -250,3 +255,7 @@ class Instance:
                 loop.call_soon_threadsafe(self._finish, self, batch, result)
             except RuntimeError:  # the loop is closed: nobody waits any more
                 return
+            # the batch and its outputs are the loop's now: held here they would stay alive until the next batch, and
+            # the last batch's would be freed as this thread ends, perhaps inside torch while the interpreter finalizes
+            # (kiln/kernels/cpu/onednn_ahead.py's docstring: that aborts the process)
+            item = loop = batch = result = None

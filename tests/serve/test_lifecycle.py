@@ -282,8 +282,33 @@ def test_sigterm_answers_every_request_in_flight(tmp_path, engines, repository, 
         if process.poll() is None:
             process.kill()
     assert statuses == [200, 200, 200], (statuses, output)
+    # issue 14: the engine aborted after its graceful stop (a daemon thread inside torch as the interpreter finalized)
+    assert "terminate called" not in output and "Fatal Python error" not in output, output
     assert process.returncode == 0, output
     assert "kiln serve: stopped" in output
+
+
+def test_closing_a_model_ends_its_instances_threads(repository):
+    """A batcher's close() returns once its instances' threads have ended, not only been told to (issue 14: `kiln
+    serve` exits right after, and a daemon thread still ending while the interpreter finalizes may be inside torch,
+    which aborts the process after every request was answered)."""
+    thread = ServerThread(options(repository, load_models=["mlp"]))
+    server = thread.start()
+    try:
+        x = np.random.default_rng(zlib.crc32(b"close ends the threads")).standard_normal((3, 8)).astype(np.float32)
+        status, answer, _ = _post(server.ports.http, "/v2/models/mlp/infer", {"inputs": [
+            {"name": "x", "shape": [3, 8], "datatype": "FP32", "data": x.ravel().tolist()}]})
+        assert status == 200, answer
+        version = next(v for v in server.core.ready_versions() if v.config.name == "mlp")
+        assert version.batcher.instances and all(i.thread.is_alive() for i in version.batcher.instances)
+
+        async def close_and_look() -> list[bool]:
+            await version.batcher.close()
+            return [i.thread.is_alive() for i in version.batcher.instances]  # at once, on the loop: before, alive
+
+        assert not any(thread.call(close_and_look())), "close() returned before its instances' threads ended"
+    finally:
+        thread.stop()
 
 
 def _metric(port: int, name: str) -> str | None:

@@ -5,8 +5,14 @@ and the memory objects a segment's layers share (onednn.shared_memories)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 import threading
+import time
 import zlib
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -135,6 +141,81 @@ def test_stop_drops_what_is_queued_and_waits_for_the_job_in_hand():
     threading.Timer(0.2, release.set).start()
     ahead.stop()
     assert log == ["first"] and ahead.wait(0)
+
+
+class _SlowToFree:
+    """What a job's closure may hold the last reference to (a layer and its tensors): freeing it takes a while, with
+    the GIL released (as torch's C++ releases it), and says when it is done."""
+
+    def __init__(self, freed: list):
+        self.freed = freed
+
+    def __del__(self):
+        time.sleep(0.3)
+        self.freed.append(threading.current_thread().name)
+
+
+def _holding(held: _SlowToFree, ran: list) -> onednn_ahead.Job:
+    def make(held=held) -> bool:
+        ran.append(threading.current_thread())
+        return True
+    return onednn_ahead.Job(("holding",), 0, make)
+
+
+def test_wait_returns_once_the_jobs_made_are_dropped():
+    """The thread drops each job before it says it is idle: what a job held is freed by the time wait() returns
+    (before: the thread's frame held the last job until the thread ended, after wait() and stop() had returned)."""
+    ahead, freed, ran = onednn_ahead.Ahead(), [], []
+    ahead.schedule([_holding(_SlowToFree(freed), ran)], threads=1)
+    assert ahead.wait(30)
+    assert freed == ["kiln-onednn-ahead"]
+
+
+def test_stop_joins_the_thread_and_schedules_nothing_after():
+    """stop() (atexit) returns once the thread has ended, so none of it runs while the interpreter finalizes."""
+    ahead, freed, ran = onednn_ahead.Ahead(), [], []
+    ahead.schedule([_holding(_SlowToFree(freed), ran)], threads=1)
+    deadline = time.monotonic() + 30
+    while not ran and time.monotonic() < deadline:
+        time.sleep(0.001)
+    ahead.stop()
+    assert ran and not ran[0].is_alive() and freed == ["kiln-onednn-ahead"]
+    assert ahead.schedule([_recording([], ("after",), 0)], threads=1) == 0 and ahead._thread is None
+
+
+EXIT_WHILE_A_JOB_FREES_TORCH = """
+import threading, time
+import torch
+from kiln.kernels.cpu import onednn_ahead
+
+class Layer:  # its last reference is the job's: freed on the background thread, inside torch (the GIL released)
+    def __del__(self):
+        a = torch.ones(256, 256)
+        end = time.monotonic() + 0.3
+        while time.monotonic() < end:
+            torch.mm(a, a)
+
+made = threading.Event()
+def make(layer=Layer()):
+    made.set()
+    return True
+onednn_ahead.AHEAD.schedule([onednn_ahead.Job(("exit",), 0, make)], 1)
+del make
+made.wait(30)
+print("done", flush=True)
+"""
+
+
+def test_a_process_that_exits_while_a_job_is_freed_exits_cleanly():
+    """Issue 14: a process that exited while the background thread was inside torch (freeing its last job) aborted
+    after its work was done: "terminate called without an active exception", exit code -6 (every time here, before
+    the thread was joined at exit; CI saw it in kiln serve's engine process and in a script that builds an engine)."""
+    kiln_root = str(Path(onednn_ahead.__file__).resolve().parents[3])
+    env = {**os.environ, "PYTHONPATH": kiln_root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(EXIT_WHILE_A_JOB_FREES_TORCH)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.stdout == "done\n" and done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert "terminate called" not in done.stderr
 
 
 def test_a_loaded_engine_makes_its_segments_plan_rewrite_ahead(built, monkeypatch):

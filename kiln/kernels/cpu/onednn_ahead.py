@@ -21,6 +21,15 @@ count at creation, onednn.creating_with_threads; OpenMP's count is per thread). 
 oneDNN call, so the binding thread's Python waits at most the few µs of Python between two of them. The thread runs
 at the lowest priority (nice 19): on a machine without an idle core it takes what the engine's threads leave.
 
+Exit: the thread is a daemon, and a daemon thread inside torch when the interpreter finalizes aborts the process. Its
+C++ code (torch's op bindings, the storage deleter of a tensor made with torch.frombuffer) takes the GIL back through
+pybind11, Python ends a thread that asks for the GIL while it finalizes (pthread_exit), and that forced unwind through
+a C++ destructor is std::terminate: "terminate called without an active exception", after the program's own work was
+done (issue 14: CI's `kiln serve` engine process; a script that builds an engine and exits, 1 run in 2-3 here). The
+thread was found freeing its last job's closure (the layer it held, whose weights are frombuffer tensors) as the
+interpreter finalized: stop() had returned as soon as the job was made. So the thread drops each job before it says
+it is idle, and stop(), at exit (atexit), joins it: nothing of it runs once the interpreter finalizes.
+
 Cost: ~150 KB of JIT code and descriptors per primitive (250 BERT-base FFN primitives: +38 MiB RSS; BERT-base's 768
 jobs: +108 MiB on a 642 MiB process, ~1.2 s on another core), so at most AHEAD_PRIMITIVES are made per process
 (an engine loaded after them gets what is left); KILN_ONEDNN_AHEAD=0 makes none.
@@ -43,6 +52,7 @@ log = logging.getLogger("kiln.runtime")
 
 AHEAD_ROWS = 255  # the largest row count made ahead (past it a call's work makes creation a small share)
 AHEAD_PRIMITIVES = 3 * _SHARED_PRIMITIVES.size // 4  # jobs made ahead at most, per process: the cache keeps them all
+STOP_TIMEOUT_S = 60.0  # how long exit waits for the job in hand (a primitive: ms; an exact batch bind: ~0.4 s)
 
 
 def enabled(environ: dict[str, str] | None = None) -> bool:
@@ -86,12 +96,16 @@ class Ahead:
         self._lock = threading.Lock()
         self._idle = threading.Event()
         self._idle.set()
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # the thread making jobs (None: none queued)
+        self._last: threading.Thread | None = None  # the last thread started, which stop() joins
+        self._stopped = False  # at exit: nothing more is scheduled
 
     def schedule(self, jobs: Iterable[Job], threads: int) -> int:
         """Queue the jobs not queued before at this thread count, smallest `order` first, the counted ones up to the
         budget; they are made on OpenMP's count `threads` (the engine's). Returns how many were queued."""
         with self._lock:
+            if self._stopped:
+                return 0
             fresh = []
             for job in jobs:
                 if (job.key, threads) not in self._scheduled:
@@ -104,7 +118,7 @@ class Ahead:
             self._queue.extend((job, threads) for job in fresh)
             if self._queue and self._thread is None:
                 self._idle.clear()
-                self._thread = threading.Thread(target=self._work, name="kiln-onednn-ahead", daemon=True)
+                self._thread = self._last = threading.Thread(target=self._work, name="kiln-onednn-ahead", daemon=True)
                 self._thread.start()
         return len(fresh)
 
@@ -112,12 +126,19 @@ class Ahead:
         """Whether every queued job is made (within `timeout` seconds)."""
         return self._idle.wait(timeout)
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """Drop what is queued and wait for the job in hand: at exit, so no creation is inside oneDNN while the
-        process tears the library down."""
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """At exit: drop what is queued, schedule nothing more, and join the thread once it has made the job in hand,
+        so that no creation is inside oneDNN while the process tears the library down, and nothing of the thread
+        runs while the interpreter finalizes (the module's docstring says why: that aborts the process)."""
         with self._lock:
             self._queue.clear()
-        self._idle.wait(timeout)
+            self._stopped = True
+            thread = self._last
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            if thread.is_alive():
+                log.warning("kiln: a job made ahead outlasted %.0f s at exit; the process may abort as it ends "
+                            "(the thread is inside it)", timeout)
 
     def _work(self) -> None:
         _lowest_priority()
@@ -135,6 +156,9 @@ class Ahead:
                 except Exception:  # noqa: BLE001  work ahead is an optimisation: a call makes what a job could not
                     self.failed += 1
                     log.debug("kiln: a job made ahead failed; its first call makes it", exc_info=True)
+            # dropped here, before the thread can say it is idle: the job's closure may hold the last reference to a
+            # layer, and its tensors are freed on this thread (by the time wait() returns, not while Python exits)
+            job = None
 
 
 def _lowest_priority() -> None:
