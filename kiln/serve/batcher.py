@@ -335,10 +335,10 @@ class Batcher:
 
     def _run_now(self, instance: Instance, request: Pending) -> None:
         """One request alone on an idle inline instance, from submit: what _start, _run_batch and _answer do for a
-        batch of one (its own arrays, no merge, no split, no BatchResult), in a third of their Python calls; the
-        instance stays among the idle ones (nothing else runs on the loop meanwhile). This is the whole engine hop
-        of a request at concurrency 1 (kiln/serve/instances.py: tiny CPU calls run on the loop). A request whose
-        rows a profile holds only padded takes the general path."""
+        batch of one (its own arrays, no merge, no split, no BatchResult), with fewer Python calls; the instance stays
+        among the idle ones (nothing else runs on the loop meanwhile). This is the whole engine hop of a request at
+        concurrency 1 (kiln/serve/instances.py: tiny CPU calls run on the loop). A request whose rows a profile holds
+        only padded takes the general path."""
         rows = request.rows
         if self.config.max_batch_size > 0 and self.shapes.padded(request.signature, rows) not in (rows, None):
             self._start(self.idle.pop(), [request])
