@@ -145,6 +145,7 @@ class QuickLayouts:
     layouts learned without a match, the next REST eligible messages are not learned."""
 
     CAPACITY = 64  # layouts kept (all dropped when full: a server sees few)
+    PER_SIZE = 16  # of one message size (the newest first): kiln perf's wire client cycles 8 requests of one size
     MISSES_BEFORE_REST = 128
     REST = 4096
 
@@ -208,7 +209,7 @@ class QuickLayouts:
                              tuple(inputs))
         if self.count >= self.CAPACITY:
             self.by_size, self.count = {}, 0  # replaced, not cleared: another thread may be reading it
-        self.by_size[len(data)] = (layout, *self.by_size.get(len(data), ())[:3])
+        self.by_size[len(data)] = (layout, *self.by_size.get(len(data), ())[:self.PER_SIZE - 1])
         self.count += 1
         self.unused += 1
         if self.unused >= self.MISSES_BEFORE_REST:

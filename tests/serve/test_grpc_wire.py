@@ -325,3 +325,24 @@ def test_quick_layouts_rest_when_nothing_repeats(monkeypatch):
     assert quick.resting == quick.REST and quick.count <= quick.CAPACITY
     parse_infer_request(_quick_message(g, x, "again")[0].SerializeToString())
     assert quick.resting == quick.REST - 1
+
+
+def test_quick_layouts_keep_several_of_one_size(monkeypatch):
+    """Requests of one size that differ in their ids only (kiln perf's wire client cycles 8 such) all match once
+    learned; each still decodes to its own tensors."""
+    import zlib
+
+    from kiln.serve import grpc_wire
+
+    quick = grpc_wire.QuickLayouts()
+    monkeypatch.setattr(grpc_wire, "QUICK_LAYOUTS", quick)
+    g = np.random.default_rng(zlib.crc32(b"quick-layouts-one-size"))
+    x = [("x", "FP32", np.float32, [1, 4])]
+    for turn in range(3):
+        for k in range(8):
+            message, (array,) = _quick_message(g, x, str(k))
+            data = message.SerializeToString()
+            hit, got = _decoded(data)
+            assert hit == (turn > 0) and got.id == str(k)
+            np.testing.assert_array_equal(got.inputs["x"], array)
+    assert quick.count == 8
