@@ -139,8 +139,9 @@ class ServerCore:
             if entry.state in ("LOADING", "UNLOADING"):
                 raise Unavailable(f"model {name!r} is {state}")
             raise NotFound(f"model {name!r} is not loaded ({state}); load it: POST /v2/repository/models/{name}/load")
-        if not version:
-            return entry.versions[max(entry.versions, key=int)]
+        if not version:  # the newest (most requests name none: one version, found without max's int per key)
+            versions = entry.versions
+            return next(iter(versions.values())) if len(versions) == 1 else versions[max(versions, key=int)]
         found = entry.versions.get(version)
         if found is None:
             if not version.isdigit():

@@ -26,7 +26,7 @@ from kiln.serve import datatypes
 from kiln.serve.core import InferRequest, InferResponse, ServerCore
 from kiln.serve.errors import InvalidRequest, NotSupported, ServeError
 from kiln.serve.grpc_options import GrpcOptions
-from kiln.serve.grpc_wire import Parts, ResponseEncoder, WireRequest, parse_infer_request
+from kiln.serve.grpc_wire import Parts, QuickLayout, ResponseEncoder, WireRequest, parse_infer_request
 from kiln.serve.http_codec import OutputOptions, classify
 from kiln.serve.shared_memory import (
     CUDA_NOT_SUPPORTED,
@@ -91,6 +91,14 @@ def _decode_quickly(request: pb.ModelInferRequest, raw) -> InferRequest | None:
             return None
         inputs[name] = np.frombuffer(data, dtype=datatype.numpy).reshape(shape)  # read-only (datatypes.from_bytes)
     return InferRequest(model=request.model_name, version=request.model_version, id=request.id, inputs=inputs)
+
+
+def _decode_layout(layout: QuickLayout, data: bytes) -> InferRequest:
+    """_decode_quickly's answer for a request of a known layout (grpc_wire.QuickLayouts): its tensors read-only views
+    of the message's bytes, the rest from the layout."""
+    return InferRequest(layout.model, layout.version, layout.id, {
+        name: np.frombuffer(data, dtype, count, offset).reshape(shape)
+        for name, dtype, count, offset, shape in layout.inputs})
 
 
 def _values(parameters) -> dict:
@@ -269,17 +277,21 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         """`request`: a WireRequest (kiln serve's deserializer, kiln/serve/grpc_wire.py) or a ModelInferRequest.
         _infer's steps inline, with _answers_errors' handling: the hot path, one coroutine frame."""
         try:
-            if type(request) is WireRequest:
-                if request.message is None:
-                    raise InvalidRequest(request.error)
-                request, raw = request.message, request.raw
-            else:
-                raw = request.raw_input_contents
-            model = self.core.model(request.model_name, request.model_version)  # NOT_FOUND before decoding
-            infer_request = _decode_quickly(request, raw)
             options = None
-            if infer_request is None:
-                infer_request, options = decode_request(request, self.core.shared_memory, raw)
+            if type(request) is WireRequest and request.layout is not None:  # a small request of a known layout
+                model = self.core.model(request.layout.model, request.layout.version)
+                infer_request = _decode_layout(request.layout, request.data)
+            else:
+                if type(request) is WireRequest:
+                    if request.message is None:
+                        raise InvalidRequest(request.error)
+                    request, raw = request.message, request.raw
+                else:
+                    raw = request.raw_input_contents
+                model = self.core.model(request.model_name, request.model_version)  # NOT_FOUND before decoding
+                infer_request = _decode_quickly(request, raw)
+                if infer_request is None:
+                    infer_request, options = decode_request(request, self.core.shared_memory, raw)
             response = await self.core.infer(infer_request, model)
             if options is None:  # the common answer (every output raw): its bytes or Parts, for serialize_response
                 return self.responses.encode(response.model, response.version, response.id, [

@@ -218,6 +218,58 @@ def test_inline_call_is_answered_at_submit(double_engine, batching):
     asyncio.run(run())
 
 
+def test_alone_at_submit_answers_its_own_rows_and_records_as_a_batch(double_engine, padded_engine):
+    """Batcher._run_now, the c=1 path (a request alone, its instance inline, run inside submit): each answer is its
+    own request's (fresh inputs every request, read-only ones as a received message's views are, and a request
+    the engine's output buffer would hand another's answer if it were reused), the statistics are what the general
+    path records for a batch of one, a burst in one turn still merges behind the first request, and a request its
+    profile holds only padded takes the general path (a call of 4 rows)."""
+    generator = np.random.default_rng(zlib.crc32(b"alone-at-submit"))
+
+    async def run(engine, rows: int, width: int, output: str) -> None:
+        stats = ModelStats("m", "1")
+        batcher = Batcher(engine, _config(engine, "max_batch_size: 16\ndynamic_batching {}"), stats, 64)
+        batcher.start()
+        instance = batcher.instances[0]
+        try:
+            answers = []
+            for k in range(INLINE_AFTER + 12):
+                x = generator.standard_normal((rows, width)).astype(np.float32)
+                if k % 2:
+                    x.flags.writeable = False  # as a request's view of its message's bytes
+                inline = instance.inline
+                pending = batcher.submit({"x": x}, rows, ((width,),), None)
+                assert pending.future.done() == inline
+                out = (await asyncio.wait_for(pending.future, 60))[output]
+                np.testing.assert_array_equal(out, 2 * x)
+                assert pending.queue_ns is not None and pending.queue_ns >= 0
+                answers.append((x, out))
+                await asyncio.sleep(0)
+            assert inline
+            for x, out in answers:  # still each its own: no answer is a buffer a later call wrote
+                np.testing.assert_array_equal(out, 2 * x)
+            calls = len(answers)
+            assert stats.execution_count == calls and stats.compute_infer.count == calls
+            assert stats.compute_input.count == stats.compute_output.count == calls
+            if engine is padded_engine:  # rows 1 and 2 padded to the profile's 4: never run alone unpadded
+                assert list(stats.batches) == [4] and stats.inference_count == 4 * calls
+                return
+            assert list(stats.batches) == [rows] and stats.inference_count == rows * calls
+            assert stats.batches[rows].compute_infer.count == calls and stats.batches[rows].compute_infer.ns > 0
+            xs = [generator.standard_normal((1, width)).astype(np.float32) for _ in range(5)]  # one turn: 5 requests
+            pending = [batcher.submit({"x": x}, 1, ((width,),), None) for x in xs]
+            assert [p.future.done() for p in pending] == [True, False, False, False, False]
+            outs = await asyncio.wait_for(asyncio.gather(*(p.future for p in pending)), 60)
+            for x, out in zip(xs, outs):
+                np.testing.assert_array_equal(out["y"], 2 * x)
+            assert stats.execution_count == calls + 2 and stats.batches[4].compute_infer.count == 1
+        finally:
+            await batcher.close()
+
+    asyncio.run(run(double_engine, 2, 8, "y"))
+    asyncio.run(run(padded_engine, 1, 8, "z"))  # z = 2x
+
+
 def test_inline_timing_skips_a_preempted_call_and_sees_slow_ones(double_engine):
     """An instance's calls are timed on the thread's CPU clock: a call that slept (wall time, no CPU, as one preempted
     on a busy machine) leaves the instance inline, calls that spend CPU take it back to its thread within two calls.

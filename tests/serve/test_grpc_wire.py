@@ -184,3 +184,165 @@ def test_raw_view_is_to_bytes_without_the_copy(dtype):
     assert bytes(datatypes.raw_view(rows)) == rows.tobytes()
     for copied in (large[:1, :4], large[:, ::2], np.array([b"ab", b"c"], dtype=object)):
         assert type(datatypes.raw_view(copied)) is bytes and datatypes.raw_view(copied) == datatypes.to_bytes(copied)
+
+
+# ---- QuickLayouts: small requests of a layout seen before skip protobuf's parse ----
+
+QUICK_TYPES = [("FP32", np.float32), ("FP16", np.float16), ("INT64", np.int64), ("UINT8", np.uint8),
+               ("BOOL", np.bool_), ("INT8", np.int8)]
+
+
+def _quick_message(g: np.random.Generator, described: list, request_id: str = "", model: str = "m",
+                   version: str = "") -> tuple[pb.ModelInferRequest, list[np.ndarray]]:
+    """A ModelInferRequest of `described` ((name, datatype, numpy dtype, shape) per input) with fresh random tensors."""
+    m = pb.ModelInferRequest(model_name=model, model_version=version, id=request_id)
+    arrays = []
+    for name, datatype, dtype, shape in described:
+        m.inputs.add(name=name, datatype=datatype, shape=shape)
+        a = (g.standard_normal(shape) * 100).astype(dtype)
+        arrays.append(a)
+        m.raw_input_contents.append(a.tobytes())
+    return m, arrays
+
+
+def _decoded(data: bytes):
+    """What ModelInfer decodes `data` to: _decode_layout's request where parse_infer_request found a layout, else
+    _decode_quickly's of protobuf's message."""
+    from kiln.serve.grpc_server import _decode_layout, _decode_quickly
+
+    wire = parse_infer_request(data)
+    if wire.layout is not None:
+        return True, _decode_layout(wire.layout, wire.data)
+    return False, _decode_quickly(wire.message, wire.raw)
+
+
+def _expected(data: bytes):
+    """The oracle: protobuf's own parse of the whole message, then _decode_quickly of it."""
+    from kiln.serve.grpc_server import _decode_quickly
+
+    full = pb.ModelInferRequest.FromString(data)
+    return _decode_quickly(full, list(full.raw_input_contents))
+
+
+def _same_request(got, expected) -> None:
+    assert (got.model, got.version, got.id, got.outputs) == (expected.model, expected.version, expected.id, None)
+    assert list(got.inputs) == list(expected.inputs)
+    for name, array in expected.inputs.items():
+        mine = got.inputs[name]
+        assert mine.dtype == array.dtype and mine.shape == array.shape and not mine.flags.writeable
+        np.testing.assert_array_equal(mine, array)
+
+
+def test_quick_layouts_give_protobufs_answer_for_every_request(monkeypatch):
+    """Requests of a few layouts (1-3 tensors of several dtypes and shapes, ids and versions), each with fresh
+    tensors, sent over and over and mixed: the first of a layout is parsed by protobuf and learned, the rest match
+    it and are decoded from the layout; every request's decoded tensors are its own bytes (protobuf's parse of that
+    request, the oracle), never an earlier request's of the same layout."""
+    import zlib
+
+    from kiln.serve import grpc_wire
+
+    monkeypatch.setattr(grpc_wire, "QUICK_LAYOUTS", grpc_wire.QuickLayouts())
+    g = np.random.default_rng(zlib.crc32(b"quick-layouts"))
+    layouts = []
+    for k in range(6):
+        described = [(f"in{j}", *QUICK_TYPES[int(g.integers(len(QUICK_TYPES)))],
+                      [int(d) for d in g.integers(1, 5, int(g.integers(1, 4)))]) for j in range(1 + k % 3)]
+        layouts.append((described, "" if k % 2 else f"req-{k}", f"model{k % 4}", "" if k < 3 else str(k)))
+    hits = 0
+    for step in range(120):
+        described, request_id, model, version = layouts[int(g.integers(len(layouts)))]
+        message, arrays = _quick_message(g, described, request_id, model, version)
+        data = message.SerializeToString()
+        hit, got = _decoded(data)
+        hits += hit
+        _same_request(got, _expected(data))
+        for (name, *_), array in zip(described, arrays):
+            np.testing.assert_array_equal(got.inputs[name], array)
+    assert hits >= 120 - len(layouts)  # all but each layout's first
+
+
+def test_quick_layouts_learn_only_what_decode_quickly_covers(monkeypatch):
+    """Messages _decode_quickly refuses (parameters, requested outputs, BYTES, a tensor among the other fields,
+    a size that disagrees with the shape, an empty tensor) are never learned: the next of the same bytes is parsed
+    by protobuf again. Same-size messages that differ past the tensors' keys (another id, model, shape of the same
+    byte count) do not match a learned layout."""
+    import zlib
+
+    from kiln.serve import grpc_wire
+
+    quick = grpc_wire.QuickLayouts()
+    monkeypatch.setattr(grpc_wire, "QUICK_LAYOUTS", quick)
+    g = np.random.default_rng(zlib.crc32(b"quick-layouts-refused"))
+    x = [("x", "FP32", np.float32, [2, 3])]
+
+    def twice(data: bytes) -> bool:
+        parse_infer_request(data)
+        return parse_infer_request(data).layout is not None
+
+    m, _ = _quick_message(g, x)
+    m.parameters["timeout"].int64_param = 5
+    assert not twice(m.SerializeToString())
+    m, _ = _quick_message(g, x)
+    m.outputs.add(name="y")
+    assert not twice(m.SerializeToString())
+    m = pb.ModelInferRequest(model_name="m", raw_input_contents=[b"\x01\x00\x00\x00a"])
+    m.inputs.add(name="s", datatype="BYTES", shape=[1])
+    assert not twice(m.SerializeToString())
+    m, _ = _quick_message(g, x)
+    raw_first = pb.ModelInferRequest(raw_input_contents=[bytes(24)]).SerializeToString()
+    m.ClearField("raw_input_contents")
+    assert not twice(raw_first + m.SerializeToString())  # the tensor before the other fields
+    m, _ = _quick_message(g, x)
+    m.raw_input_contents[0] = bytes(20)  # 20 bytes for 6 FP32s
+    assert not twice(m.SerializeToString())
+    m = pb.ModelInferRequest(model_name="m", raw_input_contents=[b""])
+    m.inputs.add(name="e", datatype="FP32", shape=[0, 3])
+    assert not twice(m.SerializeToString())
+    assert quick.count == 0
+    # learned, then same-size messages that differ outside the tensors' bytes
+    m, _ = _quick_message(g, x, "id-1", "ma")
+    assert twice(m.SerializeToString()) and quick.count == 1
+    for other_id, model, shape in (("id-2", "ma", [2, 3]), ("id-1", "mb", [2, 3]), ("id-1", "ma", [3, 2])):
+        m, _ = _quick_message(g, [("x", "FP32", np.float32, shape)], other_id, model)
+        data = m.SerializeToString()
+        wire = parse_infer_request(data)
+        assert wire.layout is None  # learned now, matched from the next one on
+        _same_request(_decoded(data)[1], _expected(data))
+
+
+def test_quick_layouts_rest_when_nothing_repeats(monkeypatch):
+    """A client whose every request differs (a fresh id each) fills no table for long: after MISSES_BEFORE_REST
+    layouts learned without a match, REST eligible messages go unlearned; a match resets the count."""
+    from kiln.serve import grpc_wire
+
+    quick = grpc_wire.QuickLayouts()
+    monkeypatch.setattr(grpc_wire, "QUICK_LAYOUTS", quick)
+    g = np.random.default_rng(7)
+    x = [("x", "FP32", np.float32, [1, 4])]
+    for k in range(quick.MISSES_BEFORE_REST):
+        assert parse_infer_request(_quick_message(g, x, f"{k:08d}")[0].SerializeToString()).layout is None
+    assert quick.resting == quick.REST and quick.count <= quick.CAPACITY
+    parse_infer_request(_quick_message(g, x, "again")[0].SerializeToString())
+    assert quick.resting == quick.REST - 1
+
+
+def test_quick_layouts_keep_several_of_one_size(monkeypatch):
+    """Requests of one size that differ in their ids only (kiln perf's wire client cycles 8 such) all match once
+    learned; each still decodes to its own tensors."""
+    import zlib
+
+    from kiln.serve import grpc_wire
+
+    quick = grpc_wire.QuickLayouts()
+    monkeypatch.setattr(grpc_wire, "QUICK_LAYOUTS", quick)
+    g = np.random.default_rng(zlib.crc32(b"quick-layouts-one-size"))
+    x = [("x", "FP32", np.float32, [1, 4])]
+    for turn in range(3):
+        for k in range(8):
+            message, (array,) = _quick_message(g, x, str(k))
+            data = message.SerializeToString()
+            hit, got = _decoded(data)
+            assert hit == (turn > 0) and got.id == str(k)
+            np.testing.assert_array_equal(got.inputs["x"], array)
+    assert quick.count == 8
