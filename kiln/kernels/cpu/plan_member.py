@@ -6,6 +6,10 @@ operands through oneDNN memory objects of its own, so that a segment can point t
 the parallel one (`serial_calls`, onednn_primitives.thread_forms). That protocol was written out three times;
 here it is once. A kernel's module keeps only what is its own: the plan's fields (and scratch) per thread count.
 
+`MemoriesMember` is the same protocol's other half for members whose calls are several (a C pass and oneDNN
+primitives: w8a16.py's split and two convolutions, winograd.py's transforms around a GEMM, w16gemm.py's one pass):
+the roles' memory objects, rebinding them and running the calls alone.
+
 `PlanKernel` is the layer side (one layer at one input size): `bind(src, dst)` gives a `PlanMember`, and
 `run_into(x, y)` runs the layer on tensors through a member of its own (its per-call path, as onednn.py's
 primitives have).
@@ -17,7 +21,7 @@ import ctypes
 import threading
 from typing import Any, ClassVar
 
-from kiln.kernels.cpu import onednn
+from kiln.kernels.cpu import native_loop, onednn
 
 
 class PlanMember:
@@ -65,6 +69,29 @@ class PlanMember:
         status = self._entry(ctypes.addressof(self._plan), None, 0, None)
         if status:
             onednn._check(status, self.what)
+
+
+class MemoriesMember:
+    """A member whose roles are oneDNN memory objects of its own (`_memories`: role -> handle, made by the subclass)
+    and whose `calls()` (the subclass's) run through the compiled loop: rebinding a role and running it alone."""
+
+    what: str
+    _memories: dict[str, Any]
+
+    def calls(self) -> list[tuple[int | None, int, int, int]]:
+        raise NotImplementedError
+
+    def memory(self, role: str) -> int:
+        return self._memories[role].value
+
+    def rebind(self, role: str, address: int) -> None:
+        onednn.load().lib.dnnl_memory_set_data_handle(self._memories[role].value, address)
+
+    def run(self) -> None:
+        """The calls through the compiled loop (the caller holds the layer's lock)."""
+        status, failed = native_loop.run_calls(self.calls())
+        if status:
+            onednn._check(status, f"{self.what} (call {failed})")
 
 
 class PlanKernel:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.kernels.cpu import native_loop, onednn, onednn_int8
+from kiln.kernels.cpu import native_loop, onednn, onednn_int8, plan_member
 
 SOURCE = Path(__file__).with_name("w16gemm.c").read_text()
 RANGES = {torch.uint16: (0, 65535), torch.int16: (-32768, 32767)}  # ONNX's saturation bounds
@@ -143,7 +143,7 @@ class W16Gemm:
         return _Bound(self, src, dst)
 
 
-class _Bound:
+class _Bound(plan_member.MemoriesMember):
     """A W16Gemm's one call for a native segment: the plan reads its input's and output's addresses from their
     dnnl memory objects at each run (the segment points them at each call's tensors)."""
 
@@ -166,15 +166,4 @@ class _Bound:
     def calls(self) -> list[tuple[int | None, int, int, int]]:
         return list(self._calls)
 
-    def memory(self, role: str) -> int:
-        return self._memories[role].value
-
-    def rebind(self, role: str, address: int) -> None:
-        onednn.load().lib.dnnl_memory_set_data_handle(self._memories[role].value, address)
-
-    def run(self) -> None:
-        """The call through the compiled loop."""
-        status, failed = native_loop.run_calls(self.calls())
-        if status:
-            onednn._check(status, f"{self.what} (call {failed})")
 

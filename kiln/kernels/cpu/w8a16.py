@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kiln.kernels.cpu import native_loop, onednn, onednn_int8, split16
+from kiln.kernels.cpu import native_loop, onednn, onednn_int8, plan_member, split16
 
 
 class W8A16Layer:
@@ -40,7 +40,7 @@ class W8A16Layer:
         return _Bound(self, src, dst)
 
 
-class _Bound:
+class _Bound(plan_member.MemoriesMember):
     """A W8A16Layer's calls for one segment: split (kiln's C), high-byte convolution, low-byte convolution adding to
     it, [quantizing reorder]. The bytes (and a requantized layer's float result) in buffers of the binding's own."""
 
@@ -87,14 +87,3 @@ class _Bound:
     def calls(self) -> list[tuple[int | None, int, int, int]]:
         return list(self._calls)
 
-    def memory(self, role: str) -> int:
-        return self._memories[role].value
-
-    def rebind(self, role: str, address: int) -> None:
-        onednn.load().lib.dnnl_memory_set_data_handle(self._memories[role].value, address)
-
-    def run(self) -> None:
-        """The calls through the compiled loop (the caller holds the layer's lock)."""
-        status, failed = native_loop.run_calls(self.calls())
-        if status:
-            onednn._check(status, f"{self.what} (call {failed})")

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from kiln.kernels.cpu import hugepages, native_loop, onednn
+from kiln.kernels.cpu import hugepages, native_loop, onednn, plan_member
 
 WEIGHT_LIMIT = 4 << 20  # bytes of transformed weights
 ACTIVATIONS = {"": 0, "Relu": 1, "Clip": 2}
@@ -125,7 +125,7 @@ class WinogradConv:
         return y
 
 
-class _Bound:
+class _Bound(plan_member.MemoriesMember):
     """A WinogradConv's calls for one segment (or for its own per-call path)."""
 
     def __init__(self, conv: WinogradConv, src: int, dst: int, residual: int | None, arena: Any = None):
@@ -164,14 +164,3 @@ class _Bound:
                 (None, self._primitive.value.value, 3, ctypes.cast(self._args, ctypes.c_void_p).value),
                 (self._functions[1], plan, 0, 0)]
 
-    def memory(self, role: str) -> int:
-        return self._memories[role].value
-
-    def rebind(self, role: str, address: int) -> None:
-        onednn.load().lib.dnnl_memory_set_data_handle(self._memories[role].value, address)
-
-    def run(self) -> None:
-        """The three calls through the compiled loop (the caller holds the layer's lock)."""
-        status, failed = native_loop.run_calls(self.calls())
-        if status:
-            onednn._check(status, f"{self.what} (call {failed})")
