@@ -384,6 +384,20 @@ TRACE_SMALL = 8  # each dim's values traced ahead: the first this many of its ra
 TRACE_SHAPES = 256  # input shapes traced ahead at most (the smallest: a walk's paths differ at small sizes)
 
 
+def _dim_bounds(program: Program, profile: Profile) -> tuple[list[Any], list[int], list[int]] | None:
+    """The profile's range of each program input (in the program's order) and each dim position's lowest min and
+    highest max over them (the inputs at one position share a dim, as a BERT's ids and mask share batch and
+    sequence); None where the profile does not name every input."""
+    names = list(program.spec.inputs)
+    if any(n not in profile.inputs for n in names):
+        return None
+    ranges = [profile.inputs[n] for n in names]
+    rank = max(len(r.min) for r in ranges)
+    lows = [min((r.min[j] for r in ranges if j < len(r.min)), default=1) for j in range(rank)]
+    highs = [max((r.max[j] for r in ranges if j < len(r.max)), default=1) for j in range(rank)]
+    return ranges, lows, highs
+
+
 def trace_shapes(program: Program, profiles: list[Profile]) -> list[list[tuple[int, ...]]]:
     """The input shapes whose views' walks _trace_job traces at load, smallest first: per profile, every
     combination of each dim's values (TRACE_SMALL from its min, the powers of two past them, its max; the dims
@@ -392,17 +406,13 @@ def trace_shapes(program: Program, profiles: list[Profile]) -> list[list[tuple[i
     1-8 x sequence 1-256 are all met by batch 1-8 x sequence 1-8 (bench/results/first-shape-2026-12-06.md).
     Empty where a profile does not name every input; the TRACE_SHAPES smallest where there are more (several
     dims with long ranges: ~1 ms of background CPU each)."""
-    names = list(program.spec.inputs)
     shapes: dict[tuple, None] = {}
     for profile in profiles:
-        if any(n not in profile.inputs for n in names):
+        if (bounds := _dim_bounds(program, profile)) is None:
             return []
-        ranges = [profile.inputs[n] for n in names]
-        rank = max(len(r.min) for r in ranges)
+        ranges, lows, highs = bounds
         values = []
-        for j in range(rank):
-            low = min((r.min[j] for r in ranges if j < len(r.min)), default=1)
-            high = max((r.max[j] for r in ranges if j < len(r.max)), default=1)
+        for low, high in zip(lows, highs):
             axis = set(range(low, min(low + TRACE_SMALL, high + 1)))
             power = 1
             while power < high:
@@ -431,16 +441,12 @@ def memo_shapes(program: Program | None, profiles: list[Profile]) -> list[list[t
     no bytes of its own. Empty where trace_shapes is (a profile that does not name every input)."""
     if program is None or program.shape_function is None or not program.shape_function.memos:
         return []
-    names = list(program.spec.inputs)
     shapes: dict[tuple, None] = {}
     for profile in profiles:
-        if any(n not in profile.inputs for n in names):
+        if (bounds := _dim_bounds(program, profile)) is None:
             return []
-        ranges = [profile.inputs[n] for n in names]
-        rank = max(len(r.min) for r in ranges)
-        lows = [min((r.min[j] for r in ranges if j < len(r.min)), default=1) for j in range(rank)]
-        highs = [max((r.max[j] for r in ranges if j < len(r.max)), default=1) for j in range(rank)]
-        for j in range(rank):
+        ranges, lows, highs = bounds
+        for j in range(len(lows)):
             for value in range(lows[j], min(highs[j], lows[j] + MEMO_AHEAD - 1) + 1):
                 point = [*lows[:j], value, *lows[j + 1:]]
                 shapes[tuple(tuple(min(max(point[i], r.min[i]), r.max[i]) for i in range(len(r.min)))
@@ -504,13 +510,7 @@ def _grow_to_largest(program: Program | None, segment: Segment | None, entry_slo
     if program is None or segment is None:
         return False
     keys = [key for key in (entry_key(program, entry_slots, shapes) for shapes in largest) if key is not None]
-    if not keys or any(len(k) != len(keys[0]) or list(map(len, k)) != list(map(len, keys[0])) for k in keys):
-        return False
-    grown = tuple(tuple(map(max, *dims)) if len(keys) > 1 else dims[0] for dims in zip(*keys))
-    try:
-        return segment.grow_ahead(grown)
-    except ValueError:  # a layer that cannot bind them: a call past the arena binds as before
-        return False
+    return bool(keys) and views_ahead.grow(segment, keys)
 
 
 _REWRITE_JOBS = itertools.count()

@@ -207,7 +207,7 @@ def segments_job(program: Program, shapes: list[list[tuple[int, ...]]], largest:
             made = _ready_at(program_ref, inputs, input_dtypes, met) or made
         for segment, keys in met.values():
             if segment._planned_batch is None:
-                made = _grow(segment, keys) or made
+                made = grow(segment, keys) or made
             else:  # the most images a largest shape gives it
                 batch, first = segment._planned_batch, segment._planned_key[0][0]
                 made = plans_ahead(segment, max(k[0][0] * batch // first for k in keys)) or made
@@ -242,7 +242,7 @@ def _ready_at(program_ref: weakref.ref, inputs: list[tuple[int, ...]], input_dty
     return made
 
 
-def _grow(segment: Segment, keys: list[tuple]) -> bool:
+def grow(segment: Segment, keys: list[tuple]) -> bool:
     """The segment's view template grown to the largest of `keys` along each entry dim (Segment.grow_ahead), before
     its walk is traced: a first call past the planned arena would grow it, and the next new shapes trace again."""
     if any(tuple(map(len, k)) != tuple(map(len, keys[0])) for k in keys):
