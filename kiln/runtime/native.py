@@ -43,6 +43,7 @@ import ctypes
 import math
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -75,6 +76,8 @@ _NUMPY = {torch.float32: np.dtype(np.float32), torch.int64: np.dtype(np.int64), 
 
 class Segment:
     """Consecutive layers of a program run as bound primitives; called as one step."""
+
+    SHARE_VIEWS = True  # twins (on_arena) take their origin's grown template, traced rules and walk (_adopt)
 
     def __init__(self, members: list[BoundStep], read_after: set[int], constants: dict[int, Any] | None = None,
                  natives: list[NativeStep] | None = None, arena: SharedArena | None = None):
@@ -262,6 +265,8 @@ class Segment:
         # oneDNN primitives then waited for the garbage collector)
         self._grown: Segment | None = None
         self._rewrite: _PlanRewrite | None = None  # made at the first view over this segment
+        # the segment this one is another context's twin of (on_arena), weakly; None: none
+        self._origin: weakref.ref[Segment] | None = None
         # Another batch of the planned images as runs of this segment (native_batches.py): the planned batch, the
         # batches' plans, whether the members compute each image alone (None: not yet asked) and the one-image
         # reorders of the images left past the runs
@@ -277,10 +282,37 @@ class Segment:
         plan, at the same offsets from the arena's start, with bound calls, staging buffers and views of their own;
         the layers' launches and packed weights are shared. Views are bound under this segment's resize lock: a
         layer's primitives at other sizes (NativeStep.at, cached in its launch) are made one at a time, as within
-        one program."""
+        one program. What the origin's views have made that follows the sizes only (its grown template's sizes,
+        traced rules and walk) the twin takes now and at its later new sizes (_adopt), not made again."""
         twin = Segment(self.members, self.read_after, self.constants, self._natives, arena=arena)
         twin._resize_lock = self._resize_lock
+        if self.SHARE_VIEWS:
+            twin._origin = weakref.ref(self)  # weakly: a refit's old program is not kept alive by its twins
+            with self._resize_lock:
+                twin._adopt()
         return twin
+
+    def _adopt(self) -> None:
+        """What this segment (another context's twin: on_arena) may take from its origin's views instead of making
+        it again at its first calls (issue 10/14: a second context's first call at a shape the first had run cost
+        ~5 ms on bert_tiny where its repeat costs 0.1): the origin's grown template (the load's view job grew it to
+        the profile's largest), as a template of its own at the same sizes over memory of its own (its pages touched
+        here, as grow_ahead touches them), and each template's plan rewrite made sharing its origin's traced rules
+        and traced walk (_PlanRewrite's `like`: what is the engine's, read-only once made, and the same for
+        templates of one plan). Views themselves stay this segment's: they point at its memory. The caller holds
+        the resize lock (shared with the origin: what the origin grows or rewrites meanwhile is set under it)."""
+        origin = self._origin() if self._origin is not None else None
+        if origin is None:
+            return
+        if self._grown is None and origin._grown is not None:
+            grown = origin._grown.on_arena(None)
+            for buffer in grown.buffers:
+                buffer.zero_()
+            self._grown = grown
+        template = self._grown or self
+        like = template._origin() if template._origin is not None else None
+        if template._rewrite is None and like is not None and like._rewrite is not None:
+            template._rewrite = _PlanRewrite(template, like=like._rewrite)
 
     def _c_loop(self, loop, bindings: list, calls: list) -> tuple:
         nbind = len(bindings)
@@ -416,6 +448,8 @@ class Segment:
             self.resized.move_to_end(key)
             return self.resized[key]
         try:
+            if self._origin is not None and self._views:
+                self._adopt()  # what the origin grew or rewrote since this twin was made
             template = self._grown or self
             rewrite = template._rewrite if self._views else None
             segment = rewrite.traced_view(template, key) if rewrite is not None else None  # no oneDNN scope

@@ -102,9 +102,13 @@ class _PlanRewrite:
     template plan's bytes at the template's sizes is bound the other way (tests/unit/test_native_binding.py compares
     every rewritten plan with the replanned one, byte for byte, at fresh shapes)."""
 
-    def __init__(self, template: Any):
+    def __init__(self, template: Any, like: _PlanRewrite | None = None):
         """The rewrite of `template`'s plans. It does not hold the template (the template holds it: a reference back
-        would be a cycle); view() is given it."""
+        would be a cycle); view() is given it. `like`: the rewrite of a template of the same members and plan over
+        other memory (another execution context's twin, Segment.on_arena), whose traced rules and traced walk this
+        one shares where its walk is the same (_same_walk): they follow the sizes only, never an address, and are
+        read-only once made (a path is added whole, under its lock), so a second context's first calls find the
+        paths the load's view job and the first context traced."""
         call_of = {k: i for i, k in enumerate(template._bound_members)}
         image = bytearray()
         self._kept: list[Any] = []  # what the plans of _other_kernel_layout's members point at (memory objects)
@@ -120,6 +124,11 @@ class _PlanRewrite:
 
         def traced_rule(rule: Any) -> TracedRule:
             return traced.get(rule.key) or traced.setdefault(rule.key, TracedRule(rule))
+
+        if like is not None:  # its rules' traces, where the rule is the same object (the twin's members are its own)
+            for member in like._members:
+                if member[0] is not None:
+                    traced.setdefault(member[0].key, member[0])
 
         sizes = dict(zip(template.entries, template.entry_sizes))
         for k, (m, native, (at, reads, x)) in enumerate(zip(template.members, template._natives, template._resizers)):
@@ -192,6 +201,18 @@ class _PlanRewrite:
         self._whole = ViewTrace(template.entries, tuple(len(size) for size in template.entry_sizes))
         self._ahead = False  # whether the load's view job traced the walk (learn_at): a call's misses defer theirs
         self._pending: set[tuple] = set()  # keys whose traces wait on the background thread (_learn_later)
+        if like is not None and self._same_walk(like):
+            self._whole, self._ahead = like._whole, like._ahead
+
+    def _same_walk(self, other: _PlanRewrite) -> bool:
+        """Whether view()'s walk is the same function of the entry sizes for this rewrite and `other`: the same
+        traced rules (objects), schedule of members and mirrors, values, exits and arena capacities (the traced
+        walk's guards), and entry ranks. A twin's rewrite always is (its template is planned as its origin's)."""
+        def walk_form(rewrite: _PlanRewrite) -> list[tuple]:
+            return [(m[0], m[4], tuple(m[5]), m[7], m[8]) for m in rewrite._members]
+        return self._values == other._values and self._arena == other._arena and self._exits == other._exits \
+            and self._steps == other._steps and self._whole.ranks == other._whole.ranks \
+            and walk_form(self) == walk_form(other)
 
     def view(self, template: Any, key: tuple) -> _Resized | None:
         """`template`'s view (the segment this rewrite was made for) at entry sizes `key`, or None: a rule or a

@@ -1,0 +1,93 @@
+"""A second execution context's first calls (issue 10/14): at a shape the first context has run, and at a new one.
+
+Each CPU context runs a lane of its own (kiln/runtime/engine.py CpuLane: its native segments bound anew over an
+arena of its own, Program.with_own_arena). Before session 25's h-ctx2, a second lane's segments started without
+the first's plan rewrite, traced walk, rules and grown template, so its first call at every shape paid the view's
+whole first-call cost again (what the load's view job had done for the first lane only). One process per run
+(--no-share: the sharing off, Segment.SHARE_VIEWS False), engine built in-process from the zoo's bert_tiny with
+the tests' profile (1x1 / 4x32 / 4x48), background jobs waited for, 1 thread, KILN_PAD_FIRST_CALLS=0 (every new
+shape binds). Thread CPU µs of each call (the first, then the median of 3 repeats); context creation's µs beside.
+
+    python bench/ctx_first_calls.py [--no-share] [--label X]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import zlib
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ["KILN_PAD_FIRST_CALLS"] = "0"
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import kiln  # noqa: E402
+from kiln import zoo  # noqa: E402
+from kiln.kernels.cpu import onednn_ahead  # noqa: E402
+from kiln.runtime import native  # noqa: E402
+
+
+def feeds(engine, batch: int, seq: int) -> dict:
+    rng = np.random.default_rng(zlib.crc32(f"{batch}x{seq}".encode()))
+    out = {}
+    for b in engine.inputs:
+        if "mask" in b.name:
+            out[b.name] = np.ones((batch, seq), np.int64)
+        else:
+            out[b.name] = rng.integers(0, 100, (batch, seq), dtype=np.int64)
+    return out
+
+
+def timed(context, f) -> float:
+    t0 = time.thread_time_ns()
+    context.run(f)
+    return (time.thread_time_ns() - t0) / 1e3
+
+
+def first_and_repeat(context, engine, shape) -> tuple[float, float]:
+    f = feeds(engine, *shape)
+    first = timed(context, f)
+    return first, statistics.median(timed(context, f) for _ in range(3))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--no-share", action="store_true")
+    ap.add_argument("--label", default="")
+    args = ap.parse_args()
+    if args.no_share:
+        native.Segment.SHARE_VIEWS = False
+    torch.set_num_threads(1)
+    exported = zoo.export("bert_tiny", dynamic=True)
+    engine = kiln.build(str(exported.path), profiles=[{"input_ids": "1x1,4x32,4x48"}])
+    assert onednn_ahead.AHEAD.wait(timeout=120)
+    c1 = engine.create_execution_context()
+    rows = []
+    for shape in [(2, 7), (3, 20)]:
+        rows.append(("ctx1 first ever", shape, *first_and_repeat(c1, engine, shape)))
+    t0 = time.thread_time_ns()
+    c2 = engine.create_execution_context()
+    made_us = (time.thread_time_ns() - t0) / 1e3
+    assert onednn_ahead.AHEAD.wait(timeout=120)
+    for shape in [(2, 7), (3, 20)]:
+        rows.append(("ctx2, seen by ctx1", shape, *first_and_repeat(c2, engine, shape)))
+    for shape in [(1, 11), (4, 41)]:
+        rows.append(("ctx2 first ever", shape, *first_and_repeat(c2, engine, shape)))
+    for shape in [(1, 11), (4, 41)]:
+        rows.append(("ctx1, seen by ctx2", shape, *first_and_repeat(c1, engine, shape)))
+    print(f"# {args.label or ('sharing off' if args.no_share else 'sharing on')}; load {open('/proc/loadavg').read().split()[:3]}")
+    print(f"ctx2 creation: {made_us:.0f} us")
+    print("| call | shape | first us | repeat us | first - repeat |")
+    print("|---|---|---|---|---|")
+    for what, shape, first, rep in rows:
+        print(f"| {what} | {shape[0]}x{shape[1]} | {first:.0f} | {rep:.0f} | {first - rep:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
