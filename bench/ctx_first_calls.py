@@ -81,8 +81,11 @@ def main() -> None:
         rows.append(("ctx2 first ever", shape, *first_and_repeat(c2, engine, shape)))
     for shape in [(1, 11), (4, 41)]:
         rows.append(("ctx1, seen by ctx2", shape, *first_and_repeat(c1, engine, shape)))
-    print(f"# {args.label or ('sharing off' if args.no_share else 'sharing on')}; load {open('/proc/loadavg').read().split()[:3]}")
-    print(f"ctx2 creation: {made_us:.0f} us")
+    label = args.label or ("sharing off" if args.no_share else "sharing on")
+    print(f"# {label}; load {open('/proc/loadavg').read().split()[:3]}")
+    grown = sum(b.numel() * b.element_size() for s in c2.program.segments if s._grown is not None
+                for b in s._grown.buffers)
+    print(f"ctx2 creation: {made_us:.0f} us; its grown templates' memory after its calls: {grown / 2**20:.2f} MiB")
     print("| call | shape | first us | repeat us | first - repeat |")
     print("|---|---|---|---|---|")
     for what, shape, first, rep in rows:

@@ -199,10 +199,19 @@ class _PlanRewrite:
         self._arguments = ViewArguments()  # the oneDNN members' arguments, kept across views (tables, handles)
         # the walk of view() as closed forms of the entry dims, where every member it evaluates has a rule
         self._whole = ViewTrace(template.entries, tuple(len(size) for size in template.entry_sizes))
-        self._ahead = False  # whether the load's view job traced the walk (learn_at): a call's misses defer theirs
         self._pending: set[tuple] = set()  # keys whose traces wait on the background thread (_learn_later)
         if like is not None and self._same_walk(like):
-            self._whole, self._ahead = like._whole, like._ahead
+            self._whole = like._whole  # (its `ahead` with it: a twin's misses defer as its origin's do)
+
+    @property
+    def _ahead(self) -> bool:
+        """Whether the load's view job traced the walk (learn_at): a call's misses then defer their traces. Kept on
+        the ViewTrace, which twins' rewrites share (a twin made before the job ran learns it there)."""
+        return self._whole.ahead
+
+    @_ahead.setter
+    def _ahead(self, value: bool) -> None:
+        self._whole.ahead = value
 
     def _same_walk(self, other: _PlanRewrite) -> bool:
         """Whether view()'s walk is the same function of the entry sizes for this rewrite and `other`: the same

@@ -36,6 +36,7 @@ class ViewTrace:
         given it."""
         self._entries, self._ranks = list(entries), ranks
         self._forms = ClosedForms()
+        self.ahead = False  # whether the load's view job traced it (_PlanRewrite._ahead: a call's misses defer theirs)
 
     @property
     def ranks(self) -> tuple[int, ...]:
