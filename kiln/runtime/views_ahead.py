@@ -124,11 +124,13 @@ def exit_sizes(segment: Segment, key: tuple) -> list[tuple[int, ...]] | None:
 # torch._dynamo at its first call: ~2 s of CPU and its memory in a process that only runs engines)
 ON_META = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Expand", "Slice",
                      "Concat", "Split", "Gather", "GatherElements"})
-# ... elementwise ones by their sizes alone: one input's sizes and dtype (a unary op), or the inputs' broadcast
-SAME_SIZES = frozenset({"Abs", "Acos", "Acosh", "Asin", "Asinh", "Atan", "Atanh", "Ceil", "Celu", "Cos", "Cosh", "Elu",
-                        "Erf", "Exp", "Floor", "Gelu", "HardSigmoid", "HardSwish", "LeakyRelu", "Log", "Mish", "Neg",
-                        "Not", "Reciprocal", "Relu", "Round", "Selu", "Shrink", "Sigmoid", "Sign", "Sin", "Sinh",
-                        "Softplus", "Softsign", "Sqrt", "Tan", "Tanh", "ThresholdedRelu", "BitwiseNot"})
+# ... elementwise ones by their sizes alone: one input's sizes and dtype (a unary op, a Softmax along any axis), or the
+# inputs' broadcast
+SAME_SIZES = frozenset({"Abs", "Acos", "Acosh", "Asin", "Asinh", "Atan", "Atanh", "Ceil", "Celu", "Cos", "Cosh",
+                        "Elu", "Erf", "Exp", "Floor", "Gelu", "HardSigmoid", "HardSwish", "LeakyRelu", "Log", "Mish",
+                        "Neg", "Not", "Reciprocal", "Relu", "Round", "Selu", "Shrink", "Sigmoid", "Sign", "Sin",
+                        "Sinh", "Softmax", "LogSoftmax", "Softplus", "Softsign", "Sqrt", "Tan", "Tanh",
+                        "ThresholdedRelu", "BitwiseNot"})
 TO_BOOL = frozenset({"Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "And", "Or", "Xor", "IsInf", "IsNaN"})
 
 
