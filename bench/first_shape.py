@@ -11,6 +11,8 @@ jobs done (first_calls.primitives_made), then first calls at --shapes in order, 
 
 --image CxHxW: an image model's pixel_values, --shapes then batches (onnxruntime warmed at batch --warm-batch).
 
+--no-reshaped-shapes: a Shape of a Reshape's output is left to the loop (llama_tiny: plans_ahead False).
+--no-plans-ahead: a program of several segments computes no shape plans at load (first_calls.plan_shapes empty).
 --no-memos: the view job's memo shapes off (first_calls.memo_shapes empty); --no-grid-rows: each grid corner a
 copy. --no-views-ahead: the load's view jobs off (first_calls._trace_job and _segments_job: no template grown, no walk
 traced, no segment readied at load), the tree before them otherwise. --steady: the hot path at shapes already seen,
@@ -58,6 +60,11 @@ def main() -> None:
                     "first_calls.memo_shapes)")
     ap.add_argument("--no-grid-rows", action="store_true", help="index grids' corners cut by a copy each (A of "
                     "shape_function._GridBase's rows: GRID_ROWS_BYTES 0)")
+    ap.add_argument("--no-plans-ahead", action="store_true", help="a program of several segments computes no shape "
+                    "plans at load (A of first_calls.plan_shapes)")
+    ap.add_argument("--no-reshaped-shapes", action="store_true", help="a Shape of a Reshape's output stays in the "
+                    "loop (A of shape_function._reshaped_by: llama_tiny's shape function then leaves shape values to "
+                    "the loop, plans_ahead False)")
     ap.add_argument("--steady", default="", help="shapes of the steady-state A/B (then no first calls)")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--image", default="", help="CxHxW: pixel_values of an image model; --shapes are batches")
@@ -70,6 +77,11 @@ def main() -> None:
         first_calls._trace_job = lambda program, profiles: None
         if hasattr(first_calls, "_segments_job"):  # (a tree before it has none)
             first_calls._segments_job = lambda program, profiles, dtypes: None
+    if args.no_reshaped_shapes:
+        from kiln.runtime import shape_function
+        shape_function._reshaped_by = lambda *a: None
+    if args.no_plans_ahead and hasattr(first_calls, "plan_shapes"):
+        first_calls.plan_shapes = lambda program, profiles: []
     if args.no_memos:
         first_calls.memo_shapes = lambda program, profiles: []
     if args.no_grid_rows:

@@ -499,7 +499,34 @@ def _segments_job(program: Program, profiles: list[Profile], input_dtypes: list[
     (kiln/runtime/views_ahead.py: each segment's entry sizes found through the layers between them, on the host)."""
     largest = [[tuple(p.inputs[n].max) for n in program.spec.inputs] for p in profiles
                if all(n in p.inputs for n in program.spec.inputs)]
-    return views_ahead.segments_job(program, trace_shapes(program, profiles), largest, input_dtypes)
+    return views_ahead.segments_job(program, trace_shapes(program, profiles), largest, input_dtypes,
+                                    plan_shapes(program, profiles))
+
+
+PLANS_AHEAD = 128  # input shapes whose shape plans a program of several segments computes at load (the smallest)
+
+
+def plan_shapes(program: Program, profiles: list[Profile]) -> list[list[tuple[int, ...]]]:
+    """The input shapes whose shape plans _segments_job computes at load (views_ahead.plans_ahead_at), smallest
+    first: every combination of each dim's values the profiles allow (the dims at one position shared, as for
+    trace_shapes), the PLANS_AHEAD smallest. Empty where the program computes its shape values only by running
+    (plans_ahead False) or a profile does not name every input."""
+    if not program.plans_ahead:
+        return []
+    shapes: dict[tuple, None] = {}
+    for profile in profiles:
+        if (bounds := _dim_bounds(program, profile)) is None:
+            return []
+        ranges, lows, highs = bounds
+        # each dim's PLANS_AHEAD smallest values hold the PLANS_AHEAD smallest combinations
+        values = [range(low, min(high, low + PLANS_AHEAD - 1) + 1) for low, high in zip(lows, highs)]
+        if _product(tuple(map(len, values))) > 64 * PLANS_AHEAD:  # many long dims: their smallest values only
+            values = [v[:max(1, int(round(PLANS_AHEAD ** (1 / len(values)))))] for v in values]
+        for point in itertools.product(*values):
+            shapes[tuple(tuple(min(max(point[j], r.min[j]), r.max[j]) for j in range(len(r.min)))
+                         for r in ranges)] = None
+    ordered = sorted(shapes, key=lambda shape: (sum(map(_product, shape)), shape))
+    return [list(shape) for shape in ordered[:PLANS_AHEAD]]
 
 
 def _grow_to_largest(program: Program | None, segment: Segment | None, entry_slots: tuple[int, ...],

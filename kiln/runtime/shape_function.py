@@ -357,6 +357,15 @@ def _at(dims: tuple, i: int) -> int:
     return dims[i]
 
 
+def _reshaped_sizes(target: Any, allowzero: int) -> tuple[int, ...]:
+    """The sizes of a Reshape's output from its target alone (_reshaped_by's Reshapes: no -1, no 0 copied from the
+    data): the target's values. ValueError where they are not (the function then fails, and the steps run)."""
+    sizes = tuple(int(v) for v in (target.tolist() if isinstance(target, torch.Tensor) else target))
+    if any(v < 0 or (v == 0 and not allowzero) for v in sizes):
+        raise ValueError(f"Reshape target {list(sizes)}: its output's sizes follow from its data")
+    return sizes
+
+
 def _int64(v: int) -> int:
     if not _INT64_MIN <= v <= _INT64_MAX:
         raise OverflowError(f"{v} is past int64: the step computes it")
@@ -416,7 +425,7 @@ _HELPERS = {"_only": _only, "_at": _at, "_arith": _arith, "_tensor": _tensor, "_
             "_gather_nonneg": _gather_nonneg, "_gather_elements_nonneg": _gather_elements_nonneg,
             "_reshape_to": reshape_to, "_slice_ints": slice_ints, "_squeeze_axes": squeeze_axes,
             "_unsqueeze_axes": unsqueeze_axes, "_expand_to": expand_to, "_arange_int64": arange_int64,
-            "_broadcast_sizes": broadcast_sizes, "_narrow": _narrow}
+            "_broadcast_sizes": broadcast_sizes, "_narrow": _narrow, "_reshaped_sizes": _reshaped_sizes}
 
 
 def _constant_dims(value: Any) -> tuple[str, Any] | None:
@@ -670,13 +679,53 @@ def computable_ahead(steps: list[BoundStep], order: list[int], template: list[An
     The others read a layer's output (a Shape of a Reshape's result in an exported Llama, and what follows
     from it): the loop computes them where they stand, once per signature, as before."""
     known = set(input_slots) | {s for s, v in enumerate(template) if v is not None}
+    producers = _producers(steps)
     ahead = []
     for i in order:
         step = steps[i]
-        if all(s < 0 or s in known for s in step.inputs):
+        reshape = _reshaped_by(steps, producers, step, template, input_slots)
+        if all(s < 0 or s in known for s in step.inputs) or (reshape is not None and reshape.inputs[1] in known):
             ahead.append(i)
             known.update(s for s in step.outputs if s >= 0)
     return ahead
+
+
+def _producers(steps: list[BoundStep]) -> dict[int, BoundStep]:
+    return {s: step for step in steps for s in step.outputs if s >= 0}
+
+
+def _reshaped_by(steps: list[BoundStep], producers: dict[int, BoundStep], step: BoundStep, template: list[Any],
+                 input_slots: list[int]) -> BoundStep | None:
+    """The Reshape whose output `step`, an ONNX Shape, reads, where that output's sizes are its target's values
+    whatever its data: the target a Concat of Shapes of program inputs and constants with no -1 (and no 0 unless
+    allowzero). An exported Llama's repeat_kv reshapes a layer's output to [batch, heads, seq, dim] and takes its
+    Shape: computed here from the target, that Shape and what follows from it leave the loop, so the shape function
+    computes every shape value the loop reads (plans_ahead: the load's views job and DirectRuns then apply). None
+    otherwise."""
+    if step.ctx.op_type != "Shape" or step.ctx.domain not in ("", "ai.onnx") or len(step.inputs) != 1 \
+            or len(step.outputs) != 1 or step.inputs[0] < 0 or template[step.inputs[0]] is not None:
+        return None
+    reshape = producers.get(step.inputs[0])
+    if reshape is None or reshape.ctx.op_type != "Reshape" or reshape.ctx.domain not in ("", "ai.onnx") \
+            or len(reshape.inputs) != 2 or reshape.inputs[1] < 0 or len(reshape.outputs) != 1:
+        return None
+    allowzero = bool(reshape.attributes.get("allowzero", 0))
+    concat = producers.get(reshape.inputs[1])
+    if concat is None or concat.ctx.op_type != "Concat" or concat.ctx.domain not in ("", "ai.onnx"):
+        return None
+    for s in concat.inputs:
+        if s < 0:
+            return None
+        if template[s] is not None:
+            dims = _constant_dims(template[s])
+            if dims is None or dims[0] != "ints" or any(v < 0 or (v == 0 and not allowzero) for v in dims[1]):
+                return None
+            continue
+        shape = producers.get(s)
+        if shape is None or shape.ctx.op_type != "Shape" or shape.ctx.domain not in ("", "ai.onnx") \
+                or len(shape.inputs) != 1 or shape.inputs[0] not in input_slots or not allowzero:
+            return None  # (an input's dim of 0 copies the data's dim unless allowzero)
+    return reshape
 
 
 def compile_shape_steps(steps: list[BoundStep], order: list[int], template: list[Any], input_slots: list[int],
@@ -688,6 +737,7 @@ def compile_shape_steps(steps: list[BoundStep], order: list[int], template: list
     w = _Writer()
     inputs = set()
     wanted = set(slots)
+    producers = _producers(steps)
     shape_read: dict[int, tuple[str, ...]] = {}  # slot -> what each of `order`'s steps reading it is ("Shape": an
     for i in order:  # ONNX Shape that _emit computes)
         step = steps[i]
@@ -708,6 +758,15 @@ def compile_shape_steps(steps: list[BoundStep], order: list[int], template: list
                 ins.append(None)
                 continue
             if s not in w.values:
+                reshape = _reshaped_by(steps, producers, step, template, input_slots) if template[s] is None \
+                    else None
+                if reshape is not None and reshape.inputs[1] in w.values:  # its sizes from its target alone
+                    target, var = w.values[reshape.inputs[1]], w.name("v")
+                    allowzero = int(bool(reshape.attributes.get("allowzero", 0)))
+                    w.line(f"{var} = _reshaped_sizes({target.var}, {allowzero})", (var,), (target.var,))
+                    w.values[s] = _Value(var, "shape")
+                    ins.append(w.values[s])
+                    continue
                 if template[s] is None:
                     return None  # computed by a step outside `order`
                 value = template[s]

@@ -39,7 +39,7 @@ from kiln.ops._util import MULTIDIRECTIONAL, broadcast_sizes
 from kiln.ops.registry import lookup
 from kiln.runtime.native import Segment
 from kiln.runtime.native_batches import another_batch, exit_sizes_in_runs, plans_ahead, runs_ahead
-from kiln.runtime.program import Program
+from kiln.runtime.program import SHAPE_PLANS, Program
 
 _JOBS = itertools.count()
 
@@ -124,11 +124,13 @@ def exit_sizes(segment: Segment, key: tuple) -> list[tuple[int, ...]] | None:
 # torch._dynamo at its first call: ~2 s of CPU and its memory in a process that only runs engines)
 ON_META = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Expand", "Slice",
                      "Concat", "Split", "Gather", "GatherElements"})
-# ... elementwise ones by their sizes alone: one input's sizes and dtype (a unary op), or the inputs' broadcast
-SAME_SIZES = frozenset({"Abs", "Acos", "Acosh", "Asin", "Asinh", "Atan", "Atanh", "Ceil", "Celu", "Cos", "Cosh", "Elu",
-                        "Erf", "Exp", "Floor", "Gelu", "HardSigmoid", "HardSwish", "LeakyRelu", "Log", "Mish", "Neg",
-                        "Not", "Reciprocal", "Relu", "Round", "Selu", "Shrink", "Sigmoid", "Sign", "Sin", "Sinh",
-                        "Softplus", "Softsign", "Sqrt", "Tan", "Tanh", "ThresholdedRelu", "BitwiseNot"})
+# ... elementwise ones by their sizes alone: one input's sizes and dtype (a unary op, a Softmax along any axis), or the
+# inputs' broadcast
+SAME_SIZES = frozenset({"Abs", "Acos", "Acosh", "Asin", "Asinh", "Atan", "Atanh", "Ceil", "Celu", "Cos", "Cosh",
+                        "Elu", "Erf", "Exp", "Floor", "Gelu", "HardSigmoid", "HardSwish", "LeakyRelu", "Log", "Mish",
+                        "Neg", "Not", "Reciprocal", "Relu", "Round", "Selu", "Shrink", "Sigmoid", "Sign", "Sin",
+                        "Sinh", "Softmax", "LogSoftmax", "Softplus", "Softsign", "Sqrt", "Tan", "Tanh",
+                        "ThresholdedRelu", "BitwiseNot"})
 TO_BOOL = frozenset({"Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "And", "Or", "Xor", "IsInf", "IsNaN"})
 
 
@@ -192,10 +194,12 @@ def _product_on_meta(op_type: str, args: list, attributes: dict) -> list[torch.T
 
 
 def segments_job(program: Program, shapes: list[list[tuple[int, ...]]], largest: list[list[tuple[int, ...]]],
-                 input_dtypes: list[torch.dtype]) -> onednn_ahead.Job | None:
+                 input_dtypes: list[torch.dtype], plans: list[list[tuple[int, ...]]] = ()
+                 ) -> onednn_ahead.Job | None:
     """The job readying every segment of a program of several (the module's doc) at `shapes` (trace_shapes's),
-    growing templates to `largest` (each profile's largest input shapes) first. None where no segment has views.
-    Holds the program weakly; lets a calling thread have the GIL between shapes."""
+    growing templates to `largest` (each profile's largest input shapes) first, then computing the shape plans of
+    `plans` (first_calls.plan_shapes: plans_ahead). None where no segment has views. Holds the program weakly; lets
+    a calling thread have the GIL between shapes."""
     if not shapes or not any(isinstance(step.fn, Segment) and step.fn._views for step in program.lean_steps):
         return None
     program_ref = weakref.ref(program)
@@ -215,8 +219,43 @@ def segments_job(program: Program, shapes: list[list[tuple[int, ...]]], largest:
         for inputs in shapes:
             made = _ready_at(program_ref, inputs, input_dtypes, None) or made
             time.sleep(0)  # the GIL to a calling thread, if one waits
-        return made
+        return plans_ahead_at(program_ref, plans, input_dtypes) or made
     return onednn_ahead.Job(("segment views", next(_JOBS)), 0, make, counted=False)
+
+
+PLANS_AHEAD_BYTES = 8 << 20  # the shape plans' tensors plans_ahead_at keeps at most (of SHAPE_PLAN_BYTES: 64 MB)
+
+
+def plans_ahead_at(program_ref: weakref.ref, plans: list[list[tuple[int, ...]]], input_dtypes: list[torch.dtype]
+                   ) -> bool:
+    """The shape plans (Program.plan_ahead: the shape function's values, as a call's first run keeps them) of each
+    input shape of `plans`, in order, until their tensors pass PLANS_AHEAD_BYTES or the program keeps half its
+    SHAPE_PLANS (the calls' own plans keep the other half before one made here goes). A decoder's shape function
+    builds its causal mask from both dims at each new batch x sequence: gpt2_tiny's ~14 ops, ~0.4-0.8 ms of a later
+    first call's ~1 ms outside the loop (bench/results/first-shape-2026-12-06.md), which the call then skips as a
+    repeat does. Nothing where the shape values need more than the inputs' sizes (plans_ahead, shapes_only)."""
+    made, held = False, 0
+    for shapes in plans:
+        program = program_ref()
+        if program is None or not program.plans_ahead or program.shape_plans is None \
+                or not program.shape_function.shapes_only:
+            return made
+        signature = tuple((tuple(shape), dtype) for shape, dtype in zip(shapes, input_dtypes))
+        with program._plans_lock:
+            known, kept = signature in program.shape_plans, len(program.shape_plans)
+        if kept >= SHAPE_PLANS // 2:
+            return made
+        if not known:  # the function reads the inputs' sizes only: zero-strided arrays (DirectRuns.bind's inputs)
+            arrays = [np.broadcast_to(np.zeros((), np.int64), shape) for shape in shapes]
+            if not program.plan_ahead(arrays, signature):
+                return made
+            made = True
+            held += program._plan_sizes.get(signature, 0)
+            if held > PLANS_AHEAD_BYTES:
+                return made
+        del program
+        time.sleep(0)  # the GIL to a calling thread, if one waits
+    return made
 
 
 def _ready_at(program_ref: weakref.ref, inputs: list[tuple[int, ...]], input_dtypes: list[torch.dtype],

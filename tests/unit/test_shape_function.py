@@ -5,6 +5,7 @@ which a step fails names that layer as the steps do."""
 from __future__ import annotations
 
 import re
+import zlib
 
 import numpy as np
 import onnxruntime as ort
@@ -259,14 +260,14 @@ def test_values_of_some_dims_are_kept_per_those_dims_and_equal_the_steps_at_shap
 
 @pytest.mark.parametrize("name", ["gpt2_tiny", "llama_tiny"])
 def test_decoders_shape_values_match_the_steps_and_first_calls_match_onnxruntime(name):
-    """GPT-2's shape values all follow from the input shapes; Llama's include a Shape of a layer's output,
-    which the loop computes where it stands (the function computes the others)."""
+    """GPT-2's shape values all follow from the input shapes; Llama's include a Shape of a layer's output, a Reshape
+    whose target is made of the inputs' dims and constants: its sizes are the target's values."""
     exported = zoo.export(name, batch=2, seq=8, dynamic=True)
     engine = kiln.build(str(exported.path), profiles=[{"input_ids": "1x1,2x8,4x16"}])
     program = engine.program
     assert program.shape_function is not None
-    if name == "llama_tiny":
-        assert len(program.first_steps) > len(program.lean_steps)  # late shape steps run in the loop
+    # Llama's Shape of a layer's output (repeat_kv's Reshape) follows from the Reshape's target (_reshaped_by)
+    assert program.plans_ahead and len(program.first_steps) == len(program.lean_steps)
     session = ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
     rng = np.random.default_rng()
     for _ in range(6):
@@ -525,3 +526,43 @@ def test_a_memo_counts_each_storage_once_and_lets_it_go_with_its_last_entry(monk
     assert memo.get((1,)) is None and memo.get((103,)) is not None
     memo.clear()
     assert memo.held == 0 and len(memo) == 0
+
+
+def _reshape_shape_model(allowzero: int, middle: int) -> bytes:
+    """y = Reshape(Cos(x), Shape(Reshape(Sin(x), [b, middle, s]))), x [b, s]: a Shape of a layer's output whose sizes
+    follow from the Reshape's target where it has no -1 (and allowzero, its input dims possibly 0)."""
+    nodes = [helper.make_node("Shape", ["x"], ["b"], start=0, end=1),
+             helper.make_node("Shape", ["x"], ["s"], start=1, end=2),
+             helper.make_node("Concat", ["b", "middle", "s"], ["target"], axis=0),
+             helper.make_node("Sin", ["x"], ["sx"]),
+             helper.make_node("Reshape", ["sx", "target"], ["r"], allowzero=allowzero),
+             helper.make_node("Shape", ["r"], ["dims"]),
+             helper.make_node("Cos", ["x"], ["cx"]),
+             helper.make_node("Reshape", ["cx", "dims"], ["y0"]),
+             helper.make_node("Add", ["y0", "r"], ["y"])]
+    graph = helper.make_graph(nodes, "reshape_shape", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [helper.make_tensor("middle", TensorProto.INT64, [1], [middle])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+def test_a_shape_of_a_reshapes_output_stays_in_the_loop_where_its_data_sets_it(tmp_path):
+    """A -1 in the target (its size from the data's) keeps the Shape in the loop (_reshaped_by refuses; llama_tiny's
+    repeat_kv above is the case it takes: allowzero, no -1; this graph's Shape without the -1 is folded at build);
+    the values equal the steps' and the outputs onnxruntime's."""
+    allowzero, middle, ahead = 1, -1, False
+    path = tmp_path / "reshape_shape.onnx"
+    path.write_bytes(_reshape_shape_model(allowzero, middle))
+    engine = kiln.build(str(path), profiles=[{"x": "1x1,2x4,4x8"}])
+    program = engine.program
+    assert program.shape_function is not None
+    assert program.plans_ahead == ahead
+    assert (len(program.first_steps) == len(program.lean_steps)) == ahead
+    assert "_reshaped_sizes(" not in program.shape_function.source
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(zlib.crc32(f"reshape shape {allowzero} {middle}".encode()))
+    for b, s in [(1, 1), (3, 5), (4, 8), (2, 7)]:
+        x = rng.standard_normal((b, s)).astype(np.float32)
+        _assert_same_shape_values(program, [torch.from_numpy(x)])
+        got = next(iter(engine.run({"x": x}).values()))
+        np.testing.assert_allclose(got, session.run(None, {"x": x})[0], rtol=1e-6, atol=1e-6)  # Sin + Cos, fp32

@@ -262,6 +262,7 @@ def test_the_job_imports_nothing_heavy(saved):
 
 @pytest.mark.parametrize("op_type, domain, shapes, dtypes_in, attributes, refused", [
     ("Sin", "", [(3, 8, 64)], [torch.float32], {}, None),
+    ("Softmax", "", [(3, 4, 8, 8)], [torch.float32], {"axis": -1}, None),
     ("Add", "", [(3, 1, 64), (8, 1)], [torch.float32, torch.float32], {}, [(3, 2, 64), (8, 1)]),
     ("Where", "", [(1, 8, 1), (3, 8, 64), ()], [torch.bool, torch.float32, torch.float32], {},
      [(1, 7, 1), (3, 8, 64), ()]),
