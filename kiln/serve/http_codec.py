@@ -251,6 +251,41 @@ def encode_response_pieces(response: InferResponse, options: OutputOptions, batc
     """encode_response's body in its pieces, not joined: the JSON header, then each binary output's bytes, large
     ones as views of their arrays (datatypes.raw_view). The infer fast path (kiln/serve/http_fast.py) writes them
     as they are."""
+    key = _binary_key(response, options)
+    if key is not None:
+        header = _BINARY_HEADERS.get(key)
+        if header is not None:
+            return [header, *[datatypes.raw_view(array) for _, array in response.outputs]], len(header)
+    pieces, header_length = _encode_pieces(response, options, batched, shared_memory)
+    if key is not None:
+        if len(_BINARY_HEADERS) >= MAX_BINARY_HEADERS:
+            _BINARY_HEADERS.clear()
+        _BINARY_HEADERS[key] = pieces[0]
+    return pieces, header_length
+
+
+# The JSON header of an answer whose outputs all leave as binary data is a function of the model, version, id and
+# each output's name, dtype and shape alone (binary_data_size is the array's nbytes): a client at concurrency 1 gets
+# the same header every call, json.dumps'd once and remembered here by that exact key (at most MAX_BINARY_HEADERS).
+_BINARY_HEADERS: dict[tuple, bytes] = {}
+MAX_BINARY_HEADERS = 256
+
+
+def _binary_key(response: InferResponse, options: OutputOptions) -> tuple | None:
+    """The answer's key in _BINARY_HEADERS, or None when an output is not plain binary data (JSON, BYTES,
+    classified, shared memory)."""
+    if options.classification or options.places:
+        return None
+    key = [response.model, response.version, response.id]
+    for name, array in response.outputs:
+        if type(array) is not np.ndarray or array.dtype == object or not options.is_binary(name):
+            return None
+        key.append((name, array.dtype, array.shape))
+    return tuple(key)
+
+
+def _encode_pieces(response: InferResponse, options: OutputOptions, batched: bool,
+                   shared_memory: SharedMemoryRegistry) -> tuple[list[bytes | memoryview], int | None]:
     outputs, chunks = [], []
     for name, array in response.outputs:
         if type(array) is SharedTensor:  # the engine process wrote it into its region

@@ -348,3 +348,29 @@ def test_quick_validation_takes_named_outputs_as_the_full_one(core_thread):
         assert all(quick[0][n] is full[0][n] for n in full[0])
     for outputs in (["q"], ["y", "y"], ["y", "q"]):
         assert _validate_quickly(InferRequest(model="mlp", inputs={"x": x}, outputs=outputs), model) is None
+
+
+def test_remembered_answer_headers_encode_as_json_dumps():
+    """encode_response_pieces' remembered JSON headers (all outputs binary) against the header encoded afresh
+    (_encode_pieces), answer by answer: answers repeating, and answers apart in one of model, version, id, an
+    output's name, dtype or shape, or an output sent as JSON."""
+    from kiln.serve.core import InferResponse
+    from kiln.serve.http_codec import OutputOptions, _encode_pieces, encode_response_pieces
+    from kiln.serve.shared_memory import SharedMemoryRegistry
+
+    gen, registry = _seeded("answer headers"), SharedMemoryRegistry()
+    binary, y_as_json = OutputOptions(True), OutputOptions(True, {"y": False})
+
+    def answer(model="m", version="1", id="", shapes=((2, 3), (4,)), dtypes=(np.float32, np.int64), names="yz"):
+        outputs = [(n, (gen.standard_normal(s) * 9).astype(d)) for n, s, d in zip(names, shapes, dtypes)]
+        return InferResponse(model=model, version=version, id=id, outputs=outputs)
+
+    variants = [{}, {}, {"model": "n"}, {"version": "2"}, {"id": "a"}, {"id": "b"}, {"names": "yq"},
+                {"dtypes": (np.float16, np.int64)}, {"dtypes": (ml_dtypes.bfloat16, np.int64)},
+                {"shapes": ((3, 2), (4,))}, {"shapes": ((2, 3), (5,))}, {"shapes": ((2, 3, 1), (4,))}, {}]
+    for options in (binary, y_as_json, binary):
+        for kw in variants * 2:
+            response = answer(**kw)
+            got, got_length = encode_response_pieces(response, options, False, registry)
+            want, want_length = _encode_pieces(response, options, False, registry)
+            assert got_length == want_length and [bytes(p) for p in got] == [bytes(p) for p in want], (kw, got[0])
