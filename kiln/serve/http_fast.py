@@ -147,7 +147,8 @@ def _cycle(send):
 async def _send(send, status: int, payload: bytes | list[bytes | memoryview], content_type: bytes,
                 retry_after: int | None = None, header_length: int | None = None) -> None:
     """The answer as ASGI messages, which uvicorn writes as it gets them: the head, then the body (`payload`: its
-    bytes, or its pieces: a message each, the large outputs views of their arrays), each a send(2) of its own and,
+    bytes, or its pieces: joined into one message under GATHER_BYTES, else a message each, the large outputs views
+    of their arrays), each a send(2) of its own and,
     with TCP_NODELAY, a segment of its own that wakes the client. Under uvicorn the writes are held and leave in
     one writelines (one system call, the pieces gathered by writev under uvloop, not joined here); uvicorn's own
     bookkeeping (keep-alive, the next pipelined request, Content-Length checks) runs as for any answer."""
