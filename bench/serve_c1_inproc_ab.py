@@ -167,7 +167,8 @@ def main() -> None:
     parser.add_argument("--body", choices=["binary", "json"], default="binary", help="--protocol http: the body")
     args = parser.parse_args()
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    print(f"CPU: {cpu} x {os.cpu_count()}; {args.protocol}" + (f", {args.body} body" if args.protocol == "http" else ""))
+    body = f", {args.body} body" if args.protocol == "http" else ""
+    print(f"CPU: {cpu} x {os.cpu_count()}; {args.protocol}{body}")
     by_tree: dict[str, list[float]] = {t: [] for t in args.trees}
     answers: set[str] = set()
     for r in range(args.rounds):
@@ -187,7 +188,8 @@ def main() -> None:
             print(f"| {r} | {tree} | {value:.1f} us/req | load {load} |", flush=True)
     base = args.trees[0]
     if answers:
-        print(f"answers' bodies (crc32 of 500 a process): {'the same in every process' if len(answers) == 1 else answers}")
+        same = "the same in every process" if len(answers) == 1 else answers
+        print(f"answers' bodies (crc32 of 500 a process): {same}")
     print("\n| tree | rounds | median loop CPU us/req | median ratio to the first tree |\n|---|---|---|---|")
     for tree, values in by_tree.items():
         ratios = [v / b for v, b in zip(values, by_tree[base])]
