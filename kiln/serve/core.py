@@ -78,6 +78,7 @@ class ModelVersion:
         # what validate() checks of every request, looked up once: (name, numpy dtype, dims past the batch axis)
         self.input_specs = [(t.name, t.datatype.numpy, tuple(t.dims)) for t in self.config.inputs]
         self.output_names = [t.name for t in self.config.outputs]
+        self.output_set = frozenset(self.output_names)
         batching = self.config.dynamic_batching
         self.default_timeout_us = batching.default_timeout_microseconds if batching else 0
         self.valid_shapes: dict[tuple, tuple[int, Signature]] = {}  # _validate_quickly's answers by input shapes
@@ -411,10 +412,13 @@ def _validate_quickly(request: InferRequest, model: ModelVersion) -> tuple[dict[
     """validate()'s answer for a request that passes every check (the common case), in few steps;
     None for anything else: _validate then says what is wrong, or answers the rarer valid cases.
     The shape checks' answer is remembered per combination of input shapes (model.valid_shapes): a
-    server sees few, and a request then costs a dtype check and a dict lookup per input."""
+    server sees few, and a request then costs a dtype check and a dict lookup per input. Requested outputs
+    (HTTP clients name theirs, tritonclient's too) pass when each is the model's and none is named twice."""
     given = request.inputs
     specs = model.input_specs
-    if request.outputs is not None or len(given) != len(specs):
+    outputs = request.outputs
+    if len(given) != len(specs) or (outputs is not None and not (
+            model.output_set.issuperset(outputs) and len(set(outputs)) == len(outputs))):
         return None
     inputs, shapes = {}, []
     for name, dtype, _ in specs:

@@ -68,8 +68,64 @@ def parse_json_header(data: bytes | memoryview) -> dict:
     return _object(header, "the request")
 
 
+class _Layout:
+    """What a JSON header decoded to, but the tensors: its request's id, timeout, outputs and output options, and
+    each input's name, datatype, shape and span of the binary data after the header."""
+
+    __slots__ = ("request_id", "timeout", "outputs", "options", "inputs", "binary_size")
+
+    def __init__(self, request_id, timeout, outputs, options, inputs, binary_size):
+        self.request_id, self.timeout, self.outputs, self.options = request_id, timeout, outputs, options
+        self.inputs: list[tuple[str, datatypes.Datatype, list[int], int, int]] = inputs
+        self.binary_size = binary_size
+
+
+class HeaderLayouts:
+    """JSON headers of the binary tensor extension that a client repeats byte for byte, remembered decoded.
+
+    A client at concurrency 1 sends the same header every call (tritonclient.http: same names, shapes,
+    datatypes, binary_data_size, outputs); only the tensors' bytes after it differ. A header (under MAX_BYTES) whose
+    inputs all came as binary data and whose outputs name no shared memory region is kept, by its exact bytes,
+    with what decode_request made of it; a later body whose header is the same bytes (a dict lookup: an exact
+    compare, never a guess) and whose binary data is as long is that request with other tensor bytes: its inputs
+    are views of its own body, as decode_request's, with no JSON parse and no checks to repeat. Anything else
+    (JSON tensors, shared memory, another length) takes the full decode. At most MAX_LAYOUTS kept: a client whose
+    every header differs (a fresh id per call) empties them when full, at the cost of a dict store a request.
+    Shared memory is left out because its answer depends on the registry's state, not on the header alone."""
+
+    MAX_BYTES = 4096
+    MAX_LAYOUTS = 256
+
+    def __init__(self):
+        self.known: dict[bytes, _Layout] = {}
+
+    def decode(self, key: bytes, binary: memoryview, model: str,
+               version: str) -> tuple[InferRequest, OutputOptions] | None:
+        layout = self.known.get(key)
+        if layout is None or len(binary) != layout.binary_size:
+            return None
+        inputs = {}
+        for name, datatype, shape, start, stop in layout.inputs:
+            if datatype.v2 == "BYTES":
+                inputs[name] = datatypes.from_bytes(binary[start:stop], datatype, shape, name)
+            else:
+                inputs[name] = np.frombuffer(binary[start:stop], dtype=datatype.numpy).reshape(shape)
+        outputs = layout.outputs
+        request = InferRequest(model=model, version=version, id=layout.request_id, inputs=inputs,
+                               outputs=None if outputs is None else list(outputs), timeout_us=layout.timeout)
+        return request, layout.options
+
+    def learn(self, key: bytes, layout: _Layout) -> None:
+        if len(self.known) >= self.MAX_LAYOUTS:
+            self.known.clear()
+        self.known[key] = layout
+
+
 def decode_request(body: bytes, header_length: str | None, model: str, version: str,
-                   shared_memory: SharedMemoryRegistry) -> tuple[InferRequest, OutputOptions]:
+                   shared_memory: SharedMemoryRegistry,
+                   layouts: HeaderLayouts | None = None) -> tuple[InferRequest, OutputOptions]:
+    """The request in `body`. `layouts`: headers seen before, decoded (HeaderLayouts), consulted and taught when
+    the body uses the binary tensor extension."""
     if header_length is not None:
         try:
             length = int(header_length)
@@ -80,8 +136,14 @@ def decode_request(body: bytes, header_length: str | None, model: str, version: 
     else:
         length = len(body)
     view = memoryview(body)
-    header = parse_json_header(view[:length])
     binary, offset = view[length:], 0
+    key = None
+    if layouts is not None and header_length is not None and length <= HeaderLayouts.MAX_BYTES:
+        key = bytes(view[:length])
+        known = layouts.decode(key, binary, model, version)
+        if known is not None:
+            return known
+    header = parse_json_header(view[:length])
 
     request_id = header.get("id", "")
     if not isinstance(request_id, str):
@@ -96,6 +158,7 @@ def decode_request(body: bytes, header_length: str | None, model: str, version: 
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise InvalidRequest("the request's 'inputs' must be a non-empty list of tensors")
     inputs: dict[str, np.ndarray] = {}
+    spans = []  # each input's (name, datatype, shape, start, stop) in the binary data; none when one is not there
     for k, item in enumerate(raw_inputs):
         item = _object(item, f"inputs[{k}]")
         name = item.get("name")
@@ -115,6 +178,7 @@ def decode_request(body: bytes, header_length: str | None, model: str, version: 
             if size is not None or "data" in item:
                 raise InvalidRequest(f"input {name!r} names a shared memory region and carries data too; send one")
             inputs[name] = shared_memory.read(place, datatype, shape, name)
+            spans = None
         elif size is not None:
             size = _int(size, f"input {name!r} binary_data_size")
             if "data" in item:
@@ -123,9 +187,12 @@ def decode_request(body: bytes, header_length: str | None, model: str, version: 
                 raise InvalidRequest(f"input {name!r}: binary_data_size {size} runs past the {len(binary) - offset} "
                                      "bytes of binary data left in the body")
             inputs[name] = datatypes.from_bytes(binary[offset:offset + size], datatype, shape, name)
+            if spans is not None:
+                spans.append((name, datatype, list(shape), offset, offset + size))
             offset += size
         elif "data" in item:
             inputs[name] = datatypes.from_json(item["data"], datatype, shape, name)
+            spans = None
         else:
             raise InvalidRequest(f"input {name!r} has neither 'data' nor binary_data_size")
     if offset != len(binary):
@@ -155,6 +222,9 @@ def decode_request(body: bytes, header_length: str | None, model: str, version: 
             outputs.append(name)
     request = InferRequest(model=model, version=version, id=request_id, inputs=inputs, outputs=outputs,
                            timeout_us=timeout, output_places=options.engine_places())
+    if key is not None and spans is not None and not options.places:
+        layouts.learn(key, _Layout(request_id, timeout, None if outputs is None else list(outputs), options, spans,
+                                   len(binary)))
     return request, options
 
 
@@ -181,6 +251,41 @@ def encode_response_pieces(response: InferResponse, options: OutputOptions, batc
     """encode_response's body in its pieces, not joined: the JSON header, then each binary output's bytes, large
     ones as views of their arrays (datatypes.raw_view). The infer fast path (kiln/serve/http_fast.py) writes them
     as they are."""
+    key = _binary_key(response, options)
+    if key is not None:
+        header = _BINARY_HEADERS.get(key)
+        if header is not None:
+            return [header, *[datatypes.raw_view(array) for _, array in response.outputs]], len(header)
+    pieces, header_length = _encode_pieces(response, options, batched, shared_memory)
+    if key is not None:
+        if len(_BINARY_HEADERS) >= MAX_BINARY_HEADERS:
+            _BINARY_HEADERS.clear()
+        _BINARY_HEADERS[key] = pieces[0]
+    return pieces, header_length
+
+
+# The JSON header of an answer whose outputs all leave as binary data is a function of the model, version, id and
+# each output's name, dtype and shape alone (binary_data_size is the array's nbytes): a client at concurrency 1 gets
+# the same header every call, json.dumps'd once and remembered here by that exact key (at most MAX_BINARY_HEADERS).
+_BINARY_HEADERS: dict[tuple, bytes] = {}
+MAX_BINARY_HEADERS = 256
+
+
+def _binary_key(response: InferResponse, options: OutputOptions) -> tuple | None:
+    """The answer's key in _BINARY_HEADERS, or None when an output is not plain binary data (JSON, BYTES,
+    classified, shared memory)."""
+    if options.classification or options.places:
+        return None
+    key = [response.model, response.version, response.id]
+    for name, array in response.outputs:
+        if type(array) is not np.ndarray or array.dtype == object or not options.is_binary(name):
+            return None
+        key.append((name, array.dtype, array.shape))
+    return tuple(key)
+
+
+def _encode_pieces(response: InferResponse, options: OutputOptions, batched: bool,
+                   shared_memory: SharedMemoryRegistry) -> tuple[list[bytes | memoryview], int | None]:
     outputs, chunks = [], []
     for name, array in response.outputs:
         if type(array) is SharedTensor:  # the engine process wrote it into its region

@@ -20,7 +20,7 @@ import re
 
 from kiln.serve.core import ServerCore
 from kiln.serve.errors import PayloadTooLarge, ServeError
-from kiln.serve.http_codec import decode_request, encode_response_pieces
+from kiln.serve.http_codec import HeaderLayouts, decode_request, encode_response_pieces
 from kiln.serve.http_server import check_length, inflate
 
 log = logging.getLogger("kiln.serve")
@@ -41,6 +41,7 @@ class InferFastPath:
         self.app = app
         self.core = core
         self.limit = max_request_bytes
+        self.layouts = HeaderLayouts()  # the binary extension's JSON headers seen before, decoded
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"].endswith("/infer"):
@@ -80,7 +81,8 @@ class InferFastPath:
             body = inflate(body, encoding, self.limit)
         model = self.core.model(model_name, model_version)  # an unknown model is a 404 before the body is parsed
         shared_memory = self.core.shared_memory
-        infer_request, options = decode_request(body, header_length, model_name, model_version, shared_memory)
+        infer_request, options = decode_request(body, header_length, model_name, model_version, shared_memory,
+                                                self.layouts)
         response = await self.core.infer(infer_request, model)
         return encode_response_pieces(response, options, model.config.max_batch_size > 0, shared_memory)
 
@@ -145,12 +147,16 @@ def _cycle(send):
 async def _send(send, status: int, payload: bytes | list[bytes | memoryview], content_type: bytes,
                 retry_after: int | None = None, header_length: int | None = None) -> None:
     """The answer as ASGI messages, which uvicorn writes as it gets them: the head, then the body (`payload`: its
-    bytes, or its pieces: a message each, the large outputs views of their arrays), each a send(2) of its own and,
+    bytes, or its pieces: joined into one message under GATHER_BYTES, else a message each, the large outputs views
+    of their arrays), each a send(2) of its own and,
     with TCP_NODELAY, a segment of its own that wakes the client. Under uvicorn the writes are held and leave in
     one writelines (one system call, the pieces gathered by writev under uvloop, not joined here); uvicorn's own
     bookkeeping (keep-alive, the next pipelined request, Content-Length checks) runs as for any answer."""
     pieces = [payload] if type(payload) is bytes else payload
-    headers = [(b"content-length", str(sum(map(len, pieces))).encode()), (b"content-type", content_type)]
+    size = sum(map(len, pieces))
+    if len(pieces) > 1 and size < GATHER_BYTES:
+        pieces = [b"".join(pieces)]  # a small answer's header and outputs: one body message (one send, not one each)
+    headers = [(b"content-length", str(size).encode()), (b"content-type", content_type)]
     if header_length is not None:
         headers.append((b"inference-header-content-length", str(header_length).encode()))
     if retry_after:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import json
 import sys
+import zlib
 
 import ml_dtypes
 import numpy as np
@@ -258,3 +259,118 @@ def test_an_answer_leaves_in_one_write_under_uvicorn(core_thread, http):
     assert not transport.closed
     closing = thread.call(_through_uvicorn(fast, http, _request(path, body, headers, close=True), 1))
     assert len(closing.calls) == 1 and closing.calls[0].endswith(expected[1]) and closing.closed
+
+
+def _seeded(case: str) -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32(case.encode()))
+
+
+def test_a_repeated_header_answers_each_request_with_its_own_tensors(core_thread):
+    """HeaderLayouts: a client repeating its JSON header byte for byte gets its layout decoded from memory. Each of
+    these requests (same header, fresh tensors; one header of the same length but another id; one with the binary
+    data cut short) must answer as the FastAPI route (no layouts) answers it alone: an answer made from another
+    request's tensors, id or outputs fails here."""
+    thread, core = core_thread
+    app = http_app(core, MetricsExporter(list))
+    fast = InferFastPath(app, core, 64 << 20)
+    gen = _seeded("repeated header")
+    header = {"inputs": [{"name": "x", "shape": [3, 8], "datatype": "FP32", "parameters": {"binary_data_size": 96}}],
+              "outputs": [{"name": "z", "parameters": {"binary_data": True}},
+                          {"name": "y", "parameters": {"classification": 2}}], "id": "r-1"}
+    other = {**header, "id": "r-2"}  # the same length, one byte apart
+    requests = [binary_body(h, gen.standard_normal((3, 8)).astype(np.float32).tobytes())
+                for h in (header, header, header, other, header, other)]
+    short_body, short_headers = binary_body(header, b"\0" * 95)
+    requests.append((short_body, short_headers))
+    answers, statuses = [], []
+    for body, headers in requests:
+        slow = thread.call(_asgi(app, "/v2/models/mlp/infer", body, headers))
+        answer = thread.call(_asgi(fast, "/v2/models/mlp/infer", body, headers))
+        _same(slow, answer)
+        statuses.append(answer[0])
+        answers.append(answer[1])
+    assert statuses == [200] * 6 + [400] and len(set(answers[:6])) == 6  # fresh tensors: every answer differs
+    assert b'"id":"r-2"' in answers[3] and b'"id":"r-1"' in answers[4]
+    assert json.loads(answers[6])["error"]  # cut short: the full decode's error
+    assert len(fast.layouts.known) == 2  # both headers were learned (and the later requests decoded from them)
+
+
+def test_header_layouts_decode_as_the_full_decode():
+    """decode_request with HeaderLayouts against without, request by request: BYTES, FP16 and INT64 inputs of one
+    repeated header, then a body of another length; JSON tensors are never learned."""
+    from kiln.serve.http_codec import HeaderLayouts, decode_request
+    from kiln.serve.shared_memory import SharedMemoryRegistry
+
+    registry, layouts = SharedMemoryRegistry(), HeaderLayouts()
+    gen = _seeded("header layouts")
+
+    def body(words: list[bytes]) -> tuple[bytes, str]:
+        text = b"".join(len(w).to_bytes(4, "little") + w for w in words)
+        h = gen.standard_normal((2, 2)).astype(np.float16).tobytes()
+        i = gen.integers(-9, 9, (3,)).astype(np.int64).tobytes()
+        header = json.dumps({"inputs": [
+            {"name": "s", "shape": [len(words)], "datatype": "BYTES", "parameters": {"binary_data_size": len(text)}},
+            {"name": "h", "shape": [2, 2], "datatype": "FP16", "parameters": {"binary_data_size": 8}},
+            {"name": "i", "shape": [3], "datatype": "INT64", "parameters": {"binary_data_size": 24}}],
+            "parameters": {"timeout": 5000}}).encode()
+        return header + text + h + i, str(len(header))
+
+    cases = [body([b"ab", b"cd"]), body([b"xy", b"zw"]), body([b"12", b"34"]), body([b"long word", b"q"])]
+    for data, length in cases:
+        want, want_options = decode_request(data, length, "m", "", registry)
+        got, got_options = decode_request(data, length, "m", "", registry, layouts)
+        assert (got.id, got.outputs, got.timeout_us, got.output_places) == (want.id, want.outputs, want.timeout_us,
+                                                                           want.output_places)
+        assert got_options == want_options and list(got.inputs) == list(want.inputs)
+        for name, array in want.inputs.items():
+            assert got.inputs[name].dtype == array.dtype and got.inputs[name].shape == array.shape
+            assert got.inputs[name].tolist() == array.tolist(), name
+    assert len(layouts.known) == 2
+    as_json = json.dumps(infer_json()).encode()
+    decode_request(as_json, None, "m", "", registry, layouts)
+    header = json.dumps(infer_json()).encode()
+    decode_request(header, str(len(header)), "m", "", registry, layouts)  # the extension's header, JSON tensors
+    assert len(layouts.known) == 2
+
+
+def test_quick_validation_takes_named_outputs_as_the_full_one(core_thread):
+    """core._validate_quickly answers requests that name their outputs (as HTTP clients do) with _validate's answer,
+    and leaves unknown or repeated outputs to _validate (its 400s)."""
+    from kiln.serve.core import InferRequest, _validate, _validate_quickly
+
+    _, core = core_thread
+    model = core.model("mlp", "")
+    x = _seeded("quick validation").standard_normal((3, 8)).astype(np.float32)
+    for outputs in (None, ["y"], ["z", "y"], []):
+        request = InferRequest(model="mlp", inputs={"x": x}, outputs=outputs)
+        quick, full = _validate_quickly(request, model), _validate(request, model)
+        assert quick is not None and quick[1:] == full[1:] and list(quick[0]) == list(full[0]), outputs
+        assert all(quick[0][n] is full[0][n] for n in full[0])
+    for outputs in (["q"], ["y", "y"], ["y", "q"]):
+        assert _validate_quickly(InferRequest(model="mlp", inputs={"x": x}, outputs=outputs), model) is None
+
+
+def test_remembered_answer_headers_encode_as_json_dumps():
+    """encode_response_pieces' remembered JSON headers (all outputs binary) against the header encoded afresh
+    (_encode_pieces), answer by answer: answers repeating, and answers apart in one of model, version, id, an
+    output's name, dtype or shape, or an output sent as JSON."""
+    from kiln.serve.core import InferResponse
+    from kiln.serve.http_codec import OutputOptions, _encode_pieces, encode_response_pieces
+    from kiln.serve.shared_memory import SharedMemoryRegistry
+
+    gen, registry = _seeded("answer headers"), SharedMemoryRegistry()
+    binary, y_as_json = OutputOptions(True), OutputOptions(True, {"y": False})
+
+    def answer(model="m", version="1", id="", shapes=((2, 3), (4,)), dtypes=(np.float32, np.int64), names="yz"):
+        outputs = [(n, (gen.standard_normal(s) * 9).astype(d)) for n, s, d in zip(names, shapes, dtypes)]
+        return InferResponse(model=model, version=version, id=id, outputs=outputs)
+
+    variants = [{}, {}, {"model": "n"}, {"version": "2"}, {"id": "a"}, {"id": "b"}, {"names": "yq"},
+                {"dtypes": (np.float16, np.int64)}, {"dtypes": (ml_dtypes.bfloat16, np.int64)},
+                {"shapes": ((3, 2), (4,))}, {"shapes": ((2, 3), (5,))}, {"shapes": ((2, 3, 1), (4,))}, {}]
+    for options in (binary, y_as_json, binary):
+        for kw in variants * 2:
+            response = answer(**kw)
+            got, got_length = encode_response_pieces(response, options, False, registry)
+            want, want_length = _encode_pieces(response, options, False, registry)
+            assert got_length == want_length and [bytes(p) for p in got] == [bytes(p) for p in want], (kw, got[0])
