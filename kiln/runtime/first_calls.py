@@ -398,6 +398,11 @@ def _dim_bounds(program: Program, profile: Profile) -> tuple[list[Any], list[int
     return ranges, lows, highs
 
 
+def _clipped(point: Any, ranges: list[Any]) -> tuple[tuple[int, ...], ...]:
+    """Each input's shape at a point of dim values: the point clipped to the input's own range."""
+    return tuple(tuple(min(max(point[j], r.min[j]), r.max[j]) for j in range(len(r.min))) for r in ranges)
+
+
 def trace_shapes(program: Program, profiles: list[Profile]) -> list[list[tuple[int, ...]]]:
     """The input shapes whose views' walks _trace_job traces at load, smallest first: per profile, every
     combination of each dim's values (TRACE_SMALL from its min, the powers of two past them, its max; the dims
@@ -421,8 +426,7 @@ def trace_shapes(program: Program, profiles: list[Profile]) -> list[list[tuple[i
                     axis.add(power)
             values.append(sorted(axis | {high}))
         for point in itertools.product(*values):
-            shapes[tuple(tuple(min(max(point[j], r.min[j]), r.max[j]) for j in range(len(r.min)))
-                         for r in ranges)] = None
+            shapes[_clipped(point, ranges)] = None
     ordered = sorted(shapes, key=lambda shape: (sum(map(_product, shape)), shape))
     return [list(shape) for shape in ordered[:TRACE_SHAPES]]
 
@@ -449,8 +453,7 @@ def memo_shapes(program: Program | None, profiles: list[Profile]) -> list[list[t
         for j in range(len(lows)):
             for value in range(lows[j], min(highs[j], lows[j] + MEMO_AHEAD - 1) + 1):
                 point = [*lows[:j], value, *lows[j + 1:]]
-                shapes[tuple(tuple(min(max(point[i], r.min[i]), r.max[i]) for i in range(len(r.min)))
-                             for r in ranges)] = None
+                shapes[_clipped(point, ranges)] = None
     return [list(shape) for shape in shapes]
 
 
@@ -523,8 +526,7 @@ def plan_shapes(program: Program, profiles: list[Profile]) -> list[list[tuple[in
         if _product(tuple(map(len, values))) > 64 * PLANS_AHEAD:  # many long dims: their smallest values only
             values = [v[:max(1, int(round(PLANS_AHEAD ** (1 / len(values)))))] for v in values]
         for point in itertools.product(*values):
-            shapes[tuple(tuple(min(max(point[j], r.min[j]), r.max[j]) for j in range(len(r.min)))
-                         for r in ranges)] = None
+            shapes[_clipped(point, ranges)] = None
     ordered = sorted(shapes, key=lambda shape: (sum(map(_product, shape)), shape))
     return [list(shape) for shape in ordered[:PLANS_AHEAD]]
 
