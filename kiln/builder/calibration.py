@@ -297,6 +297,15 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
     no_wide = None if dtype == "int8" and config.quantization == "emulate" else no_kernel
     if pinned_wide and no_wide is not None:
         raise KilnError(f"layer_precision w8a16 for {sorted(pinned_wide)[:3]}: {no_wide}")
+    # without VNNI (an AVX2-only CPU) the engine's W8A16 is w16gemm's one-pass 1x1 GEMM alone: the other layers the
+    # search moves up run weight-only (their input float, the fp32 kernel), and say why
+    narrow = {}
+    if cpu_kernels and no_kernel is None and layer_cost.split_refusal() is not None:
+        narrow = {t.node.name: why for t in qdq.targets(model.graph, exclude)
+                  if (why := layer_cost.layer_refusal(t.node)) is not None}
+    if pinned_wide & set(narrow):
+        name = sorted(pinned_wide & set(narrow))[0]
+        raise KilnError(f"layer_precision w8a16 for {name!r}: {narrow[name]}")
     if config.accuracy_target is not None:
         top1 = config.accuracy_metric == "top1"
         # the search's expected agreement on the calibration images is optimistic on new ones (0.971 expected ->
@@ -331,7 +340,12 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
     chosen_weight_only = {**{name: "pinned" for name in pinned_weight_only}, **(accuracy.get("weight_only") or {})}
     weight_only = set(chosen_weight_only)
     convs = {t.node.name for t in qdq.targets(model.graph, exclude) if t.node.op_type == "Conv"}
-    wide = pinned_wide | ({n for n in weight_only - pinned_weight_only if n in convs} if no_wide is None else set())
+    wide = pinned_wide | ({n for n in weight_only - pinned_weight_only if n in convs and n not in narrow}
+                          if no_wide is None else set())
+    if no_wide is None and (stayed := sorted(n for n in weight_only - pinned_weight_only if n in narrow)):
+        for name in stayed:
+            chosen_weight_only[name] += f"; weight-only, not W8A16: {narrow[name]}"
+        say(f"w8a16: {len(stayed)} layer(s) moved up run weight-only (fp32 kernel), not W8A16: {narrow[stayed[0]]}")
     # readers kept float or weight-only (a float input): their Adds too
     adds = residual.plan(model.graph, exclude | sensitive | weight_only) if adds else []
     skipped = qdq.insert(model, ranges, dtype, exclude | sensitive, unsigned=unsigned, weight_max=weight_max,

@@ -17,7 +17,9 @@ quantizing reorder: it writes float32, and an int8 reader needs a boundary step 
 output does not (oneDNN's int8 depthwise is no faster than its fp32 one, so without it a depthwise layer's move to
 fp32 looked free while the engine paid the step and 4x the bytes). A 1x1 layer's W8A16 time is the faster of the split
 path and the one-pass GEMM (cpu.qconv.w8a16_gemm, kiln/kernels/cpu/w16gemm.c), as the tuner picks between them in
-the engine; the GEMM requantizes in its epilogue, so it pays no boundary step. A layer not a 2-D Conv (a classifier's Gemm) has no W8A16
+the engine; the GEMM requantizes in its epilogue, so it pays no boundary step. Without VNNI (an AVX2-only CPU) the
+split path is not run (split_refusal): a 1x1 layer's W8A16 time is the GEMM's alone, and any other layer's is its
+fp32 time (moved up, it runs weight-only on the fp32 kernel), so the search keeps fp32 where the GEMM is slower. A layer not a 2-D Conv (a classifier's Gemm) has no W8A16
 kernel (weight-only: the fp32 kernel) and is costed alike in every precision: it is small beside the convolutions,
 and its moves are ranked by accuracy alone.
 
@@ -49,15 +51,40 @@ COST_MODEL = 4  # how the times are taken (part of the cache key: times taken an
 
 
 def available() -> str | None:
-    """Why W8A16 layers cannot run on this CPU (None: they can): oneDNN, VNNI (without it the two bytes' int8
-    kernels saturate on full-range weights), kiln's split kernel."""
+    """Why no W8A16 layer can run on this CPU (None: some can; `layer_refusal` says which): oneDNN, and either the
+    split path (split_refusal) or the one-pass 1x1 GEMM (w16gemm: int16 products, exact without VNNI)."""
     if not onednn.available():
         return "libdnnl.so.3 cannot be loaded"
+    if (split := split_refusal()) is None or w16gemm.available():
+        return None
+    return f"{split}; kiln's w16gemm kernel: {w16gemm.reason()}"
+
+
+def split_refusal() -> str | None:
+    """Why the split path (the input's two bytes through two int8 convolutions, any geometry) cannot run W8A16 layers
+    on this CPU (None: it can): it needs VNNI (without it the two bytes' int8 kernels saturate on full-range weights)
+    and kiln's split kernel. Without it only the 1x1 layers w16gemm runs are W8A16 (an AVX2-only CPU)."""
     if not has_int8_dot_product():
         return "no VNNI on this CPU (int8 kernels with full 8-bit weights would saturate)"
     if not split16.available():
         return f"kiln's split16 kernel: {split16.reason()}"
     return None
+
+
+def layer_refusal(node: ir.Node) -> str | None:
+    """Why the Conv `node` cannot be a W8A16 layer on this CPU (None: it can): every 2-D convolution where the split
+    path runs, else the 1x1 ones of w16gemm.pointwise_refusal."""
+    if (why := available()) is not None:
+        return why
+    if (split := split_refusal()) is None:
+        return None
+    w = node.inputs[1].const_value if len(node.inputs) > 1 and node.inputs[1] is not None else None
+    if node.op_type != "Conv" or w is None or len(w.shape) != 4:
+        return f"not a 2-D convolution of a constant weight (this CPU's W8A16 is w16gemm's 1x1 GEMM: {split})"
+    refusal = w16gemm.pointwise_refusal(tuple(int(d) for d in w.shape[2:]), list(_attr(node, "strides", [1, 1])),
+                                        list(_attr(node, "pads", [0, 0, 0, 0])),
+                                        list(_attr(node, "dilations", [1, 1])), int(_attr(node, "group", 1)))
+    return None if refusal is None else f"W8A16 on this CPU is {refusal} ({split})"
 
 
 def _fastest_ms(fn: Callable[[], object]) -> float:
@@ -99,29 +126,33 @@ def conv_costs(geometry: dict) -> dict[str, float]:
     wf = (w_q.float() * 0.01).contiguous(memory_format=torch.channels_last)
     w_scale = torch.full((shape[0],), 0.01)
     int8 = onednn_int8.QConv2d(w_q, w_scale, None, size, stride, pads, dilation, groups, torch.uint8, 1 / 255, 0, None)
-    wide = onednn_int8.W8A16Conv2d(w_q, w_scale, None, size, stride, pads, dilation, groups, 1 / 65535, False)
     x8 = torch.randint(0, 256, size, generator=generator, dtype=torch.uint8)
     x8 = x8.contiguous(memory_format=torch.channels_last)
     fp32 = onednn_primitives.Conv2d(wf, None, size, stride, pads, dilation, groups, None, False, False)
-    # as a native segment runs them: the outputs and the bytes in buffers of their own, not allocated per call
-    out = torch.empty(wide.output_size, dtype=torch.float32).contiguous(memory_format=torch.channels_last)
     out8 = torch.empty(int8.output_size, dtype=torch.float32).contiguous(memory_format=torch.channels_last)
-    hi, lo = split16.split(x, 1 / 65535, 0, torch.uint16)
-
-    def w8a16() -> None:
-        split16.split(x, 1 / 65535, 0, torch.uint16, (hi, lo))
-        wide.lo(lo, out=wide.hi(hi, out))
-
     # a layer off int8 writes float32, which its int8 reader needs quantized: a boundary step of its own in the engine
-    requantize = onednn_int8.ScaledReorder(list(wide.output_size), torch.float32, torch.uint8, 0.05, 0, True)
+    requantize = onednn_int8.ScaledReorder(list(int8.output_size), torch.float32, torch.uint8, 0.05, 0, True)
+    out = torch.empty(int8.output_size, dtype=torch.float32).contiguous(memory_format=torch.channels_last)
     with torch.inference_mode():
         boundary = _fastest_ms(lambda: requantize(out))
-        costs = {"int8": _fastest_ms(lambda: int8(x8, out8)), "w8a16": _fastest_ms(w8a16) + boundary,
-                 "fp32": _fastest_ms(lambda: fp32(x)) + boundary}
+        costs = {"int8": _fastest_ms(lambda: int8(x8, out8)), "fp32": _fastest_ms(lambda: fp32(x)) + boundary}
         gemm = _pointwise(geometry, w_q, w_scale)
-        if gemm is not None:  # the tuner's other W8A16 tactic: the engine runs the faster
-            costs["w8a16"] = min(costs["w8a16"], _fastest_ms(gemm))
-        return costs
+        if split_refusal() is None:
+            # as a native segment runs them: the outputs and the bytes in buffers of their own, not allocated per call
+            wide = onednn_int8.W8A16Conv2d(w_q, w_scale, None, size, stride, pads, dilation, groups, 1 / 65535, False)
+            hi, lo = split16.split(x, 1 / 65535, 0, torch.uint16)
+
+            def w8a16() -> None:
+                split16.split(x, 1 / 65535, 0, torch.uint16, (hi, lo))
+                wide.lo(lo, out=wide.hi(hi, out))
+
+            costs["w8a16"] = _fastest_ms(w8a16) + boundary
+        else:  # no VNNI: the 1x1 GEMM alone; any other layer moved up runs weight-only, on the fp32 kernel
+            costs["w8a16"] = costs["fp32"]
+        if gemm is not None:  # the tuner's other W8A16 tactic (without VNNI the only one): the engine runs the faster
+            alone = split_refusal() is not None
+            costs["w8a16"] = _fastest_ms(gemm) if alone else min(costs["w8a16"], _fastest_ms(gemm))
+        return {p: costs[p] for p in PRECISIONS}
 
 
 def _pointwise(geometry: dict, w_q: torch.Tensor, w_scale: torch.Tensor) -> Callable[[], object] | None:
