@@ -19,9 +19,9 @@ fp32 looked free while the engine paid the step and 4x the bytes). A 1x1 layer's
 path and the one-pass GEMM (cpu.qconv.w8a16_gemm, kiln/kernels/cpu/w16gemm.c), as the tuner picks between them in
 the engine; the GEMM requantizes in its epilogue, so it pays no boundary step. Without VNNI (an AVX2-only CPU) the
 split path is not run (split_refusal): a 1x1 layer's W8A16 time is the GEMM's alone, and any other layer's is its
-fp32 time (moved up, it runs weight-only on the fp32 kernel), so the search keeps fp32 where the GEMM is slower. A layer not a 2-D Conv (a classifier's Gemm) has no W8A16
-kernel (weight-only: the fp32 kernel) and is costed alike in every precision: it is small beside the convolutions,
-and its moves are ranked by accuracy alone.
+fp32 time (moved up, it runs weight-only on the fp32 kernel), so the search keeps fp32 where the GEMM is slower. A
+layer not a 2-D Conv (a classifier's Gemm) has no W8A16 kernel (weight-only: the fp32 kernel) and is costed alike in
+every precision: it is small beside the convolutions, and its moves are ranked by accuracy alone.
 
 Stable plans: the search's choice follows these times, and on a loaded machine they move 10-30% between builds
 (bench/results/quantacc4-2026-12-06.md run 2: another plan, 3 points less held out). With a timing cache
