@@ -100,6 +100,34 @@ def test_rmsnorm_size_rule_gives_the_kernels_fields_and_refuses_other_widths():
         rule({0: (2, 8, 16)})
 
 
+@pytest.mark.parametrize("x,axis_bounds", [((2, 8, 128), (0, 64)), ((2, 8, 128), (64, 96)), ((2, 8, 128), (96, 128)),
+                                           ((6, 40), (3, 4)), ((3, 5, 12), (11, 12))], ids=str)
+def test_last_axis_slice_size_rule_gives_the_walk_memory_walk_finds(x, axis_bounds):
+    """cpu.slice.native's rule (a Slice of the last axis by constants) against the Relayout built at new leading
+    sizes (memory_walk: torch's slice of an offsets table, strided_form's merge), one row and one column included."""
+    from kiln.kernels.cpu import relayout as relayout_kernels
+    from kiln.tactics.cpu import relayout
+    start, end = axis_bounds
+    constants = [None, np.array([start]), np.array([end]), np.array([-1]), np.array([1])]
+    step = dataclasses.replace(make_step("Slice", "", 5), tactic_config={"input_size": list(x)})
+    launch = _prepared("cpu.slice.native", step, constants)
+    rule = launch.native.plan_at
+    assert rule is not None
+    move = relayout._slice_move(step, constants)
+    rng = np.random.default_rng(zlib.crc32(repr((x, axis_bounds)).encode()))
+    for lead in [(1,) * (len(x) - 1)] + [tuple(int(v) for v in rng.integers(1, 9, len(x) - 1)) for _ in range(5)]:
+        size = (*lead, x[-1])
+        made = relayout_kernels.Relayout(size, move, "slice")
+        sized = rule(size)
+        walk = [tuple(d) for d in made.walk]
+        rest = (0,) * (relayout_kernels.MAX_DIMS - len(walk))
+        assert sized.output_sizes == (tuple(made.output_size),)
+        assert dict(sized.fields) == dict(base=made.base, rank=len(walk), size=(*(d[0] for d in walk), *rest),
+                                          stride=(*(d[1] for d in walk), *rest)), size
+    with pytest.raises(ValueError):
+        rule((*x[:-1], x[-1] + 1))
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     exported = zoo.export("llama_tiny", batch=2, seq=8, dynamic=True)
@@ -122,10 +150,10 @@ def test_llama_first_calls_after_load_answer_from_the_traced_walk_and_match_onnx
         rewrite = template._rewrite if segment._views else None
         assert rewrite is not None
         without = {template.members[k].ctx.op_type for k, m in enumerate(rewrite._members) if m[0] is None}
-        assert without <= {"Slice"}, without  # the norms and rotaries have rules; q|k|v's Slices are left
-        if not without:
-            ruled.add(id(rewrite))
-    assert len(ruled) >= 3  # the two attention segments and the last layer's MLP
+        assert not without, without  # the norms, rotaries and q|k|v's Slices have size rules
+        assert rewrite._calls is not None  # every member's plan rewritten (a Slice's walk is a PlanMember's)
+        ruled.add(id(rewrite))
+    assert len(ruled) == 5  # q|k|v, attention, MLP + q|k|v, attention, MLP
     walked = []
     real = native_views._PlanRewrite._walk
 
