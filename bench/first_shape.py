@@ -13,6 +13,7 @@ jobs done (first_calls.primitives_made), then first calls at --shapes in order, 
 
 --no-reshaped-shapes: a Shape of a Reshape's output is left to the loop (llama_tiny: plans_ahead False).
 --no-plans-ahead: a program of several segments computes no shape plans at load (first_calls.plan_shapes empty).
+--no-size-rules: kiln::Rotary, kiln::RMSNorm and the last-axis Slice without their size rules (llama_tiny: its segments walk at the call).
 --no-memos: the view job's memo shapes off (first_calls.memo_shapes empty); --no-grid-rows: each grid corner a
 copy. --no-views-ahead: the load's view jobs off (first_calls._trace_job and _segments_job: no template grown, no walk
 traced, no segment readied at load), the tree before them otherwise. --steady: the hot path at shapes already seen,
@@ -65,6 +66,8 @@ def main() -> None:
     ap.add_argument("--no-reshaped-shapes", action="store_true", help="a Shape of a Reshape's output stays in the "
                     "loop (A of shape_function._reshaped_by: llama_tiny's shape function then leaves shape values to "
                     "the loop, plans_ahead False)")
+    ap.add_argument("--no-size-rules", action="store_true", help="kiln::Rotary, kiln::RMSNorm and the last-axis "
+                    "Slice without their size rules (A of their PlanRules: llama_tiny's segments walk at each new shape)")
     ap.add_argument("--steady", default="", help="shapes of the steady-state A/B (then no first calls)")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--image", default="", help="CxHxW: pixel_values of an image model; --shapes are batches")
@@ -82,6 +85,15 @@ def main() -> None:
         shape_function._reshaped_by = lambda *a: None
     if args.no_plans_ahead and hasattr(first_calls, "plan_shapes"):
         first_calls.plan_shapes = lambda program, profiles: []
+    if args.no_size_rules:
+        from kiln.tactics.cpu import relayout, rotary, transformer
+        relayout._last_axis_slice_rule = lambda *a: None
+        for module in (rotary, transformer):
+            def without(step, reads, build, *a, _real=module.prepared_native, **k):
+                if step.op_type in ("Rotary", "RMSNorm"):
+                    k.pop("plan_at", None)
+                return _real(step, reads, build, *a, **k)
+            module.prepared_native = without
     if args.no_memos:
         first_calls.memo_shapes = lambda program, profiles: []
     if args.no_grid_rows:

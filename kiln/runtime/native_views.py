@@ -22,6 +22,7 @@ import torch
 
 from kiln.kernels.cpu import native_loop, onednn, onednn_ahead
 from kiln.kernels.cpu.form_choice import PARALLEL, SERIAL, FormChooser
+from kiln.kernels.cpu.plan_member import PlanMember
 from kiln.runtime.native_members import _bind_member, _entry_forms, _form, _forms, _run_loop, serial_calls, writes_of
 from kiln.runtime.view_arguments import ViewArguments, arguments_layout
 from kiln.runtime.view_mirrors import _Mirror, _MirrorRun, _arena_checks, _mirror_runs, _mirrors
@@ -597,10 +598,12 @@ def _plan_layout(native: NativeStep, bound: Any, arg: Any) -> tuple[int, bytes, 
     """(function, plan bytes, [(byte offset, width)] of each value its rule writes, in order) of a member whose plan
     a view rewrites, or None: no rule, not one plan of kiln's own, a field that is not an integer, or a rule that
     does not give back the template call's plan at its own sizes (`arg`)."""
-    if native.plan_at is None or not hasattr(bound, "plan") or hasattr(bound, "serial_calls") \
-            or len(bound.calls()) != 1:
+    # a PlanMember (plan_member.py: relayout.py's walks) keeps its plan as _plan; one with a serial form (a second
+    # plan the serial loop runs) is not rewritten
+    plan = getattr(bound, "plan", None) if not hasattr(bound, "serial_calls") else \
+        getattr(bound, "_plan", None) if isinstance(bound, PlanMember) and bound.serial_calls() is None else None
+    if native.plan_at is None or plan is None or len(bound.calls()) != 1:
         return None
-    plan = bound.plan
     original = ctypes.string_at(ctypes.addressof(plan), ctypes.sizeof(plan))
     try:
         sized = native.plan_at(arg)

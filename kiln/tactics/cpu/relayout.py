@@ -86,11 +86,13 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
 
 def _launch(tuned: tuple[int, ...], kernel: relayout.Relayout, other_sizes: Callable[[torch.Tensor], torch.Tensor],
             move: Callable[[torch.Tensor], torch.Tensor], resizes: bool = False,
-            dims: tuple[int, ...] = (), perm: tuple[int, ...] = (), shape: tuple[int, ...] = ()):
+            dims: tuple[int, ...] = (), perm: tuple[int, ...] = (), shape: tuple[int, ...] = (),
+            plan_at: PlanRule | None = None):
     """The kernel at the tuned input size (and as a segment member), `other_sizes` at any other. A 4-D input whose
     NHWC order differs from row-major offers the walk of its row-major memory too (NativeStep.reading_rows: after a
     recurrent layer's Y [S, D, N, H], which kiln's loop writes row-major). `resizes`: `move` holds at every input
-    size (a Relayout over a dynamic batch), so a segment binds the walk at new sizes (NativeStep.at) in either form."""
+    size (a Relayout over a dynamic batch), so a segment binds the walk at new sizes (NativeStep.at) in either form.
+    `plan_at`: the walk's plan fields at other sizes without finding it (_last_axis_slice_rule), where it has one."""
     def launch(ctx, x, *_inputs, **_attributes):
         return kernel(x) if tuple(x.shape) == tuned else other_sizes(x)
 
@@ -105,7 +107,7 @@ def _launch(tuned: tuple[int, ...], kernel: relayout.Relayout, other_sizes: Call
     def native_of(size: tuple[int, ...], rows_input: bool) -> NativeStep:
         walk = walk_at(size, rows_input)  # ValueError: no strided walk gives the output at this size
         four_d_order = len(size) == 4 and size[1] != 1 and size[2] * size[3] != 1
-        return NativeStep(size, walk.output_size, same_primitive(walk), rows_input=rows_input,
+        return NativeStep(size, walk.output_size, same_primitive(walk), rows_input=rows_input, plan_at=plan_at,
                           reading_rows=(lambda: rows_at(size)) if four_d_order and not rows_input else None,
                           aliasing=(lambda: alias_at(size, rows_input)) if walk.moves_nothing else None)
 
@@ -228,8 +230,52 @@ def _prepare_slice(step: StepSpec, constants: list[Any], device: torch.device):
     # the walk is found from the op's own code at each size: a Gather of constant indices (a forecaster's last step
     # over a dynamic batch) binds at new sizes, and so does a Slice that leaves the first axis whole (Swin's shifted
     # windows at another batch); another Slice's walk is kept to the tuned size, as before
-    return _launch(tuned, kernel, move, move, resizes=step.op_type == "Gather" or _keeps_first_axis(step, constants,
-                                                                                                   len(tuned)))
+    resizes = step.op_type == "Gather" or _keeps_first_axis(step, constants, len(tuned))
+    return _launch(tuned, kernel, move, move, resizes=resizes,
+                   plan_at=_last_axis_slice_rule(step, constants, tuned, kernel) if resizes else None)
+
+
+def _last_axis_slice_rule(step: StepSpec, constants: list[Any], tuned: tuple[int, ...], kernel: relayout.Relayout
+                          ) -> PlanRule | None:
+    """The walk's plan fields (base, rank, sizes, strides) at other leading sizes of a Slice of one row-major
+    input's last axis by constant bounds, step 1 (a packed q|k|v GEMM output's q, k and v: llama_tiny's layers), by
+    arithmetic on the sizes, so a segment's view at new sizes is traced (without it memory_walk ran torch at each
+    new shape and llama_tiny's two q|k|v segments walked at every call: bench/results/first-shape-2026-12-06.md).
+    The walk is memory_walk's (strided_form's merge of a row-major slice): [(rows, width), (out, 1)], the rows' dim
+    gone at one row, the columns' at one column. None where the slice is not of that form or the form does not give
+    back the kernel's walk at the tuned size."""
+    rank = len(tuned)
+    if step.op_type != "Slice" or not 1 <= rank <= 3 or len(constants) < 4 or constants[3] is None:
+        return None
+    if [int(a) % rank for a in constants[3].tolist()] != [rank - 1]:
+        return None
+    if len(constants) > 4 and constants[4] is not None and [int(v) for v in constants[4].tolist()] != [1]:
+        return None
+    width, start, out = tuned[-1], kernel.base, kernel.output_size[-1]
+    if tuple(kernel.output_size) != (*tuned[:-1], out) or not 0 < out < width:
+        return None
+    pad = relayout.MAX_DIMS
+
+    def sized(size: tuple[int, ...]) -> SizedPlan:
+        if len(size) != rank or size[-1] != width:
+            raise ValueError(f"a slice of rows of {width}: given {list(size)}")
+        rows = 1
+        for d in size[:-1]:
+            rows = rows * d
+        if rows == 1:
+            form = [(out, 1)] if out > 1 else [(1, 1)]
+        else:
+            form = [(rows, width), (out, 1)] if out > 1 else [(rows, width)]
+        rest = (0,) * (pad - len(form))
+        return SizedPlan(((*size[:-1], out),), dict(base=start, rank=len(form), size=(*(f[0] for f in form), *rest),
+                                                    stride=(*(f[1] for f in form), *rest)))
+
+    walk = [tuple(d) for d in kernel.walk]
+    rest = (0,) * (pad - len(walk))
+    if sized(tuned).fields != dict(base=kernel.base, rank=len(walk), size=(*(d[0] for d in walk), *rest),
+                                   stride=(*(d[1] for d in walk), *rest)):
+        return None
+    return PlanRule(sized, ("last-axis slice", rank, width, start, out), traceable=True)
 
 
 def _keeps_first_axis(step: StepSpec, constants: list[Any], rank: int) -> bool:

@@ -19,7 +19,7 @@ from kiln.kernels.cpu import transformer as kernels
 from kiln.plan.spec import StepSpec
 from kiln.tactics.cpu.native_member import prepared_native, sizes_config
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, Tactic
+from kiln.tactics.tactic import InputMeta, PlanRule, SizedPlan, Tactic
 from kiln.tactics.tactic import attribute as _attr
 
 _F32 = torch.float32
@@ -74,7 +74,48 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
         view, output_size, rotate = found
         return kernels.Rotary(view, output_size, rotate, sizes[1], sizes[2])
 
-    return prepared_native(step, lambda sizes: {0: _F32, 1: _F32, 2: _F32}, build)
+    def sized(sizes: dict[int, tuple[int, ...]]) -> SizedPlan:
+        """kernels.Rotary's fields at `sizes` without building it: arithmetic and comparisons on the sizes only, so
+        a segment's view at new sizes is traced (without it a view made the kernel at every new shape: llama_tiny's
+        attention segments walked at each call, bench/results/first-shape-2026-12-06.md)."""
+        found = rotary_view(sizes[0], num_heads, rotate_heads)
+        if isinstance(found, str):
+            raise ValueError(f"rotary at {sizes}: {found}")
+        view, output_size, rotate = found
+        n0, n1, n2, depth = view
+        if depth % 2 or not 0 <= rotate <= n2:
+            raise ValueError(f"rotary over {list(view)} (rotating {rotate} heads)")
+        return SizedPlan((tuple(output_size),), dict(n0=n0, n1=n1, n2=n2, D=depth, rotate=rotate,
+                                                     cs=broadcast_strides(sizes[1], view)[:3],
+                                                     ss=broadcast_strides(sizes[2], view)[:3]))
+
+    return prepared_native(step, lambda sizes: {0: _F32, 1: _F32, 2: _F32}, build,
+                           plan_at=PlanRule(sized, ("rotary", num_heads, rotate_heads), traceable=True))
+
+
+def broadcast_strides(size: tuple[int, ...], view: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of `size` expanded to `view` as torch's expand gives them (kernels.Rotary
+    asks a meta tensor's expand; its plan's bytes must be the same), by arithmetic and comparisons alone (a traced
+    rule's sizes are symbols): from the last dim, a dim it repeats 0, one it adds the product of the next size and
+    stride (0 where it repeats); ValueError where it does not broadcast."""
+    if len(size) > len(view) or not size or size[-1] != view[-1]:
+        raise ValueError(f"a cos/sin table of {list(size)} for a rotary over {list(view)}")
+    strides: list = []
+    contiguous, next_size = 1, None
+    for i in range(len(view) - 1, -1, -1):
+        j = i - (len(view) - len(size))
+        if j >= 0:
+            have, stride = size[j], contiguous
+            contiguous = contiguous * size[j]
+        else:
+            have, stride = 1, next_size * strides[-1]
+        if have != view[i]:
+            if have != 1:
+                raise ValueError(f"a cos/sin table of {list(size)} does not broadcast to {list(view)}")
+            stride = 0
+        strides.append(stride)
+        next_size = view[i]
+    return tuple(reversed(strides))
 
 
 register(Tactic(

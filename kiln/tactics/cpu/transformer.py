@@ -119,8 +119,20 @@ register(Tactic(
 def _rms_prepare(step: StepSpec, constants: list[Any], device: torch.device):
     scale = kernels.vector(constants[1] if len(constants) > 1 else None)
     epsilon = float(_attr(step, "epsilon", 1e-6))
+    width = _tuned_sizes(step)[0][-1]
+
+    def sized(sizes):  # the kernel's fields that follow the size (LayerNorm's), without building it
+        size = sizes[0]
+        if not size or size[-1] != width:
+            raise ValueError(f"rms norm: rows of {size[-1] if size else 0}, built for {width}")
+        return SizedPlan((size,), kernels.LayerNorm.size_fields(size, None))
+
+    # a size rule (as LayerNorm's): a segment's view at new sizes writes the rows, never builds the kernel, and its
+    # walk is traced (llama_tiny's segments walked at every new shape without it, ~1-6 ms a shape: the norm's
+    # NativeStep made at the call; bench/results/first-shape-2026-12-06.md)
     return prepared_native(step, lambda sizes: {0: _F32},
-                           lambda sizes: kernels.LayerNorm(sizes[0], scale, None, epsilon, rms=True))
+                           lambda sizes: kernels.LayerNorm(sizes[0], scale, None, epsilon, rms=True),
+                           plan_at=PlanRule(sized, ("rms_norm", width), traceable=True))
 
 
 register(Tactic(

@@ -1,0 +1,173 @@
+"""llama_tiny's first calls at new shapes after load: every native segment whose members all have size rules
+answers a new shape from the walk traced at load (kiln/runtime/view_trace.py), never walking its members at the
+call. Before kiln::Rotary and kiln::RMSNorm had size rules (PlanRule), the attention segments' rule was the kernel
+built at the sizes (not traceable) and the norms had none: every later new shape walked all five segments at the
+call, ~1-6 ms a shape (bench/results/first-shape-2026-12-06.md).
+
+Oracles: the rules against the kernels' own fields (kernels.Rotary asks torch's expand for the tables' strides,
+the rule works them out by arithmetic), at fresh random sizes; the engine's outputs against onnxruntime.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+import kiln
+from kiln import zoo
+from kiln.kernels.cpu import transformer as kernels
+from kiln.runtime import first_calls, native, native_views
+from kiln.tactics import registry
+from kiln.tactics.cpu import rotary, transformer  # noqa: F401  (their tactics registered)
+from tests.unit.tactic_check import make_step
+
+ort = pytest.importorskip("onnxruntime")
+pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"kiln's kernels not built: {kernels.reason()}")
+
+
+def _prepared(name: str, step, constants: list):
+    return registry.get(name).prepare(step, constants, torch.device("cpu"))
+
+
+def _as_ints(value):
+    return tuple(value) if hasattr(value, "__len__") else int(value)
+
+
+# x, num_heads, rotate_heads, table size ("B", "S": the batch's and sequence's; every broadcast form
+# tests/unit/test_rotary_native.py runs)
+ROTARY = [((2, 7, 24), 3, 0, ("S", 1, 8)), ((1, 5, 24), 4, 0, (1, "S", 1, 6)), ((2, 3, 4, 10), 0, 0, ("B", "S", 4, 10)),
+          ((1, 9, 64), 16, 12, (1, "S", 1, 4)), ((3, 4, 10), 5, 2, (2,)), ((2, 6, 32), 2, 0, ("B", "S", 1, 16))]
+
+
+@pytest.mark.parametrize("shape,num_heads,rotate_heads,table", ROTARY, ids=str)
+def test_rotary_size_rule_gives_the_kernels_fields_at_new_sizes(shape, num_heads, rotate_heads, table):
+    """The rule (traced at load, then answering every view) at other batches and sequences than the tuned one:
+    its output size and fields are those of the kernel built there."""
+    attributes = {"num_heads": num_heads} if num_heads else {}
+    if rotate_heads:
+        attributes["rotate_heads"] = rotate_heads
+    tuned = [{"B": shape[0], "S": shape[1]}.get(d, d) for d in table]
+    step = dataclasses.replace(make_step("Rotary", "kiln", 3, **attributes),
+                               tactic_config={"input_sizes": [[0, list(shape)], [1, tuned], [2, tuned]]})
+    launch = _prepared("cpu.rotary.native", step, [None, None, None])
+    rule = launch.native.plan_at
+    rng = np.random.default_rng(zlib.crc32(repr((shape, table)).encode()))
+    for _ in range(5):
+        b, s = int(rng.integers(1, 6)), int(rng.integers(1, 40))
+        x = (b, s, *shape[2:])
+        t = tuple({"B": b, "S": s}.get(d, d) for d in table)
+        sizes = {0: x, 1: t, 2: t}
+        sized = rule(sizes)
+        step_at = launch.native.at(sizes)
+        assert sized.output_sizes == (tuple(step_at.output_size),), sizes
+        made = kernels.Rotary(*_view_of(x, num_heads, rotate_heads), t, t)
+        assert {k: _as_ints(v) for k, v in sized.fields.items()} == \
+            {k: _as_ints(made.fields[k]) for k in sized.fields}, sizes
+
+
+def _view_of(x, num_heads, rotate_heads):
+    return rotary.rotary_view(x, num_heads, rotate_heads)
+
+
+def test_rotary_size_rule_refuses_tables_that_do_not_broadcast():
+    step = dataclasses.replace(make_step("Rotary", "kiln", 3, num_heads=2),
+                               tactic_config={"input_sizes": [[0, [1, 4, 16]], [1, [4, 1, 8]], [2, [4, 1, 8]]]})
+    rule = _prepared("cpu.rotary.native", step, [None, None, None]).native.plan_at
+    with pytest.raises(ValueError):
+        rule({0: (1, 5, 16), 1: (4, 1, 8), 2: (4, 1, 8)})  # 4 positions for 5
+    with pytest.raises(ValueError):
+        rule({0: (1, 4, 16), 1: (4, 1, 6), 2: (4, 1, 6)})  # depth 6 for 8
+
+
+def test_rmsnorm_size_rule_gives_the_kernels_fields_and_refuses_other_widths():
+    scale = torch.randn(24)
+    step = dataclasses.replace(make_step("RMSNorm", "kiln", 2, epsilon=1e-6),
+                               tactic_config={"input_sizes": [[0, [2, 8, 24]], [1, [24]]]})
+    launch = _prepared("cpu.rmsnorm.native", step, [None, scale])
+    rule = launch.native.plan_at
+    rng = np.random.default_rng(zlib.crc32(b"rmsnorm"))
+    for _ in range(5):
+        x = (int(rng.integers(1, 6)), int(rng.integers(1, 40)), 24)
+        sized = rule({0: x})
+        made = kernels.LayerNorm(x, scale, None, 1e-6, rms=True)
+        assert sized.output_sizes == (x,)
+        assert dict(sized.fields) == {k: made.fields[k] for k in sized.fields}
+    with pytest.raises(ValueError):
+        rule({0: (2, 8, 16)})
+
+
+@pytest.mark.parametrize("x,axis_bounds", [((2, 8, 128), (0, 64)), ((2, 8, 128), (64, 96)), ((2, 8, 128), (96, 128)),
+                                           ((6, 40), (3, 4)), ((3, 5, 12), (11, 12))], ids=str)
+def test_last_axis_slice_size_rule_gives_the_walk_memory_walk_finds(x, axis_bounds):
+    """cpu.slice.native's rule (a Slice of the last axis by constants) against the Relayout built at new leading
+    sizes (memory_walk: torch's slice of an offsets table, strided_form's merge), one row and one column included."""
+    from kiln.kernels.cpu import relayout as relayout_kernels
+    from kiln.tactics.cpu import relayout
+    start, end = axis_bounds
+    constants = [None, np.array([start]), np.array([end]), np.array([-1]), np.array([1])]
+    step = dataclasses.replace(make_step("Slice", "", 5), tactic_config={"input_size": list(x)})
+    launch = _prepared("cpu.slice.native", step, constants)
+    rule = launch.native.plan_at
+    assert rule is not None
+    move = relayout._slice_move(step, constants)
+    rng = np.random.default_rng(zlib.crc32(repr((x, axis_bounds)).encode()))
+    for lead in [(1,) * (len(x) - 1)] + [tuple(int(v) for v in rng.integers(1, 9, len(x) - 1)) for _ in range(5)]:
+        size = (*lead, x[-1])
+        made = relayout_kernels.Relayout(size, move, "slice")
+        sized = rule(size)
+        walk = [tuple(d) for d in made.walk]
+        rest = (0,) * (relayout_kernels.MAX_DIMS - len(walk))
+        assert sized.output_sizes == (tuple(made.output_size),)
+        assert dict(sized.fields) == dict(base=made.base, rank=len(walk), size=(*(d[0] for d in walk), *rest),
+                                          stride=(*(d[1] for d in walk), *rest)), size
+    with pytest.raises(ValueError):
+        rule((*x[:-1], x[-1] + 1))
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    exported = zoo.export("llama_tiny", batch=2, seq=8, dynamic=True)
+    engine = kiln.build(str(exported.path), profiles=[{"input_ids": "1x1,2x8,4x16"}])
+    path = tmp_path_factory.mktemp("llama") / "llama_tiny.kiln"
+    engine.save(str(path))
+    return exported, path
+
+
+def test_llama_first_calls_after_load_answer_from_the_traced_walk_and_match_onnxruntime(llama, monkeypatch):
+    exported, path = llama
+    monkeypatch.setenv("KILN_PAD_FIRST_CALLS", "0")  # every new shape binds its own view
+    context = kiln.load(str(path)).create_execution_context()
+    context.warm_up()
+    assert first_calls.primitives_made(120)
+    segments = [step.fn for step in context.engine.program.lean_steps if isinstance(step.fn, native.Segment)]
+    ruled = set()
+    for segment in segments:
+        template = segment._grown or segment
+        rewrite = template._rewrite if segment._views else None
+        assert rewrite is not None
+        without = {template.members[k].ctx.op_type for k, m in enumerate(rewrite._members) if m[0] is None}
+        assert not without, without  # the norms, rotaries and q|k|v's Slices have size rules
+        assert rewrite._calls is not None  # every member's plan rewritten (a Slice's walk is a PlanMember's)
+        ruled.add(id(rewrite))
+    assert len(ruled) == 5  # q|k|v, attention, MLP + q|k|v, attention, MLP
+    walked = []
+    real = native_views._PlanRewrite._walk
+
+    def walk(self, template, key, rules_only=False):
+        if not rules_only and id(self) in ruled:
+            walked.append(key)
+        return real(self, template, key, rules_only)
+    monkeypatch.setattr(native_views._PlanRewrite, "_walk", walk)
+    session = ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(zlib.crc32(b"llama first shapes"))
+    for b, s in ((3, 5), (1, 7), (2, 13), (4, 3), (1, 15)):
+        feeds = {"input_ids": rng.integers(0, 100, (b, s), dtype=np.int64),
+                 "attention_mask": np.ones((b, s), np.int64)}
+        feeds = {n: feeds[n] for n in context.engine.input_names}
+        got = next(iter(context.run(feeds).values()))
+        np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=1e-4, atol=1e-4)  # fp32 logits
+    assert not walked, walked  # each such segment's view was one call of its traced walk
