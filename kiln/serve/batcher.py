@@ -257,7 +257,7 @@ class Batcher:
         if not self.pending and self.idle and self.idle[-1].inline and self._alone_now():
             # nothing to merge it with and a tiny call: answered now, never queued, so the caller's await does not
             # wait for the loop's next turns (the dispatch, then the future's callback)
-            self._run_now(self.idle[-1], request)
+            self._start(self.idle.pop(), [request])
             return request
         self.pending.append(request)
         self.stats.pending = len(self.pending)
@@ -339,31 +339,6 @@ class Batcher:
             self._answer(instance, batch, result)
         else:
             instance.submit(self.loop, batch)
-
-    def _run_now(self, instance: Instance, request: Pending) -> None:
-        """One request alone on an idle inline instance, from submit: what _start, _run_batch and _answer do for a
-        batch of one (its own arrays, no merge, no split, no BatchResult), with fewer Python calls; the instance stays
-        among the idle ones (nothing else runs on the loop meanwhile). This is the whole engine hop of a request at
-        concurrency 1 (kiln/serve/instances.py: tiny CPU calls run on the loop). A request whose rows a profile holds
-        only padded takes the general path."""
-        rows = request.rows
-        if self.config.max_batch_size > 0 and self.shapes.padded(request.signature, rows) not in (rows, None):
-            self._start(self.idle.pop(), [request])
-            return
-        t0 = time.perf_counter_ns()
-        request.queue_ns = time.monotonic_ns() - request.arrival_ns
-        self._merging = False
-        # a request's own arrays: read-only over its request buffer (engines may write their inputs)
-        feeds = {name: a if a.flags.writeable else a.copy() for name, a in request.inputs.items()}
-        t1 = time.perf_counter_ns()
-        try:
-            outputs = instance.execute(feeds)
-        except Exception as e:  # noqa: BLE001 - this request's own error, answered to it
-            self.stats.record_batch(rows, 1, t1 - t0, time.perf_counter_ns() - t1, 0)
-            request.future.set_exception(e)
-            return
-        self.stats.record_batch(rows, 1, t1 - t0, time.perf_counter_ns() - t1, 0)
-        request.future.set_result(outputs)
 
     def _drop_finished(self) -> None:
         """Remove requests whose caller gave up (timeout, disconnect) or whose deadline passed."""

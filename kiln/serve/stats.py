@@ -59,38 +59,20 @@ class ModelStats:
         b = self.batches.get(batch_size)
         if b is None:
             b = self.batches[batch_size] = BatchStats()
-        # Duration.add's steps written out: this runs once per engine call, on the loop (at concurrency 1, once a
-        # request: six method calls of ~60 a request's Python)
-        d = b.compute_input
-        d.count += 1
-        d.ns += input_ns
-        d = b.compute_infer
-        d.count += 1
-        d.ns += infer_ns
-        d = b.compute_output
-        d.count += 1
-        d.ns += output_ns
-        d = self.compute_input
-        d.count += requests
-        d.ns += input_ns * requests
-        d = self.compute_infer
-        d.count += requests
-        d.ns += infer_ns * requests
-        d = self.compute_output
-        d.count += requests
-        d.ns += output_ns * requests
+        b.compute_input.add(input_ns)
+        b.compute_infer.add(infer_ns)
+        b.compute_output.add(output_ns)
+        self.compute_input.add(input_ns * requests, requests)
+        self.compute_infer.add(infer_ns * requests, requests)
+        self.compute_output.add(output_ns * requests, requests)
         self.inference_count += batch_size
         self.execution_count += 1
         self.last_inference_ms = int(time.time() * 1000)
 
     def record_request(self, ok: bool, duration_ns: int, queue_ns: int | None, reason: str = "") -> None:
-        d = self.success if ok else self.fail  # Duration.add written out, as in record_batch
-        d.count += 1
-        d.ns += duration_ns
+        (self.success if ok else self.fail).add(duration_ns)
         if queue_ns is not None:
-            d = self.queue
-            d.count += 1
-            d.ns += queue_ns
+            self.queue.add(queue_ns)
         if not ok:
             self.failures_by_reason[reason or "OTHER"] = self.failures_by_reason.get(reason or "OTHER", 0) + 1
 

@@ -219,7 +219,7 @@ def test_inline_call_is_answered_at_submit(double_engine, batching):
 
 
 def test_alone_at_submit_answers_its_own_rows_and_records_as_a_batch(double_engine, padded_engine):
-    """Batcher._run_now, the c=1 path (a request alone, its instance inline, run inside submit): each answer is its
+    """The c=1 path (a request alone, its instance inline, run inside submit): each answer is its
     own request's (fresh inputs every request, read-only ones as a received message's views are, and a request
     the engine's output buffer would hand another's answer if it were reused), the statistics are what the general
     path records for a batch of one, a burst in one turn still merges behind the first request, and a request its
