@@ -67,6 +67,9 @@ def test_first_request_at_a_new_shape_runs_padded(tmp_path, engines, monkeypatch
     # every size is a host: nothing left to pad); binding every host (160 shapes, milliseconds) leaves sizes to pad
     monkeypatch.setattr("kiln.runtime.warm_up.HOSTS_UP_TO", 10**9)
     thread = ServerThread(options(seq_repository(tmp_path, engines)))
+    # binding this model measures ~0.01 ms, so whether a padded run's extra beats it is a race with the machine's
+    # load (CI failed on it): binding is said to cost a second here; tests/unit/test_first_calls.py tests the choice
+    monkeypatch.setattr("kiln.runtime.first_calls.FirstCalls.budget_ms", lambda self: 1000.0)
     server = thread.start()
     try:
         (instance,) = server.core.model("seq").batcher.instances
