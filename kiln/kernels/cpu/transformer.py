@@ -223,7 +223,12 @@ class KernelBound:
         onednn.load().lib.dnnl_memory_set_data_handle(self._memories[role].value, address)
 
     def run(self) -> None:
-        status = getattr(self._kernel.library, self._kernel.FUNCTION)(ctypes.addressof(self._plan), None, 0, None)
+        self.run_plan(self._plan)
+
+    def run_plan(self, plan: ctypes.Structure) -> None:
+        """Run the layer's function on `plan`, a plan of its class (this call's plan with other size fields written
+        into a copy: kiln/tactics/cpu/native_member.py's launch at a new size, on this call's memory objects)."""
+        status = getattr(self._kernel.library, self._kernel.FUNCTION)(ctypes.addressof(plan), None, 0, None)
         if status:
             onednn._check(status, self.what)
 

@@ -10,15 +10,20 @@ at a new shape costs a few ctypes calls, not a rebuild.
 
 from __future__ import annotations
 
+import ctypes
+import struct
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from kiln.kernels.cpu import native_loop
 from kiln.kernels.cpu import transformer as kernels
 from kiln.plan.spec import StepSpec
+from kiln.tactics.traced_rules import TracedRule
 from kiln.tactics.tactic import InputMeta, NativeStep, PlanRule, SizedPlan, built_at, resizable, same_primitive
 
 # kernels kept per layer for input sizes met at run time (least recently used out): as many as a segment keeps
@@ -71,6 +76,8 @@ def prepared_native(step: StepSpec, reads: Callable[[dict[int, tuple[int, ...]]]
     def kernel(sizes: dict[int, tuple[int, ...]]) -> kernels.NativeKernel:
         return entry(sizes)[0]
 
+    rewritten: list[RewrittenLaunch | None] = []  # made at the first launch: [] not yet, [None] none
+
     def launch(ctx, *inputs, **_attributes):
         tensors = {k: v for k, v in enumerate(inputs) if isinstance(v, torch.Tensor)}
         wanted = reads({k: tuple(v.shape) for k, v in tensors.items()})
@@ -78,7 +85,18 @@ def prepared_native(step: StepSpec, reads: Callable[[dict[int, tuple[int, ...]]]
             if tensors[k].dtype != dtype:
                 raise TypeError(f"input {k} is {tensors[k].dtype}, the layer was built for {dtype}")
         sizes = {k: tuple(tensors[k].shape) for k in wanted}
-        return kernel(sizes)({k: tensors[k].contiguous() for k in wanted})
+        read = {k: tensors[k].contiguous() for k in wanted}
+        if not rewritten:
+            made = RewrittenLaunch.of(kernel(read_sizes(tuned)[1]), plan_at, read_sizes(tuned)[1]) \
+                if plan_at is not None and tuned_roles is not None else None
+            with lock:
+                if not rewritten:
+                    rewritten.append(made)
+        if rewritten[0] is not None:
+            out = rewritten[0](sizes, read)
+            if out is not None:
+                return out
+        return kernel(sizes)(read)
 
     def read_sizes(sizes: dict[int, tuple[int, ...]]) -> tuple[dict[int, torch.dtype], dict[int, tuple[int, ...]]]:
         """The dtypes and sizes of the inputs the kernel reads, of the sizes a segment gives (ValueError: past
@@ -130,11 +148,165 @@ def prepared_native(step: StepSpec, reads: Callable[[dict[int, tuple[int, ...]]]
         return run
 
     tuned = _tuned_sizes(step)
+    tuned_roles = None
     if max_rank is None or all(len(v) <= max_rank for v in tuned.values()):
         tuned_roles = kernel(read_sizes(tuned)[1]).roles
         launch.native = native_at(tuned)
         launch.timed = timed
     return launch
+
+
+class RewrittenLaunch:
+    """A layer's launch (outside a native segment) at input sizes it has not met, without a kernel built there: its
+    size rule's fields (NativeStep.plan_at, the rule a segment's view rewrites the layer's plan with) written into a
+    copy of the plan of one call bound at the tuned sizes, run on that call's memory objects, each pointed at this
+    launch's tensors. A kernel at each new size (its fields' arithmetic, then a KernelBound's four oneDNN memory
+    objects and its plan) cost llama_tiny's two mask Wheres ~90 µs each of a first call at a new shape, right after a
+    run has cooled the caches (bench/results/first-shape-2026-12-06.md); a rewritten plan, a struct copy and the
+    rule. Plans kept per size (least recently used out, _KEPT); one run at a time (they share the memory objects)."""
+
+    def __init__(self, kernel: kernels.NativeKernel, plan_at: PlanRule, reads: list[int]):
+        """`kernel`: the layer at its tuned sizes, reading step inputs `reads`."""
+        self._bound = kernel.bind_reads(0, {k: 0 for k in reads}
+                                        | {f"dst{j}": 0 for j in range(1, len(kernel.more_outputs) + 1)})
+        self._template = bytes(memoryview(self._bound.plan).cast("B"))
+        self._plan_type = type(self._bound.plan)
+        self._dtypes = (kernel.output_dtype, *(dtype for _, dtype in kernel.more_outputs))
+        self._roles = ["dst"] + [f"dst{j}" for j in range(1, len(kernel.more_outputs) + 1)]
+        # its answers from closed forms traced from it (traced_rules.py) where it is arithmetic on the sizes: a
+        # broadcast's fields are ~7 µs of Python warm, several times that on a first call's cooled caches
+        self._plan_at = _traced(plan_at) if plan_at.traceable else plan_at
+        self._writes: dict[tuple, list[tuple[str, struct.Struct, int]]] = {}  # by the rule's field names
+        self._plans: OrderedDict[tuple, tuple[ctypes.Structure, tuple]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, kernel: kernels.NativeKernel, plan_at: PlanRule, sizes: dict[int, tuple[int, ...]]
+           ) -> RewrittenLaunch | None:
+        """The rewritten launch of the layer whose kernel at its tuned `sizes` is `kernel`, or None where a field
+        its rule writes is not integers (or not the plan's), or the rule's fields written into the plan at these
+        sizes do not give back the kernel's own plan (a value it leaves unset, another output size): then every new
+        size builds its kernel, as before. The plan's other fields (a norm's epsilon) are the template's, as in a
+        segment's rewritten view (kiln/runtime/native_views.py _plan_layout)."""
+        try:
+            launch = cls(kernel, plan_at, sorted(sizes))
+            sized = launch._plan_at(sizes)
+            writes = _plan_writes(launch._plan_type, sized.fields)
+            outputs = (tuple(kernel.output_size), *(tuple(size) for size, _ in kernel.more_outputs))
+            if writes is None or tuple(map(tuple, sized.output_sizes)) != outputs:
+                return None
+            launch._writes[tuple(sized.fields)] = writes
+            if bytes(memoryview(launch._written(sized.fields)).cast("B")) != launch._template:
+                return None
+        except (ValueError, TypeError, struct.error):
+            return None
+        if type(launch._plan_at) is TracedRule:
+            for other in _ones(sizes):  # a batch or a sequence of 1 takes other paths (a broadcast's `d == 1`)
+                try:
+                    launch._plan_at(other)
+                except ValueError:  # sizes the rule refuses: a launch there builds its kernel
+                    pass
+        return launch
+
+    def _written(self, fields: dict[str, Any]) -> ctypes.Structure:
+        """A copy of the template plan with `fields` written (KeyError: fields of a layout not met yet)."""
+        plan = self._plan_type.from_buffer_copy(self._template)
+        for name, packer, offset in self._writes[tuple(fields)]:
+            value = fields[name]
+            if type(value) is tuple:
+                packer.pack_into(plan, offset, *value)
+            else:
+                packer.pack_into(plan, offset, value)
+        return plan
+
+    def _plan_of(self, sizes: dict[int, tuple[int, ...]]) -> tuple[ctypes.Structure, tuple] | object:
+        """(plan, output sizes) at `sizes`, or _REFUSED where the rule refuses them (an Add's larger operand on the
+        other side) or answers fields this plan cannot take."""
+        try:
+            sized = self._plan_at(sizes)
+            names = tuple(sized.fields)
+            if names not in self._writes:
+                writes = _plan_writes(self._plan_type, sized.fields)
+                if writes is None:
+                    return _REFUSED
+                self._writes[names] = writes
+            return self._written(sized.fields), tuple(map(tuple, sized.output_sizes))
+        except (ValueError, TypeError, struct.error):
+            return _REFUSED
+
+    def __call__(self, sizes: dict[int, tuple[int, ...]], inputs: dict[int, torch.Tensor]
+                 ) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
+        """The layer on `inputs` (contiguous, of `sizes`): new outputs, or None where the rule refuses these sizes
+        (the caller builds the kernel: it says why, or runs them)."""
+        key = tuple(sorted(sizes.items()))
+        found = self._plans.get(key)
+        if found is None:
+            found = self._plan_of(sizes)
+            with self._lock:
+                self._plans[key] = found
+                while len(self._plans) > _KEPT:
+                    self._plans.popitem(last=False)
+        if found is _REFUSED:
+            return None
+        plan, output_sizes = found
+        ys = [torch.empty(size, dtype=dtype) for size, dtype in zip(output_sizes, self._dtypes)]
+        if all(y.numel() == 0 for y in ys):  # no rows: nothing to write (as NativeKernel.__call__)
+            return tuple(ys) if len(ys) > 1 else ys[0]
+        bound = self._bound
+        with self._lock:
+            for role, y in zip(self._roles, ys):
+                bound.rebind(role, y.data_ptr())
+            for k, v in inputs.items():
+                bound.rebind(k, v.data_ptr())
+            bound.run_plan(plan)
+        return tuple(ys) if len(ys) > 1 else ys[0]
+
+
+_REFUSED = object()  # RewrittenLaunch's answer kept for sizes its rule refuses (the kernel there runs them)
+
+# traced rules by key, shared by the layers of one shape (llama_tiny's two mask Wheres trace one path per class of
+# sizes, not two), kept while a launch holds them
+_TRACED: weakref.WeakValueDictionary[tuple, TracedRule] = weakref.WeakValueDictionary()
+_TRACED_LOCK = threading.Lock()
+
+
+def _traced(rule: PlanRule) -> TracedRule:
+    with _TRACED_LOCK:
+        found = _TRACED.get(rule.key)
+        if found is None:
+            found = _TRACED[rule.key] = TracedRule(rule)
+        return found
+
+
+def _ones(sizes: dict[int, tuple[int, ...]]) -> list[dict[int, tuple[int, ...]]]:
+    """`sizes` with every dim of a value set to 1, for each set of the values above 1 (three at most, the
+    largest; the tuned sizes' batch, heads, sequence): the paths a traced rule takes at a batch or a sequence of 1,
+    traced with the launch rather than at a first call there (~0.4 ms a path)."""
+    values = sorted({d for size in sizes.values() for d in size if d > 1}, reverse=True)[:3]
+    out = []
+    for mask in range(1, 1 << len(values)):
+        ones = {v for j, v in enumerate(values) if mask >> j & 1}
+        out.append({k: tuple(1 if d in ones else d for d in size) for k, size in sizes.items()})
+    return out
+
+
+def _plan_writes(plan_type: type[ctypes.Structure], fields: dict[str, Any]
+                 ) -> list[tuple[str, struct.Struct, int]] | None:
+    """(field, its packer, byte offset) of each of a SizedPlan's fields in `plan_type`, or None where one is not a
+    field of it, not integers, or of another count of elements than the field holds."""
+    kinds = dict(plan_type._fields_)
+    writes = []
+    for name, value in fields.items():
+        kind = kinds.get(name)
+        held = native_loop.integer_field(kind) if kind is not None else None
+        items = value if type(value) is tuple else (value,)
+        if held is None or len(items) != held[0] or None in items:
+            return None
+        code = {8: "q", 4: "i"}.get(held[1])
+        if code is None:
+            return None
+        writes.append((name, struct.Struct(f"={held[0]}{code}"), getattr(plan_type, name).offset))
+    return writes
 
 
 # ---- one channels-last input: the plan kernels (kiln/kernels/cpu/plan_member.py) -------------------------------
