@@ -501,6 +501,32 @@ class Segment:
             return False
         return rewrite.learn_at(template, key)
 
+    def view_ahead(self, key: tuple) -> int:
+        """This segment's view at entry sizes `key` made now (a background job at load: views_ahead.views_ahead_at,
+        at the shapes whose plans it made), where its traced walk answers them (one call; nothing is walked, bound or
+        traced here) and the segment keeps fewer than VIEWS // 2 views (the calls' own views keep the other half
+        before one made here goes): a first call there finds it as a repeat does, where making it cost llama_tiny
+        ~45 µs a segment of a first call's ~0.65 ms outside the loop (bench/results/first-shape-2026-12-06.md).
+        The bytes of the view's plans and calls (what it holds), 0 where none was made."""
+        if not self._views or key == self._planned_key:
+            return 0
+        with self._resize_lock:
+            if key in self.resized or len(self.resized) >= VIEWS // 2:
+                return 0
+            if self._origin is not None:
+                self._adopt()
+            template = self._grown or self
+            rewrite = template._rewrite
+            try:
+                view = rewrite.traced_view(template, key) if rewrite is not None else None
+            except Exception:  # noqa: BLE001  sizes a rule refuses: a call there finds out (and runs one by one)
+                view = None
+            if view is None:
+                return 0
+            self.resized[key] = view
+            self.resized.move_to_end(key, last=False)  # the first to go: a call's own views are newer
+            return sum(getattr(b, "nbytes", 0) for b in view._owned)
+
     def grow_ahead(self, key: tuple) -> bool:
         """Grow the views' template to entry sizes `key` now (the profile's largest: a background job at load,
         first_calls.primitives_ahead), with its plan rewrite, as the first call past the template's arena would

@@ -30,6 +30,7 @@ import itertools
 import time
 import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,24 +45,30 @@ from kiln.runtime.program import SHAPE_PLANS, Program
 _JOBS = itertools.count()
 
 
-def segment_entries(program: Program, shapes: list[tuple[int, ...]], input_dtypes: list[torch.dtype]
-                    ) -> Iterator[tuple[Segment, tuple]]:
+def segment_entries(program: Program, shapes: list[tuple[int, ...]], input_dtypes: list[torch.dtype],
+                    known: list[tuple[int, Any]] | None = None) -> Iterator[tuple[Segment, tuple]]:
     """Each native segment of `program`'s loop with its entry sizes at inputs of `shapes` (of `input_dtypes`), in
     loop order, as far as the layers between them can be followed (the module's doc). A generator: what the caller
     does with a segment (runs_ahead) is done before its exits' sizes are asked. Nothing where the program's shape
-    values need more than the inputs' sizes (a shape function reading data, or steps the loop runs)."""
+    values need more than the inputs' sizes (a shape function reading data, or steps the loop runs). `known`: these
+    shapes' plan (Program.shape_plans': the shape values the loop reads), written instead of running the shape
+    function again (a decoder's builds its causal mask: ~1.5 ms of llama_tiny's ~2 a shape here)."""
     function = program.shape_function
     if (function is None and program.shape_steps) or \
             (function is not None and (not program.plans_ahead or not function.shapes_only)):
         return
     env = list(program.template)
-    for s, shape in zip(program.input_slots, shapes):
-        env[s] = np.broadcast_to(np.zeros((), np.int64), shape)  # the shape function reads sizes only
-    try:
-        if function is not None:
-            function(env)
-    except Exception:  # noqa: BLE001  shapes its layers refuse: a call says why, this only looks ahead
-        return
+    if known is not None:
+        for s, value in known:
+            env[s] = value
+    else:
+        for s, shape in zip(program.input_slots, shapes):
+            env[s] = np.broadcast_to(np.zeros((), np.int64), shape)  # the shape function reads sizes only
+        try:
+            if function is not None:
+                function(env)
+        except Exception:  # noqa: BLE001  shapes its layers refuse: a call says why, this only looks ahead
+            return
     for s, shape, dtype in zip(program.input_slots, shapes, input_dtypes):
         env[s] = torch.empty(shape, dtype=dtype, device="meta")
     last = max((i for i, step in enumerate(program.lean_steps) if isinstance(step.fn, Segment)), default=-1)
@@ -219,8 +226,41 @@ def segments_job(program: Program, shapes: list[list[tuple[int, ...]]], largest:
         for inputs in shapes:
             made = _ready_at(program_ref, inputs, input_dtypes, None) or made
             time.sleep(0)  # the GIL to a calling thread, if one waits
-        return plans_ahead_at(program_ref, plans, input_dtypes) or made
+        made = plans_ahead_at(program_ref, plans, input_dtypes) or made
+        return views_ahead_at(program_ref, plans, input_dtypes) or made
     return onednn_ahead.Job(("segment views", next(_JOBS)), 0, make, counted=False)
+
+
+VIEWS_AHEAD_BYTES = 4 << 20  # the views' plans and calls views_ahead_at makes at most (llama_tiny's: ~1.5 KB each)
+
+
+def views_ahead_at(program_ref: weakref.ref, plans: list[list[tuple[int, ...]]], input_dtypes: list[torch.dtype]
+                   ) -> bool:
+    """Each view segment's view (Segment.view_ahead: from its traced walk, one call each) at its entry sizes for each
+    input shape of `plans` whose shape plan is kept (plans_ahead_at's, in order), until the views hold
+    VIEWS_AHEAD_BYTES: a later first call at such a shape then binds nothing. With the plans made ahead, each of
+    llama_tiny's five segments still made its view at the call (~45 µs each, ~0.25 ms of ~0.65 outside the loop,
+    bench/results/first-shape-2026-12-06.md). A segment running another batch in runs of its own is left out (its
+    batches have plans of their own: native_batches.plans_ahead)."""
+    made, held = False, 0
+    for shapes in plans:
+        program = program_ref()
+        if program is None or program.shape_plans is None:
+            return made
+        signature = tuple((tuple(shape), dtype) for shape, dtype in zip(shapes, input_dtypes))
+        with program._plans_lock:
+            known = program.shape_plans.get(signature)
+        if known is None:  # (past the plans made ahead: a call makes both)
+            return made
+        for segment, key in segment_entries(program, shapes, input_dtypes, known):
+            if segment._planned_batch is None:
+                size = segment.view_ahead(key)
+                made, held = made or size > 0, held + size
+        del program
+        if held > VIEWS_AHEAD_BYTES:
+            return made
+        time.sleep(0)  # the GIL to a calling thread, if one waits
+    return made
 
 
 PLANS_AHEAD_BYTES = 8 << 20  # the shape plans' tensors plans_ahead_at keeps at most (of SHAPE_PLAN_BYTES: 64 MB)
