@@ -171,3 +171,61 @@ def test_llama_first_calls_after_load_answer_from_the_traced_walk_and_match_onnx
         got = next(iter(context.run(feeds).values()))
         np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=1e-4, atol=1e-4)  # fp32 logits
     assert not walked, walked  # each such segment's view was one call of its traced walk
+
+
+def _counted(monkeypatch, owner, name) -> list:
+    calls = []
+    real = getattr(owner, name)
+
+    def counted(*a, **k):
+        calls.append(a[1:2])
+        return real(*a, **k)
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
+# later new shapes: a batch and a sequence of 1 among them (a broadcast's rule takes other paths there)
+LATER = ((3, 5), (1, 7), (2, 13), (4, 3), (1, 1), (2, 1), (4, 16))
+
+
+def _later_first_calls(llama, monkeypatch) -> tuple[list, list]:
+    """(the views a first call made, the kernels it built) over first calls at LATER after load, each checked against
+    onnxruntime (fp32 logits of two layers, 1e-4)."""
+    exported, path = llama
+    monkeypatch.setenv("KILN_PAD_FIRST_CALLS", "0")  # every new shape binds (or finds) its own view
+    context = kiln.load(str(path)).create_execution_context()
+    context.warm_up()
+    assert first_calls.primitives_made(120)
+    views = _counted(monkeypatch, native_views._PlanRewrite, "_assembled")
+    built = _counted(monkeypatch, kernels.NativeKernel, "__init__")
+    session = ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(zlib.crc32(b"llama later shapes"))
+    for b, s in LATER:
+        feeds = {"input_ids": rng.integers(0, 100, (b, s), dtype=np.int64),
+                 "attention_mask": np.ones((b, s), np.int64)}
+        feeds = {n: feeds[n] for n in context.engine.input_names}
+        got = next(iter(context.run(feeds).values()))
+        np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=1e-4, atol=1e-4)
+    return views, built
+
+
+def test_llama_later_first_calls_find_their_views_made_ahead_and_build_no_kernel(llama, monkeypatch):
+    """The profile's 64 shapes (1x1..4x16) have their plans made at load (PLANS_AHEAD), and now each segment's view
+    there (views_ahead.views_ahead_at: ~45 µs a segment of a first call otherwise), and the mask Wheres outside the
+    segments rewrite their plan at a new size (native_member.RewrittenLaunch: a kernel and its memory objects built
+    otherwise, ~90 µs each): a first call at a new shape makes no view and builds no kernel."""
+    views, built = _later_first_calls(llama, monkeypatch)
+    assert not views, views
+    assert not built, built
+
+
+def test_llama_later_first_calls_without_views_ahead_or_the_rewrite_make_them(llama, monkeypatch):
+    """The checks above can fail: the load's views off, a view per segment at each first call; the rewrite off, the
+    Wheres' kernels at each."""
+    from kiln.runtime import views_ahead
+    from kiln.tactics.cpu.native_member import RewrittenLaunch
+    monkeypatch.setattr(views_ahead, "views_ahead_at", lambda *a: False)
+    monkeypatch.setattr(RewrittenLaunch, "of", classmethod(lambda cls, *a: None))
+    views, built = _later_first_calls(llama, monkeypatch)
+    assert len(views) == 5 * len(set(LATER)), len(views)
+    assert {what.split(" of ")[0] for (what,) in built} == {"where"}, built
