@@ -14,6 +14,7 @@ jobs done (first_calls.primitives_made), then first calls at --shapes in order, 
 --no-reshaped-shapes: a Shape of a Reshape's output is left to the loop (llama_tiny: plans_ahead False).
 --no-plans-ahead: a program of several segments computes no shape plans at load (first_calls.plan_shapes empty).
 --no-rewritten-launch: a kiln kernel's launch outside a segment builds its kernel at each new size (llama_tiny's Wheres).
+--no-views-made-ahead: the load makes no segment's view at the shapes it plans (views_ahead.views_ahead_at).
 --no-size-rules: kiln::Rotary, kiln::RMSNorm and the last-axis Slice without their size rules (llama_tiny: its segments walk at the call).
 --no-memos: the view job's memo shapes off (first_calls.memo_shapes empty); --no-grid-rows: each grid corner a
 copy. --no-views-ahead: the load's view jobs off (first_calls._trace_job and _segments_job: no template grown, no walk
@@ -71,6 +72,8 @@ def main() -> None:
                     "Slice without their size rules (A of their PlanRules: llama_tiny's segments walk at each new shape)")
     ap.add_argument("--no-rewritten-launch", action="store_true", help="a kiln kernel's launch outside a segment "
                     "builds its kernel at each new size (A of native_member.RewrittenLaunch: llama_tiny's mask Wheres)")
+    ap.add_argument("--no-views-made-ahead", action="store_true", help="the load makes no segment's view at the "
+                    "shapes it plans (A of views_ahead.views_ahead_at)")
     ap.add_argument("--steady", default="", help="shapes of the steady-state A/B (then no first calls)")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--image", default="", help="CxHxW: pixel_values of an image model; --shapes are batches")
@@ -100,6 +103,9 @@ def main() -> None:
     if args.no_rewritten_launch:
         from kiln.tactics.cpu import native_member
         native_member.RewrittenLaunch.of = classmethod(lambda cls, *a: None)
+    if args.no_views_made_ahead:
+        from kiln.runtime import views_ahead
+        views_ahead.views_ahead_at = lambda *a: False
     if args.no_memos:
         first_calls.memo_shapes = lambda program, profiles: []
     if args.no_grid_rows:
