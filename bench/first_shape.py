@@ -13,7 +13,7 @@ jobs done (first_calls.primitives_made), then first calls at --shapes in order, 
 
 --no-reshaped-shapes: a Shape of a Reshape's output is left to the loop (llama_tiny: plans_ahead False).
 --no-plans-ahead: a program of several segments computes no shape plans at load (first_calls.plan_shapes empty).
---no-rewritten-launch: a kiln kernel's launch outside a segment builds its kernel at each new size (llama_tiny's Wheres).
+--no-rewritten-launch: a kiln kernel's launch outside a segment builds its kernel at each new size (llama's Wheres).
 --no-views-made-ahead: the load makes no segment's view at the shapes it plans (views_ahead.views_ahead_at).
 --no-size-rules: kiln::Rotary, kiln::RMSNorm and the last-axis Slice without their size rules (llama_tiny: its segments walk at the call).
 --no-memos: the view job's memo shapes off (first_calls.memo_shapes empty); --no-grid-rows: each grid corner a
