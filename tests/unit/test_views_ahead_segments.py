@@ -300,3 +300,35 @@ def test_the_glue_on_meta_has_the_sizes_and_dtypes_of_the_op_on_data(op_type, do
     assert got is not None and [(tuple(g.shape), g.dtype) for g in got] == [(tuple(expected.shape), expected.dtype)]
     if refused is not None:
         assert views_ahead._on_meta(step, made(refused, True)) is None
+
+
+def test_a_reshape_between_segments_is_followed_by_onnxs_rule_as_the_op_gives_it():
+    """views_ahead._reshaped_on_meta (the Reshape's sizes by ONNX's rule, not torch's meta decomposition) against the
+    op on real tensors, on fresh random sizes and targets (0s copied, one -1, allowzero), and None where the op
+    refuses or the data is not a meta tensor."""
+    from kiln.ops.registry import lookup
+    op = lookup("Reshape", "")
+    rng = np.random.default_rng(zlib.crc32(b"reshape on meta"))
+    for _ in range(300):
+        size = tuple(int(d) for d in rng.integers(0 if rng.random() < 0.1 else 1, 6, int(rng.integers(1, 5))))
+        numel = int(np.prod(size))
+        target = list(size) if rng.random() < 0.5 else [numel]
+        if numel and rng.random() < 0.5:  # another factorization
+            target = [d for d in (2, numel // 2) if numel % 2 == 0] if numel % 2 == 0 else [numel, 1]
+        target = [(0 if j < len(size) and d == size[j] and rng.random() < 0.3 else d) for j, d in enumerate(target)]
+        if rng.random() < 0.4:
+            target[int(rng.integers(0, len(target)))] = -1
+        if rng.random() < 0.1:
+            target[0] += 1  # sizes that do not hold
+        allowzero = int(rng.random() < 0.2)
+        attributes = {"allowzero": allowzero}
+        shape = torch.tensor(target, dtype=torch.int64)
+        got = views_ahead._reshaped_on_meta([torch.empty(size, device="meta"), shape], attributes)
+        try:
+            want = op.fn(None, torch.empty(size), shape, **attributes)
+        except (RuntimeError, ValueError):
+            assert got is None, (size, target, allowzero)
+            continue
+        if got is not None:
+            assert got.is_meta and tuple(got.shape) == tuple(want.shape), (size, target, allowzero)
+    assert views_ahead._reshaped_on_meta([torch.empty(6), torch.tensor([2, 3])], {}) is None  # real data: the op's
