@@ -163,7 +163,8 @@ class RewrittenLaunch:
     launch's tensors. A kernel at each new size (its fields' arithmetic, then a KernelBound's four oneDNN memory
     objects and its plan) cost llama_tiny's two mask Wheres ~90 µs each of a first call at a new shape, right after a
     run has cooled the caches (bench/results/first-shape-2026-12-06.md); a rewritten plan, a struct copy and the
-    rule. Plans kept per size (least recently used out, _KEPT); one run at a time (they share the memory objects)."""
+    rule. Plans kept per size (the oldest out past _KEPT); one run at a time (they share the memory objects). Made at
+    the layer's first launch (an engine's warm-up), with its rule's batch-1 / sequence-1 paths traced there (_ones)."""
 
     def __init__(self, kernel: kernels.NativeKernel, plan_at: PlanRule, reads: list[int]):
         """`kernel`: the layer at its tuned sizes, reading step inputs `reads`."""
