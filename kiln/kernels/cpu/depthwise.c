@@ -88,14 +88,13 @@ typedef float vf_u __attribute__((vector_size(LANES * 4), aligned(4)));  /* an u
 static inline vf load(const float *p) { return *(const vf_u *)p; }
 static inline void store(float *p, vf v) { *(vf_u *)p = v; }
 
-/* x·σ(x): exp_poly.h's table form under AVX-512 and AVX2 (≤ 2.9 ulp against float64, one division; 0.90x the
-   rational form's time an element under AVX-512, 0.97x under AVX2, bench/silu_ab.py), else its rational form */
+/* x·σ(x): exp_poly.h's table form under AVX-512 (<= 2.9 ulp against float64, one division; B0's SiLU layers
+   0.95-1.00x the rational form's time, 1 thread), its rational form (<= 3.4 ulp) under AVX2, where the table form
+   was 1.02-1.07x slower in the kernel (16 ymm: its table and constants beside the accumulators), though 0.97x on
+   its own (bench/silu_ab.py; bench/results/dw-avx2-2026-12-06.md, session 26) */
 #if LANES == 16
 #define PERMUTE(table, t) _mm512_permutexvar_ps((__m512i)(t), (__m512)(table))
 KILN_VSILU_TABLE(silu_vector, static inline, vf, vi, VMIN, VMAX, 4, PERMUTE)
-#elif LANES == 8
-#define PERMUTE(table, t) _mm256_permutevar8x32_ps((__m256)(table), (__m256i)(t))
-KILN_VSILU_TABLE(silu_vector, static inline, vf, vi, VMIN, VMAX, 3, PERMUTE)
 #else
 KILN_VSILU(silu_vector, static inline, vf, vi, VMIN, VMAX)
 #endif
