@@ -8,6 +8,9 @@
  *   poly:   KILN_VSILU's reduction and exponent add with Cephes' degree-7 e^r, x / (1 + e^-x): the more
  *           accurate alternative, kept here for the comparison
  *   rcp:    KILN_VSILU with the division as a reciprocal estimate and one Newton step
+ *   table:  exp_poly.h's KILN_VSILU_TABLE (x / (1 + e^-x), e^-x from a table of 2^(j/16) (AVX-512) or 2^(j/8) (AVX2)
+ *           and a cubic), depthwise.c's SiLU under AVX-512 since session 26
+ *   tabrcp: table with the division as a reciprocal estimate and one Newton step on the quotient
  */
 #include <immintrin.h>
 #include <math.h>
@@ -83,9 +86,45 @@ static inline vf silu_rcp(vf x) {
     return y0 * (1.0f - d * r0) + y0;
 }
 
+#if LANES == 16
+#define PERMUTE(table, t) _mm512_permutexvar_ps((__m512i)(t), (__m512)(table))
+KILN_VSILU_TABLE(silu_table, static inline, vf, vi, VMIN, VMAX, 4, PERMUTE)
+#else
+#define PERMUTE(table, t) _mm256_permutevar8x32_ps((__m256)(table), (__m256i)(t))
+KILN_VSILU_TABLE(silu_table, static inline, vf, vi, VMIN, VMAX, 3, PERMUTE)
+#endif
+
+static inline vf silu_tabrcp(vf x) {  /* KILN_VSILU_TABLE's steps, the division as rcp + one Newton step */
+    const vf a = (vf)VMAX((vf){0} - 88.0f, x);
+    const vf b = (vf)VMIN((vf){0} + 87.0f, a);
+#if LANES == 16
+    const vf table = KILN_EXP2_TABLE_4;
+    const vf t = b * (-KILN_EXP_LOG2E * 16) + 12582912.0f;
+    const vf m = t - 12582912.0f;
+    vf r = m * (0.693359375f / 16) + b;
+    r = m * (-2.12194440e-4f / 16) + r;
+    vf q = r * KILN_SILU_C3_4 + KILN_SILU_C2_4;
+    const vi scale = ((vi)t << 19) & (vi){0} + (int)0xFF800000;
+#else
+    const vf table = KILN_EXP2_TABLE_3;
+    const vf t = b * (-KILN_EXP_LOG2E * 8) + 12582912.0f;
+    const vf m = t - 12582912.0f;
+    vf r = m * (0.693359375f / 8) + b;
+    r = m * (-2.12194440e-4f / 8) + r;
+    vf q = r * KILN_SILU_C3_3 + KILN_SILU_C2_3;
+    const vi scale = ((vi)t << 20) & (vi){0} + (int)0xFF800000;
+#endif
+    q = (q * r - 1.0f) * r;
+    const vf s = (vf)PERMUTE(table, t);
+    const vf d = (vf)((vi)(q * s + s) + scale) + 1.0f;
+    const vf r0 = VRCP(d);
+    const vf y0 = a * r0;
+    return (a - d * y0) * r0 + y0;
+}
+
 typedef vf (*form)(vf);
-#define FORMS 4
-static const char *names[FORMS] = {"old", "kiln", "poly", "rcp"};
+#define FORMS 6
+static const char *names[FORMS] = {"old", "kiln", "poly", "rcp", "table", "tabrcp"};
 
 #define N_BENCH (1 << 14)
 static float buf[N_BENCH] __attribute__((aligned(64)));
@@ -103,7 +142,7 @@ static float buf[N_BENCH] __attribute__((aligned(64)));
         clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t1);                                                          \
         return ((t1.tv_sec - t0.tv_sec) * 1e9 + (t1.tv_nsec - t0.tv_nsec)) / ((double)reps * N_BENCH);        \
     }
-BENCH(silu_old) BENCH(silu_kiln) BENCH(silu_poly) BENCH(silu_rcp)
+BENCH(silu_old) BENCH(silu_kiln) BENCH(silu_poly) BENCH(silu_rcp) BENCH(silu_table) BENCH(silu_tabrcp)
 
 static double ulps(float y, double want) {
     const double a = fabs(want);
@@ -149,7 +188,7 @@ static void accuracy(const char *name, form f, uint32_t step) {
 
 int main(int argc, char **argv) {
     const uint32_t step = argc > 1 ? (uint32_t)atoi(argv[1]) : 61;
-    const form forms[FORMS] = {silu_old, silu_kiln, silu_poly, silu_rcp};
+    const form forms[FORMS] = {silu_old, silu_kiln, silu_poly, silu_rcp, silu_table, silu_tabrcp};
     printf("\n%d lanes, every %u-th float: worst error against float64\n\n", LANES, step);
     printf("| form | x < -88 abs | [-88, -20) ulp | [-20, 0) ulp | [0, 20) ulp | >= 20 ulp | inf, -inf, nan, 1e30, -1e30 |\n");
     printf("|---|---|---|---|---|---|---|\n");
@@ -161,6 +200,8 @@ int main(int argc, char **argv) {
         t[1][round] = bench_silu_kiln(200);
         t[2][round] = bench_silu_poly(200);
         t[3][round] = bench_silu_rcp(200);
+        t[4][round] = bench_silu_table(200);
+        t[5][round] = bench_silu_tabrcp(200);
     }
     printf("\n| form | ns an element, %d lanes (median of 9 interleaved rounds) | / old |\n|---|---|---|\n", LANES);
     double median[FORMS];

@@ -113,8 +113,13 @@ def test_kernel_matches_float64_conv2d(case, activation, threads):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_silu_epilogue_within_ulps_of_float64_and_its_specials(threads):
-    # a 1x1 layer of weight 1 and bias 0 hands x to the epilogue unchanged: exp_poly.h's KILN_VSILU on whole
-    # channel vectors and silu_scalar on the 5 channels past them (37 channels), against test_conv_silu's checks
+    silu_epilogue_checks(threads)
+
+
+def silu_epilogue_checks(threads: int) -> None:
+    """A 1x1 layer of weight 1 and bias 0 hands x to the epilogue unchanged: exp_poly.h's KILN_VSILU_TABLE (AVX-512)
+    or KILN_VSILU (AVX2: test_wide_maps_under_the_avx2_cap runs this there too) on whole channel vectors and
+    silu_scalar on the 5 channels past them (37 channels), against test_conv_silu's checks."""
     from tests.unit.test_conv_silu import silu_checks
 
     c = 37
@@ -230,13 +235,16 @@ import json
 from kiln.kernels.cpu import depthwise
 from tests.unit.test_depthwise_native import wide_errors
 assert depthwise.lanes() == 8, depthwise.lanes()
+from tests.unit.test_depthwise_native import silu_epilogue_checks
+silu_epilogue_checks(1)
+silu_epilogue_checks(2)
 print(json.dumps([[list(map(str, case)), err] for t in (1, 2) for case, err in wide_errors(t)]))
 """
 
 
 def test_wide_maps_under_the_avx2_cap_match_float64_conv2d():
     """The same layers as an AVX2-only CPU runs them (a process under KILN_CPU_ISA=avx2: 8 lanes, one row a pass at
-    stride 2 on these widths), 1 and 2 threads."""
+    stride 2 on these widths), 1 and 2 threads; and the SiLU epilogue's 8-lane form there (KILN_VSILU)."""
     if cpu_features.isa() not in ("avx2", "avx512"):
         pytest.skip("needs an x86 CPU with AVX2")
     root = Path(__file__).resolve().parents[2]

@@ -134,3 +134,66 @@ def test_the_header_digest_follows_each_header_s_name_and_contents(tmp_path):
     (tmp_path / "notes.txt").write_text("not a header")
     assert len({before, changed, renamed}) == 3
     assert native_loop.headers_digest(tmp_path) == renamed  # only headers count
+
+
+# KILN_VSILU_TABLE at both widths it is written for, each in a function built for its ISA (target attributes, so the
+# library builds under the AVX2 cap too): the 8-lane form (table of 2^(j/8), vpermps ymm) and the 16-lane one (2^(j/16),
+# vpermps zmm; depthwise.c's SiLU under AVX-512), called only where the CPU has the ISA
+TABLE_SOURCE = r"""
+#include <immintrin.h>
+#include "exp_poly.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+typedef float t8 __attribute__((vector_size(32)));
+typedef int ti8 __attribute__((vector_size(32)));
+#define PERMUTE8(table, t) _mm256_permutevar8x32_ps((__m256)(table), (__m256i)(t))
+KILN_VSILU_TABLE(silu8, static inline, t8, ti8, _mm256_min_ps, _mm256_max_ps, 3, PERMUTE8)
+void kiln_test_silu_table8(const float *x, float *y, long n) {  /* n a multiple of 8 */
+    for (long j = 0; j < n; j += 8) {
+        t8 v;
+        memcpy(&v, x + j, sizeof v);
+        v = silu8(v);
+        memcpy(y + j, &v, sizeof v);
+    }
+}
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+typedef float t16 __attribute__((vector_size(64)));
+typedef int ti16 __attribute__((vector_size(64)));
+#define PERMUTE16(table, t) _mm512_permutexvar_ps((__m512i)(t), (__m512)(table))
+KILN_VSILU_TABLE(silu16, static inline, t16, ti16, _mm512_min_ps, _mm512_max_ps, 4, PERMUTE16)
+void kiln_test_silu_table16(const float *x, float *y, long n) {  /* n a multiple of 16 */
+    for (long j = 0; j < n; j += 16) {
+        t16 v;
+        memcpy(&v, x + j, sizeof v);
+        v = silu16(v);
+        memcpy(y + j, &v, sizeof v);
+    }
+}
+#pragma GCC pop_options
+"""
+
+
+@pytest.mark.parametrize("lanes", [8, 16])
+def test_table_silu_within_ulps_of_float64_and_its_specials(lanes):
+    """KILN_VSILU_TABLE against float64 x·σ(x) by test_conv_silu's checks (a sweep over [-100, 100], every exponent
+    of both signs, random values; the specials: +inf -> +inf, -inf and x < -88 -> ~0, NaN -> NaN, ±0 -> ±0), within
+    test_conv_silu's 3.5 ulp (bench/silu_ab.py measured 2.9 at 16 lanes and 8 over every 61st float)."""
+    from kiln.kernels.cpu import cpu_features
+    from tests.unit.test_conv_silu import silu_checks
+
+    if cpu_features.isa() != "avx512" and lanes == 16 or cpu_features.isa() not in ("avx2", "avx512"):
+        pytest.skip(f"needs {'AVX-512' if lanes == 16 else 'AVX2'}")
+    built = native_loop.build("silu-table-test", TABLE_SOURCE)
+    if isinstance(built, str):
+        pytest.skip(f"no native build: {built}")
+    function = getattr(ctypes.CDLL(str(built)), f"kiln_test_silu_table{lanes}")
+
+    def run(x: np.ndarray) -> np.ndarray:
+        padded = np.resize(x, (x.size + lanes - 1) // lanes * lanes).astype(np.float32)
+        return _run(function, padded)[:x.size]
+
+    silu_checks(run)

@@ -13,7 +13,8 @@
  * rows (split among threads); a row is cut into blocks of U output pixels, and per channel vector (or 2-4 of them
  * for short blocks) each input vector of a tap row is loaded once and meets every tap that reads it, every channel
  * vector of a block before the next block (its input pixels are read in address order). A 3x3 layer at stride 1
- * (and at stride 2: on every width under AVX-512, on maps up to 16 wide under AVX2) and a 5x5 layer at strides 1
+ * (and at stride 2: on every width under AVX-512, in blocks of 4 pixels on maps over 16 wide, on maps up to 16 wide
+ * under AVX2) and a 5x5 layer at strides 1
  * and 2 take two output rows a pass (block2): each input row the two read is loaded once for both, 4 rows where
  * two passes load 6 (3x3, stride 1; 5x5: 6 for 10, or 7 at stride 2) (bench/results/dw-avx2-2026-12-06.md).
  * Padding is never materialised: tap rows above or below the input are skipped, an edge block reads its padding
@@ -88,8 +89,16 @@ typedef float vf_u __attribute__((vector_size(LANES * 4), aligned(4)));  /* an u
 static inline vf load(const float *p) { return *(const vf_u *)p; }
 static inline void store(float *p, vf v) { *(vf_u *)p = v; }
 
-/* x·σ(x): exp_poly.h's rational form (≤ 3.4 ulp against float64, one division) */
+/* x·σ(x): exp_poly.h's table form under AVX-512 (<= 2.9 ulp against float64, one division; B0's SiLU layers
+   0.95-1.00x the rational form's time, 1 thread), its rational form (<= 3.4 ulp) under AVX2, where the table form
+   was 1.02-1.07x slower in the kernel (16 ymm: its table and constants beside the accumulators), though 0.97x on
+   its own (bench/silu_ab.py; bench/results/dw-avx2-2026-12-06.md, session 26) */
+#if LANES == 16
+#define PERMUTE(table, t) _mm512_permutexvar_ps((__m512i)(t), (__m512)(table))
+KILN_VSILU_TABLE(silu_vector, static inline, vf, vi, VMIN, VMAX, 4, PERMUTE)
+#else
 KILN_VSILU(silu_vector, static inline, vf, vi, VMIN, VMAX)
+#endif
 
 static inline vf activate(vf v, int kind, vf lo, vf hi) {
     switch (kind) {
@@ -354,10 +363,10 @@ static void row(const dw_plan *p, const float *x, float *y, long n, long oh, lon
     }
 }
 
-/* channels [c0, c1) (whole vectors) of output rows oh and oh + 1 of image `n` (block2): blocks of U2MAX pixels,
-   then one of what is left */
+/* channels [c0, c1) (whole vectors) of output rows oh and oh + 1 of image `n` (block2): blocks of umax pixels
+   (<= U2MAX), then one of what is left */
 static void row2(const dw_plan *p, const float *x, float *y, long n, long oh, long c0, long c1,
-                 const block2_fn *blocks) {
+                 const block2_fn *blocks, int umax) {
     const long C = p->C, OW = p->OW;
     const int taps = p->KH + p->SH;
     const vf lo = (vf){0} + p->alpha, hi = (vf){0} + p->beta;
@@ -367,7 +376,7 @@ static void row2(const dw_plan *p, const float *x, float *y, long n, long oh, lo
     const int ir0 = ih0 < 0 ? (int)-ih0 : 0, ir1 = ih0 + taps > p->H ? (int)(p->H - ih0) : taps;
     long ow = 0;
     while (ow < OW) {
-        const int U = OW - ow < U2MAX ? (int)(OW - ow) : U2MAX;
+        const int U = OW - ow < umax ? (int)(OW - ow) : umax;
         const long iw = ow * p->SW - p->PL;
         float *o = out + ow * C;
         if (iw >= 0 && iw + (U - 1) * p->SW + p->KW <= p->W) {  /* every column inside the row */
@@ -411,6 +420,7 @@ int kiln_depthwise(void *object, void *stream, int nargs, const void *args) {
     PICK(3, 1) PICK(3, 2) PICK(5, 1) PICK(5, 2)
 #undef PICK
     const block2_fn *pairs = NULL;  /* two output rows a pass (block2): square kernels and strides */
+    int umax = U2MAX;               /* pixels a block of pairs */
     /* not on a map narrower than one block of pairs: 7 wide under AVX-512 (MobileNetV2's 960x7², B0's 1152x7²)
        pairs were 1.05x one row's time (one block of 7 either way); under AVX2 0.84x (4 + 3 against 6 + 1) */
     if (p->KH == p->KW && p->SH == p->SW && p->OW >= U2MAX) {
@@ -420,6 +430,13 @@ int kiln_depthwise(void *object, void *stream, int nargs, const void *args) {
            under AVX-512 on every width (blocks of 8 pixels: 16 accumulators + 6 weights + 1 input of 32 zmm): on
            the wide maps 0.90-0.92x one row's time (MobileNetV2's 96x112² and 144x56², 1 thread) */
         if (p->KW == 3 && p->SW == 2 && (LANES == 16 || p->OW <= PAIR_S2_MAX_OW)) pairs = blocks2_3_2;
+        /* and there, on maps wider than that, blocks of 4 pixels, not 8: MobileNetV2's 96x112² 0.90-0.92x the time
+           of blocks of 8, 144x56² 0.96-0.99x, B0's 96x112² (SiLU) 0.92-0.93x (1 thread; blocks of 3 the same within
+           0.01-0.03, of 2 0.95-0.97x); on the narrow maps (192x28², 240x28²: 14 outputs wide) smaller blocks were
+           1.05-1.31x slower. A block's channel-vector sweeps (one vector at a time over its 5 x (2U + 1) input
+           pixels) then revisit 45 pixels' lines, not 85: 17 KB of L1 at 96 channels where 8-pixel blocks used 32 KB
+           (session 26) */
+        if (LANES == 16 && p->KW == 3 && p->SW == 2 && p->OW > PAIR_S2_MAX_OW) umax = 4;
         /* 5x5 at both strides and every width (EfficientNet-B0's five 5x5 layers, SiLU, 1 thread): 0.91-0.98x one
            row's time under AVX2 (blocks of 4: 8 accumulators + 10 weights + 1 input spill a little, and blocks of
            3 or 2 were slower still), 0.89-0.97x under AVX-512 where taken (maps 8 and more outputs wide) */
@@ -432,7 +449,7 @@ int kiln_depthwise(void *object, void *stream, int nargs, const void *args) {
         const long lo = rows * t / nt, hi = rows * (t + 1) / nt;
         for (long r = lo; r < hi; ++r) {
             if (pairs != NULL && r + 1 < hi && (r + 1) % p->OH != 0) {  /* the next row of the same image */
-                row2(p, x, y, r / p->OH, r % p->OH, 0, Cv, pairs);
+                row2(p, x, y, r / p->OH, r % p->OH, 0, Cv, pairs, umax);
                 ++r;
             } else {
                 row(p, x, y, r / p->OH, r % p->OH, 0, Cv, blocks);
