@@ -55,7 +55,8 @@ from kiln.zoo.timing import time_samples  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}  # thread: one thread's CPU time (--threads 1)
 PEERS = ("kiln fp32", "kiln int8", "kiln int8 (ORT QDQ)", "onnxruntime fp32", "onnxruntime int8")
-MODELS = {"resnet50": ("ResNet-50", None), "mobilenet_v2": ("MobileNetV2", None), "bert_base": ("BERT-base", 128)}
+MODELS = {"resnet50": ("ResNet-50", None), "mobilenet_v2": ("MobileNetV2", None), "bert_base": ("BERT-base", 128),
+          "minilm": ("MiniLM-L6", 128), "bert_tiny": ("BERT-tiny", 128)}
 PHOTOS = ["astronaut", "chelsea", "coffee", "rocket", "cat", "camera", "hubble_deep_field", "immunohistochemistry",
           "retina", "colorwheel", "brick", "grass", "gravel", "clock", "coins", "moon"]
 
