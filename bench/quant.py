@@ -102,8 +102,10 @@ def inputs_for(exported: zoo.Export, count: int, seed: int) -> list[dict[str, np
     for _ in range(count):
         feed = {}
         for name, value in example.items():
-            if name == "input_ids":
-                feed[name] = rng.integers(100, 20000, value.shape).astype(value.dtype)
+            if name == "input_ids":  # within the vocabulary (BERT-tiny's is 1,024 tokens)
+                spec = zoo.get(exported.name)
+                vocab = spec.vocab_size or spec.config.get("vocab_size") or 20000
+                feed[name] = rng.integers(min(100, vocab // 10), min(20000, vocab), value.shape).astype(value.dtype)
             elif name == "token_type_ids":
                 feed[name] = np.zeros_like(value)
             else:
