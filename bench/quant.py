@@ -1,10 +1,10 @@
 """INT8 on the CPU: kiln fp32 / kiln int8 / onnxruntime fp32 / onnxruntime int8, side by side.
 
-    python bench/quant.py                         # ResNet-50, MobileNetV2 (batch 1), BERT-base (seq 128)
+    python bench/quant.py                         # ResNet-50, MobileNetV2 (batch 1), BERT-base, MiniLM-L6, BERT-tiny (seq 128)
     python bench/quant.py --models mobilenet_v2 --rounds 3 --no-write
     python bench/quant.py --models bert_base --batch 8     # every model at batch 8
 
-Per model (kiln.zoo; MobileNetV2 has its real ImageNet weights, ResNet-50 and BERT-base random ones):
+Per model (kiln.zoo; MobileNetV2 and MiniLM-L6 have their real weights, ResNet-50 and the BERTs random ones):
 
     kiln fp32          kiln.build of the fp32 ONNX file
     kiln int8          kiln.build(precision="int8", calibration=...): kiln's own post-training quantization
