@@ -321,7 +321,8 @@ DRIFT_CAP = 0.25
 
 def quantized_drift(default: Program, default_outputs: list[Any], inputs: list[Any]) -> list[float] | None:
     """Per output: how far the default engine moves when its float inputs are nudged by INPUT_NUDGE (an engine
-    of token ids: its first float activations, _nudging_first_floats); None when nothing could be nudged."""
+    of token ids: the floats it makes from integer activations, _nudging_first_floats); None when nothing could
+    be nudged."""
     nudged = [x * (1 + INPUT_NUDGE) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs]
     if all(n is x for n, x in zip(nudged, inputs)):
         program = _nudging_first_floats(default)
@@ -348,11 +349,15 @@ def _nudge(x: torch.Tensor) -> torch.Tensor:
 
 
 def _nudging_first_floats(default: Program) -> Program | None:
-    """`default` with the first float activations of an engine fed integers (token ids -> embedding Gather)
-    nudged as a float input would be: the outputs of the steps that read an activation, none of them float.
-    Without it, a transformer's quantized engine had no drift to be judged by and a network that amplifies
-    flipped ties (onnxruntime's QDQ all-MiniLM-L6-v2: 14% of the output's scale between two engines whose
-    every layer is within one step) went back to reference kernels for 40 layers. None: no such step."""
+    """`default` with the float values an engine fed integers makes from integer activations nudged as a float
+    input would be: the float outputs of every step that reads activations, none of them float — the embedding
+    Gather of the token ids, and each DequantizeLinear of an 8-bit activation (the float a layer's kernel
+    rounds: where another kernel's rounding enters). The embedding alone measured no drift on all-MiniLM-L6-v2:
+    the tuner's token ids are all 1 (autotune.example_inputs: few distinct values to sit near a tie) and its
+    first LayerNorm undoes a uniform scale. Without any, a transformer's quantized engine had no drift to be
+    judged by, and a network that amplifies flipped ties (onnxruntime's QDQ all-MiniLM-L6-v2: 14% of the
+    output's scale between two engines whose every layer is within one step) went back to reference kernels for
+    40 layers. None: no such step."""
     spec = default.spec
     activations = set(spec.inputs)
     first: dict[int, list[int]] = {}  # step -> positions of its activation arguments
@@ -373,7 +378,7 @@ def _nudging_first_floats(default: Program) -> Program | None:
         def call(ctx, *args, **attrs):
             result = fn(ctx, *args, **attrs)
             if any(isinstance(args[k], torch.Tensor) and args[k].is_floating_point() for k in read if k < len(args)):
-                return result  # a float activation in: nudged upstream already
+                return result  # a float activation in: nudged where it was made
             if isinstance(result, (tuple, list)):
                 return type(result)(_nudge(r) if isinstance(r, torch.Tensor) and r.is_floating_point() else r
                                     for r in result)
@@ -411,7 +416,7 @@ def baseline(spec: ProgramSpec, default: Program, default_outputs: list[Any], in
             if drift is not None:
                 same.own_errors = drift
                 nudged = "float inputs" if any(isinstance(x, torch.Tensor) and x.is_floating_point()
-                                               for x in inputs) else "first float activations"
+                                               for x in inputs) else "floats made from integer activations"
                 same.source = (f"the default engine (its own drift with its {nudged} scaled by 1 + 2^"
                                f"{int(math.log2(INPUT_NUDGE))}: " + ", ".join(f"{d:.3g}" for d in drift) + ")")
         return same

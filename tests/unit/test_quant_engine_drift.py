@@ -114,7 +114,8 @@ def test_an_amplifying_quantized_network_keeps_kernels_that_round_ties_another_w
 
 def test_an_amplifying_network_fed_token_ids_is_judged_by_the_drift_of_its_embeddings(tmp_path, qgemm_tactics,
                                                                                         monkeypatch):
-    # No float input to nudge: the drift is measured with the embedding's output nudged instead. Before, such an
+    # No float input to nudge: the drift is measured with the floats made from integers nudged instead (the
+    # embedding's output, each dequantized 8-bit activation). Before, such an
     # engine was held to the fixed 10% and reverted layers (onnxruntime's QDQ all-MiniLM-L6-v2: 40 of them).
     table = tied_rows().numpy()
     ids = torch.from_numpy(np.random.default_rng(5).permutation(ROWS).astype(np.int64))
@@ -126,8 +127,8 @@ def test_an_amplifying_network_fed_token_ids_is_judged_by_the_drift_of_its_embed
     assert "reverted_layers" not in record, record.get("reverted_layers")
     assert qgemm_tactics_chosen(engine) == ["cpu.test.qgemm.ties_away"] * LAYERS
     accuracy = record["accuracy"]
-    assert accuracy["reference"].startswith("the default engine (its own drift with its first float activations "
-                                            "scaled by")
+    assert accuracy["reference"].startswith("the default engine (its own drift with its floats made from integer "
+                                            "activations scaled by")
     y = accuracy["outputs"]["y"]
     default = kiln.build(model, tactics=["none"])
     scale = float(np.abs(default.run({"ids": ids.numpy()})["y"]).max())
