@@ -5,7 +5,8 @@
 A quantized engine is judged as a whole against the default engine's own drift under a sub-step nudge
 (kiln/builder/accuracy.py quantized_drift). An engine fed token ids had nothing to nudge before, so only the fixed
 10% of the output's scale was allowed, and onnxruntime's QDQ all-MiniLM-L6-v2 (which amplifies flipped ties) had
-40 layers sent back to reference kernels. Now its first float activations (the embedding gather) are nudged.
+40 layers sent back to reference kernels. Now the floats it makes from integer activations (the embedding gather,
+each dequantized 8-bit activation) are nudged.
 
 Peers, timed in interleaved rounds (each round: every peer's block once; median of every run, ratios per round):
 
