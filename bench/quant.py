@@ -1,10 +1,10 @@
 """INT8 on the CPU: kiln fp32 / kiln int8 / onnxruntime fp32 / onnxruntime int8, side by side.
 
-    python bench/quant.py                         # ResNet-50, MobileNetV2 (batch 1), BERT-base (seq 128)
+    python bench/quant.py                         # ResNet-50, MobileNetV2 (batch 1), BERT-base, MiniLM-L6, BERT-tiny (seq 128)
     python bench/quant.py --models mobilenet_v2 --rounds 3 --no-write
     python bench/quant.py --models bert_base --batch 8     # every model at batch 8
 
-Per model (kiln.zoo; MobileNetV2 has its real ImageNet weights, ResNet-50 and BERT-base random ones):
+Per model (kiln.zoo; MobileNetV2 and MiniLM-L6 have their real weights, ResNet-50 and the BERTs random ones):
 
     kiln fp32          kiln.build of the fp32 ONNX file
     kiln int8          kiln.build(precision="int8", calibration=...): kiln's own post-training quantization
@@ -55,7 +55,8 @@ from kiln.zoo.timing import time_samples  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}  # thread: one thread's CPU time (--threads 1)
 PEERS = ("kiln fp32", "kiln int8", "kiln int8 (ORT QDQ)", "onnxruntime fp32", "onnxruntime int8")
-MODELS = {"resnet50": ("ResNet-50", None), "mobilenet_v2": ("MobileNetV2", None), "bert_base": ("BERT-base", 128)}
+MODELS = {"resnet50": ("ResNet-50", None), "mobilenet_v2": ("MobileNetV2", None), "bert_base": ("BERT-base", 128),
+          "minilm": ("MiniLM-L6", 128), "bert_tiny": ("BERT-tiny", 128)}
 PHOTOS = ["astronaut", "chelsea", "coffee", "rocket", "cat", "camera", "hubble_deep_field", "immunohistochemistry",
           "retina", "colorwheel", "brick", "grass", "gravel", "clock", "coins", "moon"]
 
@@ -101,8 +102,10 @@ def inputs_for(exported: zoo.Export, count: int, seed: int) -> list[dict[str, np
     for _ in range(count):
         feed = {}
         for name, value in example.items():
-            if name == "input_ids":
-                feed[name] = rng.integers(100, 20000, value.shape).astype(value.dtype)
+            if name == "input_ids":  # within the vocabulary (BERT-tiny's is 1,024 tokens)
+                spec = zoo.get(exported.name)
+                vocab = spec.vocab_size or spec.config.get("vocab_size") or 20000
+                feed[name] = rng.integers(min(100, vocab // 10), min(20000, vocab), value.shape).astype(value.dtype)
             elif name == "token_type_ids":
                 feed[name] = np.zeros_like(value)
             else:

@@ -320,13 +320,18 @@ DRIFT_CAP = 0.25
 
 
 def quantized_drift(default: Program, default_outputs: list[Any], inputs: list[Any]) -> list[float] | None:
-    """Per output: how far the default engine moves when its float inputs are nudged by INPUT_NUDGE;
-    None when it has no float input (token ids: nothing to nudge, the fixed tolerance alone)."""
+    """Per output: how far the default engine moves when its float inputs are nudged by INPUT_NUDGE (an engine
+    of token ids: the floats it makes from integer activations, _nudging_first_floats); None when nothing could
+    be nudged."""
     nudged = [x * (1 + INPUT_NUDGE) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs]
     if all(n is x for n, x in zip(nudged, inputs)):
-        return None
+        program = _nudging_first_floats(default)
+        if program is None:
+            return None
+    else:
+        program = default
     with torch.inference_mode():
-        outputs = default.run(nudged)
+        outputs = program.run(nudged)
     drift = []
     for got, want in zip(outputs, default_outputs):
         error = output_error(got, want)
@@ -335,6 +340,52 @@ def quantized_drift(default: Program, default_outputs: list[Any], inputs: list[A
         floating = isinstance(want, torch.Tensor) and want.is_floating_point()
         drift.append(min(error, DRIFT_CAP * (_scale(want) if floating else 1.0)))  # integers: a fraction
     return drift
+
+
+def _nudge(x: torch.Tensor) -> torch.Tensor:
+    """x scaled by 1 + INPUT_NUDGE, its whole numbers kept: a float made of integers (a mask cast to float, a
+    position) is a count that no rounding moves, and one compared for equality later must stay equal."""
+    return torch.where(x == x.round(), x, x * (1 + INPUT_NUDGE))
+
+
+def _nudging_first_floats(default: Program) -> Program | None:
+    """`default` with the float values an engine fed integers makes from integer activations nudged as a float
+    input would be: the float outputs of every step that reads activations, none of them float — the embedding
+    Gather of the token ids, and each DequantizeLinear of an 8-bit activation (the float a layer's kernel
+    rounds: where another kernel's rounding enters). The embedding alone measured no drift on all-MiniLM-L6-v2:
+    the tuner's token ids are all 1 (autotune.example_inputs: few distinct values to sit near a tie) and its
+    first LayerNorm undoes a uniform scale. Without any, a transformer's quantized engine had no drift to be
+    judged by, and a network that amplifies flipped ties (onnxruntime's QDQ all-MiniLM-L6-v2: 14% of the
+    output's scale between two engines whose every layer is within one step) went back to reference kernels for
+    40 layers. None: no such step."""
+    spec = default.spec
+    activations = set(spec.inputs)
+    first: dict[int, list[int]] = {}  # step -> positions of its activation arguments
+    for i, step in enumerate(spec.steps):
+        names = list(step.inputs) + list(step.captures)
+        read = [k for k, n in enumerate(names) if n and n in activations]
+        if read:
+            first[i] = read
+            activations.update(n for n in step.outputs if n)
+    if not first or len(default.steps) != len(spec.steps):
+        return None
+
+    def wrap(index: int, fn: Callable[..., Any]) -> Callable[..., Any]:
+        read = first.get(index)
+        if read is None:
+            return fn
+
+        def call(ctx, *args, **attrs):
+            result = fn(ctx, *args, **attrs)
+            if any(isinstance(args[k], torch.Tensor) and args[k].is_floating_point() for k in read if k < len(args)):
+                return result  # a float activation in: nudged where it was made
+            if isinstance(result, (tuple, list)):
+                return type(result)(_nudge(r) if isinstance(r, torch.Tensor) and r.is_floating_point() else r
+                                    for r in result)
+            return _nudge(result) if isinstance(result, torch.Tensor) and result.is_floating_point() else result
+        return call
+
+    return default.with_kernels(wrap)
 
 
 @dataclasses.dataclass
@@ -364,7 +415,9 @@ def baseline(spec: ProgramSpec, default: Program, default_outputs: list[Any], in
             drift = quantized_drift(default, default_outputs, inputs)
             if drift is not None:
                 same.own_errors = drift
-                same.source = (f"the default engine (its own drift with its float inputs scaled by 1 + 2^"
+                nudged = "float inputs" if any(isinstance(x, torch.Tensor) and x.is_floating_point()
+                                               for x in inputs) else "floats made from integer activations"
+                same.source = (f"the default engine (its own drift with its {nudged} scaled by 1 + 2^"
                                f"{int(math.log2(INPUT_NUDGE))}: " + ", ".join(f"{d:.3g}" for d in drift) + ")")
         return same
     try:
