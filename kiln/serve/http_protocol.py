@@ -40,6 +40,9 @@ log = logging.getLogger("kiln.serve")
 
 # printable ASCII but '/', '?', '#', '%' in the names: anything else (a query, an escape) goes the ASGI way
 _INFER = re.compile(rb"/v2/models/([^/?#%\x00-\x20\x7f-\xff]+)(?:/versions/([^/?#%\x00-\x20\x7f-\xff]+))?/infer")
+# the bytes that a request's head (request line and headers) may arrive in, at most (h11's
+# h11_max_incomplete_event_size in frontdoors.start_http): past them the answer is a 400 and the connection closes
+MAX_HEAD_BYTES = 1 << 20
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _JSON = b"application/json"
 _BINARY = b"application/octet-stream"
@@ -81,6 +84,18 @@ class InferProtocol(HttpToolsProtocol):
         self.fast = fast
         self.limit = fast.limit
         self.direct = self.limit_concurrency is None and not self.root_path
+        self.reading_head = False  # between on_message_begin and on_headers_complete
+        self.head_bytes = 0  # the data received meanwhile
+
+    def data_received(self, data: bytes) -> None:
+        if self.reading_head:  # httptools keeps a header's name and value whole until it ends: bounded here
+            self.head_bytes += len(data)
+            if self.head_bytes > MAX_HEAD_BYTES:
+                self._unset_keepalive_if_required()
+                self.logger.warning("A request's head past %d bytes.", MAX_HEAD_BYTES)
+                self.send_400_response(f"The request's head is longer than {MAX_HEAD_BYTES} bytes.")
+                return
+        super().data_received(data)
 
     # ---- the parser's callbacks ----
 
@@ -90,8 +105,11 @@ class InferProtocol(HttpToolsProtocol):
         self.expect_100_continue = False
         self.headers = []
         self.scope = None
+        self.head_bytes = 0
+        self.reading_head = True
 
     def on_headers_complete(self) -> None:
+        self.reading_head = False
         parser = self.parser
         cycle = self.cycle
         if self.direct and parser.get_method() == b"POST" and (cycle is None or cycle.response_complete) \
@@ -126,7 +144,7 @@ class InferProtocol(HttpToolsProtocol):
         if cycle.response_complete:
             return
         chunks = cycle.chunks
-        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)  # b"" for none: decode_request's 400
         cycle.chunks = []
         answer = self.fast.answer(body, cycle.model, cycle.version, cycle.encoding, cycle.header_length)
         task = run_eagerly(answer, self.loop, functools.partial(self._answered, cycle))
@@ -161,10 +179,7 @@ class InferProtocol(HttpToolsProtocol):
                 cycle.header_length = value.decode("latin-1")
         try:
             check_length(length, self.limit)
-        except PayloadTooLarge as e:
-            # answered before its body is read: the connection closes after the answer (a client that sent
-            # Expect: 100-continue sends no body, one that did not is still sending it)
-            cycle.keep_alive = False
+        except PayloadTooLarge as e:  # answered before its body is read, which is read and dropped (as uvicorn does)
             self._fail(cycle, e)
             return
         if self.expect_100_continue:
@@ -178,7 +193,8 @@ class InferProtocol(HttpToolsProtocol):
         elif isinstance(error, ServeError):
             self._fail(cycle, error)
         else:
-            log.error("internal error answering POST %s", self.url.decode("latin-1"), exc_info=error)
+            log.error("internal error answering an infer of model %r version %r", cycle.model, cycle.version,
+                      exc_info=error)
             self._respond(cycle, 500, [error_body(f"internal error: {type(error).__name__}: {error}")], _JSON)
 
     def _fail(self, cycle: _Infer, error: ServeError) -> None:
