@@ -86,6 +86,51 @@ class InferProtocol(HttpToolsProtocol):
         self.direct = self.limit_concurrency is None and not self.root_path
         self.reading_head = False  # between on_message_begin and on_headers_complete
         self.head_bytes = 0  # the data received meanwhile
+        self.idle_since: float | None = None  # the loop's time when the last answer left, until data comes
+
+    # ---- keep-alive: one timer a connection, not one a request ----
+    # uvicorn arms a timer (call_later) after every answer and cancels it at the next data_received: under uvloop a
+    # libuv timer made, started, stopped and closed per request. Here the connection keeps one: armed after an
+    # answer when none is, and when it fires it closes the connection only if no data came since an answer at least
+    # timeout_keep_alive seconds ago, else it is armed again for what is left (or dropped while a request is read
+    # or answered, and armed again after its answer). The same connections close, at the same times.
+
+    def _unset_keepalive_if_required(self) -> None:  # uvicorn's data_received: data came
+        self.idle_since = None
+
+    def on_response_complete(self) -> None:
+        # uvicorn's, but for the timer
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self.flow.resume_reading()
+        if self.pipeline:
+            self.idle_since = None
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+            return
+        self.idle_since = self.loop.time()
+        if self.timeout_keep_alive_task is None:
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                self.timeout_keep_alive_handler)
+
+    def timeout_keep_alive_handler(self) -> None:
+        self.timeout_keep_alive_task = None
+        if self.idle_since is None or self.transport.is_closing():
+            return
+        left = self.idle_since + self.timeout_keep_alive - self.loop.time()
+        if left > 0:
+            self.timeout_keep_alive_task = self.loop.call_later(left, self.timeout_keep_alive_handler)
+            return
+        self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        if self.timeout_keep_alive_task is not None:
+            self.timeout_keep_alive_task.cancel()
+            self.timeout_keep_alive_task = None
+
+    # ---- the connection's data ----
 
     def data_received(self, data: bytes) -> None:
         if self.reading_head:  # httptools keeps a header's name and value whole until it ends: bounded here

@@ -263,13 +263,116 @@ def test_infer_skips_asgi_but_other_requests_go_to_it(core_thread, monkeypatch):
     one = thread.call(_feed("kiln", fast, [_request(path, body, headers)] * 3, 3, each=True))  # keep-alive
     assert b"".join(one.calls).count(b"HTTP/1.1 200 OK") == 3 and to_app == []
     get = b"GET /v2/models/mlp HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n"
-    two = thread.call(_feed("kiln", fast, [get + _request(path + "?q=1", body, headers) + _request(path, body, headers)],
-                            3))
+    pipelined = get + _request(path + "?q=1", body, headers) + _request(path, body, headers)
+    two = thread.call(_feed("kiln", fast, [pipelined], 3))
     assert b"".join(two.calls).count(b"HTTP/1.1 200 OK") == 3
     assert to_app == [b"/v2/models/mlp", path.encode() + b"?q=1", path.encode()]  # the last: behind the others
     to_app.clear()
     three = thread.call(_feed("kiln", fast, [_request(path, body, headers) * 2], 2))
     assert b"".join(three.calls).count(b"HTTP/1.1 200 OK") == 2 and to_app == [path.encode()]
+
+
+class _Clock:
+    """A loop's time and call_later, run by hand."""
+
+    def __init__(self):
+        self.now = 100.0
+        self.timers: list[list] = []  # [when, callback, cancelled]
+
+    def time(self) -> float:
+        return self.now
+
+    def call_later(self, delay, callback):
+        timer = [self.now + delay, callback, False]
+        self.timers.append(timer)
+
+        class Handle:
+            @staticmethod
+            def cancel():
+                timer[2] = True
+
+        return Handle()
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+        for timer in [t for t in self.timers if t[0] <= self.now and not t[2]]:
+            self.timers.remove(timer)
+            timer[1]()
+
+    def armed(self) -> list[float]:
+        return [t[0] for t in self.timers if not t[2]]
+
+
+def test_keep_alive_timer_closes_an_idle_connection_as_uvicorns(core_thread):
+    """One timer a connection (not one a request), closing it once timeout_keep_alive seconds passed since the last
+    answer with no data since: driven by hand (_Clock), no real time measured."""
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    thread, core = core_thread
+    fast = InferFastPath(http_app(core, MetricsExporter(list)), core, 64 << 20)
+    config = uvicorn.Config(fast, lifespan="off", access_log=False, timeout_keep_alive=5)
+    config.load()
+    clock = _Clock()
+    protocol = InferProtocol(config=config, server_state=ServerState(), app_state={}, _loop=clock, fast=fast)
+    transport = _Transport()
+    protocol.connection_made(transport)
+    protocol.on_response_complete()  # an answer at 100
+    assert clock.armed() == [105.0]
+    clock.advance(1)
+    protocol._unset_keepalive_if_required()  # data at 101 (uvicorn's data_received calls this)
+    clock.advance(1)
+    protocol.on_response_complete()  # its answer at 102: no second timer
+    assert clock.armed() == [105.0]
+    clock.advance(3)  # 105: idle for 3 s only: armed again for the 2 left
+    assert not transport.closed and clock.armed() == [107.0]
+    clock.advance(1.5)
+    assert not transport.closed
+    clock.advance(0.5)  # 107: idle for 5 s
+    assert transport.closed
+    # a request being read or answered when the timer fires keeps the connection; its answer arms the timer again
+    transport = _Transport()
+    protocol = InferProtocol(config=config, server_state=ServerState(), app_state={}, _loop=clock, fast=fast)
+    protocol.connection_made(transport)
+    protocol.on_response_complete()
+    protocol._unset_keepalive_if_required()
+    clock.advance(10)
+    assert not transport.closed and clock.armed() == []
+    protocol.on_response_complete()
+    assert clock.armed() == [clock.now + 5]
+    protocol.connection_lost(None)  # the timer goes with the connection
+    assert clock.armed() == []
+
+
+def test_keep_alive_timeout_closes_a_served_connection(core_thread):
+    """The same on a real loop: a connection answered, then idle, is closed by the timer (within a generous 10 s of
+    a 0.2 s timeout: only that it closes is asserted)."""
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    thread, core = core_thread
+    fast = InferFastPath(http_app(core, MetricsExporter(list)), core, 64 << 20)
+    path, body, headers = _valid()["binary in and out"]
+
+    async def serve() -> _Transport:
+        config = uvicorn.Config(fast, lifespan="off", access_log=False, timeout_keep_alive=0.2)
+        config.load()
+        protocol = InferProtocol(config=config, server_state=ServerState(), app_state={},
+                                 _loop=asyncio.get_running_loop(), fast=fast)
+        transport = _Transport()
+        protocol.connection_made(transport)
+        for _ in range(3):
+            protocol.data_received(_request(path, body, headers))
+            await _answers(transport, 1)
+            transport.calls.clear()
+        for _ in range(1000):
+            if transport.closed:
+                break
+            await asyncio.sleep(0.01)
+        protocol.connection_lost(None)
+        return transport
+
+    assert thread.call(serve()).closed
 
 
 # ---- over a socket, the shared server --------------------------------------------------------------------------
