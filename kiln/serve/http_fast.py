@@ -5,7 +5,10 @@ answered here; every other request (and an infer with another method) goes on to
 FastAPI infer route stays: it documents the route in the OpenAPI document and answers under Ray
 Serve's ingress, which mounts http_app() alone. Both share the codec (kiln/serve/http_codec.py),
 the body limit and inflation, and the error answers ({"error": ...} with the ServeError's status and
-Retry-After), so a client sees the same answers from either.
+Retry-After), so a client sees the same answers from either. Under httptools, kiln serve's HTTP/1.1
+protocol (kiln/serve/http_protocol.py) reads most infer requests itself and calls `answer` with the body,
+with no ASGI between; this ASGI path answers the others (pipelined behind another request, a query
+string, h11 where httptools is missing).
 
 Why: for an empty model at concurrency 64 on a 2-core VM, FastAPI and Starlette's layers (the
 middleware stack, routing, dependency solving, the Request and Response objects) took about 60% of
