@@ -25,6 +25,7 @@ root_path, an upgrade.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import re
@@ -192,10 +193,19 @@ class InferProtocol(HttpToolsProtocol):
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)  # b"" for none: decode_request's 400
         cycle.chunks = []
         answer = self.fast.answer(body, cycle.model, cycle.version, cycle.encoding, cycle.header_length)
-        task = run_eagerly(answer, self.loop, functools.partial(self._answered, cycle))
+        try:
+            task = run_eagerly(answer, self.loop, functools.partial(self._answered, cycle))
+        except asyncio.CancelledError as e:  # a future it awaited was cancelled: a 500, as uvicorn answers the app's
+            self._answered(cycle, None, e)
+            return
         if task is not None:  # it waits (a queued batch, a front end's engine): uvicorn's shutdown waits for it too
             self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
+            task.add_done_callback(functools.partial(self._waited, cycle))
+
+    def _waited(self, cycle: _Infer, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        if task.cancelled():  # run_eagerly reports no cancelled task: answered here (else the client waits forever)
+            self._answered(cycle, None, asyncio.CancelledError())
 
     # ---- the request ----
 

@@ -375,6 +375,34 @@ def test_keep_alive_timeout_closes_a_served_connection(core_thread):
     assert thread.call(serve()).closed
 
 
+class _Cancelled(InferFastPath):
+    """answer() ends in CancelledError (a future it awaits cancelled, as an unloaded model's queue does): at once, or
+    after waiting (in a task)."""
+
+    def __init__(self, app, core, limit, wait: bool):
+        super().__init__(app, core, limit)
+        self.wait = wait
+
+    async def answer(self, body, model_name, model_version, encoding, header_length):
+        future = asyncio.get_running_loop().create_future()
+        if self.wait:
+            asyncio.get_running_loop().call_later(0.01, future.cancel)
+        else:
+            future.cancel()
+        return await future
+
+
+@pytest.mark.parametrize("wait", [False, True])
+def test_a_cancelled_answer_is_a_500_and_the_connection_serves_on(core_thread, wait):
+    thread, core = core_thread
+    path, body, headers = _valid()["binary in and out"]
+    fast = _Cancelled(http_app(core, MetricsExporter(list)), core, 64 << 20, wait)
+    new = thread.call(_feed("kiln", fast, [_request(path, body, headers)] * 2, 2, each=True))
+    written = b"".join(new.calls)
+    assert written.count(b"HTTP/1.1 500 Internal Server Error") == 2 and not new.closed
+    assert b'{"error":"internal error: CancelledError: "}' in written
+
+
 # ---- over a socket, the shared server --------------------------------------------------------------------------
 
 
