@@ -36,8 +36,8 @@ from serve_frontend_cost import write_repository  # noqa: E402 - the empty and i
 
 # stage: substrings of a function's "file:function" (first match wins, in this order)
 STAGES = [
-    ("transport", ["h2_connection", "h2_frames", "grpc_h2.py", "http_fast", "h11", "httptools", "uvicorn",
-                   "socket", "transports", "writelines", "sendmsg", "send'", "recv"]),
+    ("transport", ["h2_connection", "h2_frames", "grpc_h2.py", "http_fast", "http_protocol", "h11", "httptools",
+                   "uvicorn", "socket", "transports", "writelines", "sendmsg", "send'", "recv"]),
     ("decode", ["grpc_wire", "grpc_call", "grpc_server.py", "http_codec", "http_server", "datatypes", "json",
                 "frombuffer"]),
     ("batcher", ["batcher.py", "instances.py", "eager.py", "stats.py", "futures", "Future", "tasks.py"]),

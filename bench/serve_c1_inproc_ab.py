@@ -7,8 +7,9 @@ medians per tree and the per-round ratios against the first tree.
 
     python bench/serve_c1_inproc_ab.py --trees /tmp/base . --rounds 7 --requests 3000
 
---protocol http: the same for a KServe v2 HTTP infer: uvicorn's httptools protocol (as kiln serve runs it, the
-infer fast path ahead of FastAPI) over an in-memory transport, fed one request's bytes at a time, each with fresh
+--protocol http: the same for a KServe v2 HTTP infer: the HTTP/1.1 protocol kiln serve runs (kiln's InferProtocol,
+kiln/serve/http_protocol.py, where the tree has it; else uvicorn's httptools protocol, the infer fast path ahead of
+FastAPI) over an in-memory transport, fed one request's bytes at a time, each with fresh
 tensor bytes (made before the clock runs). --body binary: tritonclient.http's body (binary tensor extension,
 generate_request_body, output y as binary); json: the tensors as JSON lists, as its binary_data=False.
 """
@@ -128,7 +129,11 @@ async def main():
     app = InferFastPath(http_app(core, MetricsExporter(core)), core, 64 << 20)
     config = uvicorn.Config(app, access_log=False, lifespan="off", proxy_headers=False, http="httptools")
     config.load()
-    protocol = HttpToolsProtocol(config, ServerState(), {})
+    try:  # kiln's own HTTP/1.1 protocol where the tree has it (h-http2), else uvicorn's as kiln serve ran it
+        from kiln.serve.http_protocol import InferProtocol
+        protocol = InferProtocol(config, ServerState(), {}, fast=app)
+    except ImportError:
+        protocol = HttpToolsProtocol(config, ServerState(), {})
     out = Transport()
     protocol.connection_made(out)
     it = iter(requests)

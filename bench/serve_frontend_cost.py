@@ -263,7 +263,7 @@ STAGES = [(re.compile(pattern), name) for pattern, name in [
     (r"^(_received|_dispatch|_infer_answered|_reply) \(.*kiln/serve/frontends\.py", "engine's front-end pool"),
     (r"kiln/serve/core\.py", "core (route, validate)"),
     (r"kiln/serve/grpc_server\.py", "gRPC servicer"),
-    (r"kiln/serve/http_fast\.py", "HTTP infer path"),
+    (r"kiln/serve/http_fast\.py|kiln/serve/http_protocol\.py", "HTTP infer path"),
     (r"/httptools|/uvicorn/", "HTTP protocol (uvicorn)"),
     (r"/grpc/", "grpc.aio (Python/Cython)"),
     (r"/google/protobuf", "protobuf"),

@@ -1,4 +1,5 @@
-"""A kiln serve process's ports: HTTP (uvicorn; infer on the fast path ahead of FastAPI), gRPC (kiln's own
+"""A kiln serve process's ports: HTTP (uvicorn; infer on kiln's HTTP/1.1 protocol, kiln/serve/http_protocol.py, or
+the ASGI fast path ahead of FastAPI), gRPC (kiln's own
 HTTP/2 transport, kiln/serve/grpc_h2.py, or grpc.aio: options.grpc_transport) and the metrics port, over one core, started together and stopped gracefully together.
 
 The engine process runs them over its ServerCore (`frontends` 0), or only the metrics port while
@@ -42,6 +43,16 @@ def _read_bodies_unpaused() -> None:
         except ImportError:  # httptools not installed: uvicorn serves with h11
             continue
         module.HIGH_WATER_LIMIT = max(module.HIGH_WATER_LIMIT, BODY_HIGH_WATER)
+
+
+def _http_protocol(fast: InferFastPath):
+    """kiln's HTTP/1.1 protocol (infer answered on httptools' callbacks, kiln/serve/http_protocol.py), or uvicorn's
+    own ("auto": h11) where httptools is not installed."""
+    try:
+        from kiln.serve.http_protocol import infer_protocol
+    except ImportError:
+        return "auto"
+    return infer_protocol(fast)
 
 
 class _Uvicorn(uvicorn.Server):
@@ -90,7 +101,8 @@ class Frontdoors:
         http = grpc = None
         if o.http_port is not None:
             app = http_app(core, metrics, o.max_request_bytes)
-            http = await self.start_http(InferFastPath(app, core, o.max_request_bytes), o.http_port, reuse_port)
+            fast = InferFastPath(app, core, o.max_request_bytes)
+            http = await self.start_http(fast, o.http_port, reuse_port, _http_protocol(fast))
         if o.grpc_port is not None:
             grpc = await self.start_grpc(core, reuse_port)
         return http, grpc
@@ -114,12 +126,13 @@ class Frontdoors:
             return None
         return await self.start_http(_metrics_app(metrics), self.options.metrics_port)
 
-    async def start_http(self, app, port: int, reuse_port: bool = False) -> int:
+    async def start_http(self, app, port: int, reuse_port: bool = False, protocol="auto") -> int:
+        """uvicorn serving `app` on `port`; `protocol`: uvicorn.Config's `http` (a name, or a protocol factory)."""
         o = self.options
         sock = listen(o.host, port, reuse_port)
         _read_bodies_unpaused()
-        config = uvicorn.Config(app, log_level=o.log_level, access_log=False, lifespan="off", proxy_headers=False,
-                                timeout_graceful_shutdown=o.shutdown_timeout, timeout_keep_alive=30,
+        config = uvicorn.Config(app, http=protocol, log_level=o.log_level, access_log=False, lifespan="off",
+                                proxy_headers=False, timeout_graceful_shutdown=o.shutdown_timeout, timeout_keep_alive=30,
                                 h11_max_incomplete_event_size=1 << 20)
         server = _Uvicorn(config)
         task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))

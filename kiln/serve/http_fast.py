@@ -5,7 +5,10 @@ answered here; every other request (and an infer with another method) goes on to
 FastAPI infer route stays: it documents the route in the OpenAPI document and answers under Ray
 Serve's ingress, which mounts http_app() alone. Both share the codec (kiln/serve/http_codec.py),
 the body limit and inflation, and the error answers ({"error": ...} with the ServeError's status and
-Retry-After), so a client sees the same answers from either.
+Retry-After), so a client sees the same answers from either. Under httptools, kiln serve's HTTP/1.1
+protocol (kiln/serve/http_protocol.py) reads most infer requests itself and calls `answer` with the body,
+with no ASGI between; this ASGI path answers the others (pipelined behind another request, a query
+string, h11 where httptools is missing).
 
 Why: for an empty model at concurrency 64 on a 2-core VM, FastAPI and Starlette's layers (the
 middleware stack, routing, dependency solving, the Request and Response objects) took about 60% of
@@ -57,11 +60,11 @@ class InferFastPath:
         except ClientGone:
             return
         except ServeError as e:
-            await _send(send, e.http_status, _error(str(e)), _JSON, e.retry_after)
+            await _send(send, e.http_status, error_body(str(e)), _JSON, e.retry_after)
             return
         except Exception as e:  # noqa: BLE001 - a fault of the server: logged, answered 500
             log.exception("internal error answering POST %s", scope["path"])
-            await _send(send, 500, _error(f"internal error: {type(e).__name__}: {e}"), _JSON)
+            await _send(send, 500, error_body(f"internal error: {type(e).__name__}: {e}"), _JSON)
             return
         await _send(send, 200, payload, _JSON if header_length is None else _BINARY, None, header_length)
 
@@ -76,7 +79,13 @@ class InferFastPath:
             elif key == b"inference-header-content-length":
                 header_length = value.decode("latin-1")
         check_length(length, self.limit)
-        body = await self._body(receive)
+        return await self.answer(await self._body(receive), model_name, model_version, encoding, header_length)
+
+    async def answer(self, body: bytes, model_name: str, model_version: str, encoding: str | None,
+                     header_length: str | None) -> tuple[list[bytes | memoryview], int | None]:
+        """A whole request body's answer: its body pieces, and the JSON header's length when binary outputs follow
+        it; a ServeError for the client's faults. kiln's HTTP/1.1 protocol (kiln/serve/http_protocol.py) calls this
+        with the body it read itself."""
         if encoding:
             body = inflate(body, encoding, self.limit)
         model = self.core.model(model_name, model_version)  # an unknown model is a 404 before the body is parsed
@@ -108,7 +117,7 @@ class InferFastPath:
         return b"".join(chunks)
 
 
-def _error(message: str) -> bytes:
+def error_body(message: str) -> bytes:
     # as Starlette's JSONResponse renders {"error": ...} (http_server.error_response)
     return json.dumps({"error": message}, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
