@@ -138,7 +138,16 @@ def test_stop_drops_what_is_queued_and_waits_for_the_job_in_hand():
 
     ahead.schedule([onednn_ahead.Job(("slow",), 0, slow)] + [_recording(log, ("b", r), r) for r in range(1, 5)], 1)
     assert started.wait(10)
-    threading.Timer(0.2, release.set).start()
+
+    # the job in hand ends only once stop() has dropped the queue (before: a timer let it go after 0.2 s, and a main
+    # thread descheduled that long on a loaded machine left the thread the next job to run)
+    def release_once_stopping() -> None:
+        deadline = time.monotonic() + 30
+        while not ahead._stopped and time.monotonic() < deadline:
+            time.sleep(0.001)
+        release.set()
+
+    threading.Thread(target=release_once_stopping, daemon=True).start()
     ahead.stop()
     assert log == ["first"] and ahead.wait(0)
 
