@@ -97,7 +97,7 @@ def test_jobs_run_smallest_first_once_each_within_the_budget():
     assert log[3:] == [("b", 1)] and ahead.made == 4
 
 
-def test_jobs_run_on_the_thread_count_they_were_scheduled_at():
+def test_jobs_run_on_the_thread_count_they_were_scheduled_at(monkeypatch):
     """oneDNN fixes a kernel's thread count at creation: the background thread creates at the engine's count."""
     openmp = onednn._openmp_threads(onednn.load().lib)
     if openmp is None:
@@ -106,8 +106,24 @@ def test_jobs_run_on_the_thread_count_they_were_scheduled_at():
     job = onednn_ahead.Job(("threads",), 0, lambda: seen.update(count=openmp[0](), thread=threading.current_thread()))
     ahead = onednn_ahead.Ahead()
     ahead.schedule([job], threads=1)
-    assert ahead.wait(timeout=30)
+    deadline = time.monotonic() + 30  # made by the thread (not waited for: a waiter would make it itself)
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.001)
     assert seen["count"] == 1 and seen["thread"] is not threading.main_thread()
+    # and where a waiter makes it (the thread held before its first job): at the count scheduled, not the waiter's
+    held = threading.Event()
+    monkeypatch.setattr(onednn_ahead, "_lowest_priority", lambda: held.wait(30))
+    before = openmp[0]()
+    openmp[1](2)
+    try:
+        seen.clear()
+        ahead = onednn_ahead.Ahead()
+        ahead.schedule([job], threads=1)
+        assert ahead.wait(timeout=30)
+        assert seen["count"] == 1 and seen["thread"] is threading.current_thread() and openmp[0]() == 2
+    finally:
+        openmp[1](before)
+        held.set()
 
 
 def test_a_segments_layers_share_memory_objects_at_one_place_and_size(built):

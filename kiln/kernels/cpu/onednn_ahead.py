@@ -22,7 +22,8 @@ oneDNN call, so the binding thread's Python waits at most the few µs of Python 
 at the lowest priority (nice 19): on a machine without an idle core it takes what the engine's threads leave.
 
 Waiting: a caller of wait() makes what is still queued itself, in order, at its own priority, once the thread has
-made the job in hand (one job is made at a time, by the thread or by a waiter: `_making`). At nice 19 on a machine
+made the job in hand (one job is made at a time, by the thread or by a waiter: `_making`; the thread ends after its
+job in hand while a caller waits, else it would take the lock back first every time). At nice 19 on a machine
 whose cores are taken the thread is all but stopped, and a caller that only slept until it was idle waited for the
 machine's idle time: the test suite's waits of 120 s ran out at load 22 (2 of a 3-run loop of ahead tests), and
 warm_up's primitives_made() had no bound at all.
@@ -104,6 +105,7 @@ class Ahead:
         self._idle = threading.Event()
         self._idle.set()
         self._making = threading.Lock()  # held while a job is taken off the queue and made (the thread's or a waiter's)
+        self._waiters = 0  # callers in wait(): the thread leaves the queue to them after its job in hand
         self._thread: threading.Thread | None = None  # the thread making jobs (None: none queued)
         self._last: threading.Thread | None = None  # the last thread started, which stop() joins
         self._stopped = False  # at exit: nothing more is scheduled
@@ -127,34 +129,46 @@ class Ahead:
             if self._queue:
                 self._idle.clear()  # (a waiter may have said idle while the thread, done, had not ended yet)
             if self._queue and self._thread is None:
-                self._thread = self._last = threading.Thread(target=self._work, name="kiln-onednn-ahead", daemon=True)
-                self._thread.start()
+                self._start()
         return len(fresh)
+
+    def _start(self) -> None:
+        """A thread for the queue (the caller holds the lock)."""
+        self._thread = self._last = threading.Thread(target=self._work, name="kiln-onednn-ahead", daemon=True)
+        self._thread.start()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Whether every queued job is made (within `timeout` seconds). The caller makes the jobs still queued itself,
-        in order, once the one in hand is made (the module's docstring says why); a job it has begun it finishes,
-        past the timeout."""
+        in order, once the one in hand is made (the thread leaves the queue to it: the module's docstring says why); a
+        job it has begun it finishes, past the timeout; what it leaves queued goes back to a thread."""
         if threading.current_thread() is self._thread:  # a job that waits: for the others, which only it can make
             return self._idle.wait(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._idle.is_set():
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return False
-            if not self._making.acquire(timeout=-1 if left is None else left):  # the job in hand outlasted it
-                return self._idle.is_set()
-            try:
-                with self._lock:
-                    if not self._queue:  # nothing in hand (the lock is ours) and nothing queued: all made
-                        self._idle.set()
-                        break
-                    job, threads = self._queue.popleft()
-                self._make(job, threads)
-                job = None  # what it held freed here, before the caller hears that it is made
-            finally:
-                self._making.release()
-        return True
+        with self._lock:
+            self._waiters += 1
+        try:
+            while not self._idle.is_set():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                if not self._making.acquire(timeout=-1 if left is None else left):  # the job in hand outlasted it
+                    return self._idle.is_set()
+                try:
+                    with self._lock:
+                        if not self._queue:  # nothing in hand (the lock is ours) and nothing queued: all made
+                            self._idle.set()
+                            break
+                        job, threads = self._queue.popleft()
+                    self._make(job, threads)
+                    job = None  # what it held freed here, before the caller hears that it is made
+                finally:
+                    self._making.release()
+            return True
+        finally:
+            with self._lock:
+                self._waiters -= 1
+                if self._queue and self._thread is None and not self._waiters and not self._stopped:
+                    self._start()  # a waiter that ran out of time: the rest on a thread again
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """At exit: drop what is queued, schedule nothing more, and join the thread once it has made the job in hand,
@@ -175,9 +189,10 @@ class Ahead:
         while True:
             with self._making:
                 with self._lock:
-                    if not self._queue:
+                    if not self._queue or self._waiters:  # all made, or a caller waits to make the rest (wait())
                         self._thread = None
-                        self._idle.set()
+                        if not self._queue:
+                            self._idle.set()
                         return
                     job, threads = self._queue.popleft()
                 self._make(job, threads)
