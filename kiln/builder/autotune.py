@@ -341,7 +341,10 @@ def _native(name: str) -> bool:
 
 
 def _choose(times: dict[str, float]) -> str:
-    return min(times, key=lambda k: (_effective_ms(k, times[k]), k != DEFAULT))
+    """The least effective time; on a tie the default, then the first name in order: not the dict's order, which a
+    timing makes (the default, then the registry's) and a timing cache read sorts (the file's keys are sorted), so
+    that a rebuild from the cache takes the choice the timing made."""
+    return min(times, key=lambda k: (_effective_ms(k, times[k]), k != DEFAULT, k))
 
 
 def _choose_over(points: list[dict[str, float]]) -> str:
@@ -357,7 +360,7 @@ def _choose_over(points: list[dict[str, float]]) -> str:
         return _effective_ms(name, ms) + NATIVE_CREDIT_MS  # > 0: a non-native tactic pays the credit instead
 
     best = [max(min(cost(k, p[k]) for k in names), 1e-6) for p in points]  # a zero timing is not a divisor
-    return min(names, key=lambda k: (sum(cost(k, p[k]) / b for p, b in zip(points, best)), k != DEFAULT))
+    return min(names, key=lambda k: (sum(cost(k, p[k]) / b for p, b in zip(points, best)), k != DEFAULT, k))
 
 
 # A layer timed alone does not pay for leaving its neighbours' layout: the default conv is timed

@@ -169,13 +169,22 @@ def test_two_cpu_instances_run_calls_side_by_side(double_engine):
     assert sorted(ran_on) == sorted(threads) and len(set(threads)) == 2 and stats.execution_count == 2
 
 
+def _inline_by_count(monkeypatch) -> None:
+    """Instances go inline after INLINE_AFTER calls whatever their calls' measured CPU time: these tests are of the
+    inline path, not of the choice (test_inline_timing_skips_a_preempted_call_and_sees_slow_ones times that with set
+    calls). Measured, one call's full collection in a long test process (tens of ms of this thread's CPU: 1/8 of it
+    lands in the moving average) or its binding keeps the instance off the loop past the loop's last call."""
+    monkeypatch.setattr("kiln.serve.instances.INLINE_NS", 10**15)
+
+
 @pytest.mark.parametrize("batching", [False, True])
-def test_inline_call_is_answered_at_submit(double_engine, batching):
+def test_inline_call_is_answered_at_submit(double_engine, batching, monkeypatch):
     """Once its calls run inline, a request that finds nothing queued is answered inside submit (its caller's
     await does not wait for the loop). Without dynamic batching every such request; with it (no queue delay) the
     first of a turn of the loop only, while requests come one at a time: the ones submitted after it in the same
     turn wait for the turn's dispatch and share one call, and once calls merge requests every request waits for
-    the dispatch until a call runs one request again."""
+    the dispatch until a call runs one request again. Inline by the call count alone (_inline_by_count)."""
+    _inline_by_count(monkeypatch)
     config = _config(double_engine, "max_batch_size: 8" + ("\ndynamic_batching {}" if batching else ""))
     generator = np.random.default_rng()
 
@@ -218,12 +227,14 @@ def test_inline_call_is_answered_at_submit(double_engine, batching):
     asyncio.run(run())
 
 
-def test_alone_at_submit_answers_its_own_rows_and_records_as_a_batch(double_engine, padded_engine):
+def test_alone_at_submit_answers_its_own_rows_and_records_as_a_batch(double_engine, padded_engine, monkeypatch):
     """The c=1 path (a request alone, its instance inline, run inside submit): each answer is its
     own request's (fresh inputs every request, read-only ones as a received message's views are, and a request
     the engine's output buffer would hand another's answer if it were reused), the statistics are what the general
     path records for a batch of one, a burst in one turn still merges behind the first request, and a request its
-    profile holds only padded takes the general path (a call of 4 rows)."""
+    profile holds only padded takes the general path (a call of 4 rows). Inline by the call count alone
+    (_inline_by_count)."""
+    _inline_by_count(monkeypatch)
     generator = np.random.default_rng(zlib.crc32(b"alone-at-submit"))
 
     async def run(engine, rows: int, width: int, output: str) -> None:

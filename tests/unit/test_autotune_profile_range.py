@@ -45,6 +45,20 @@ def test_ties_go_to_the_default():
     assert at._choose_over([same, dict(same)]) == DEFAULT
 
 
+def test_a_tie_between_tactics_is_decided_by_name_not_by_the_dicts_order():
+    """A timing's dict lists the default, then the registry's order; the same times read from a timing cache come in
+    the file's sorted order: a tie (two native GEMMs measured alike) chose by that order, so a rebuild from the cache
+    could take the other tactic than the build that timed them (and key its network in context apart)."""
+    packed, onednn = "cpu.gemm.kiln_packed", "cpu.gemm.onednn_direct"
+    timed = {DEFAULT: 2.0, onednn: 1.0, packed: 1.0}
+    cached = dict(sorted(timed.items()))
+    assert list(timed) != list(cached)
+    assert at._choose(timed) == at._choose(cached) == packed
+    assert at._choose_over([timed]) == at._choose_over([cached]) == packed
+    small = {DEFAULT: 0.2, onednn: 0.1, packed: 0.1}
+    assert at._choose_over([timed, small]) == at._choose_over([cached, dict(sorted(small.items()))]) == packed
+
+
 @pytest.fixture
 def slow_when_small():
     """A Relu tactic that works 5 ms more on inputs of fewer than 64 elements: CPU time spun, not a sleep (on a

@@ -211,10 +211,16 @@ def test_warm_up_binds_the_host_sizes_measures_binding_and_the_switch_turns_padd
     engine.first_calls = first_calls.FirstCalls(engine.program, engine.first_calls.buckets, engine.inputs)
     context = engine.create_execution_context()
     monkeypatch.setattr(kiln_warm_up, "HOSTS_UP_TO", 1e9)  # every shape, however long its run on a loaded machine
+    # binding's cost fixed for the stop rule (it is still measured: bind_ms below): where this process already made
+    # the layers' oneDNN primitives (another bert_tiny engine of an earlier module: the shared cache), most bindings
+    # measure 0 and any run is "over HOSTS_UP_TO x binding" (3 of 8 fresh loads stopped after 21-62 shapes, load 14)
+    monkeypatch.setattr(first_calls.FirstCalls, "budget_ms", lambda self: 1.0)
     batches, seqs = first_calls.host_sizes(1, 4), first_calls.host_sizes(1, 48)
     assert batches == [1, 2, 3, 4] and seqs == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48]
     shapes = len(batches) * len(seqs)
-    assert context.warm_up() == 2 * shapes  # each twice: bound (a host), timed, binding measured
+    # time enough that every shape, not the clock, ends it (0.5-1.4 s of WARM_UP_S's 2 at load 14: the time bound is
+    # test_warm_up_is_bounded_in_shapes_and_in_time's)
+    assert context.warm_up(seconds=600.0) == 2 * shapes  # each twice: bound (a host), timed, binding measured
     bound = {shape.sizes for shape in engine.first_calls.bound.values()}
     assert {(b, s) for b in batches for s in seqs} == bound
     assert all(shape.runs == 2 for shape in engine.first_calls.bound.values())

@@ -21,6 +21,13 @@ count at creation, onednn.creating_with_threads; OpenMP's count is per thread). 
 oneDNN call, so the binding thread's Python waits at most the few µs of Python between two of them. The thread runs
 at the lowest priority (nice 19): on a machine without an idle core it takes what the engine's threads leave.
 
+Waiting: a caller of wait() makes what is still queued itself, in order, at its own priority, once the thread has
+made the job in hand (one job is made at a time, by the thread or by a waiter: `_making`; the thread ends after its
+job in hand while a caller waits, else it would take the lock back first every time). At nice 19 on a machine
+whose cores are taken the thread is all but stopped, and a caller that only slept until it was idle waited for the
+machine's idle time: the test suite's waits of 120 s ran out at load 22 (2 of a 3-run loop of ahead tests), and
+warm_up's primitives_made() had no bound at all.
+
 Exit: the thread is a daemon, and a daemon thread inside torch when the interpreter finalizes aborts the process. Its
 C++ code (torch's op bindings, the storage deleter of a tensor made with torch.frombuffer) takes the GIL back through
 pybind11, Python ends a thread that asks for the GIL while it finalizes (pthread_exit), and that forced unwind through
@@ -41,6 +48,7 @@ import atexit
 import logging
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -96,6 +104,8 @@ class Ahead:
         self._lock = threading.Lock()
         self._idle = threading.Event()
         self._idle.set()
+        self._making = threading.Lock()  # held while a job is taken off the queue and made (the thread's or a waiter's)
+        self._waiters = 0  # callers in wait(): the thread leaves the queue to them after its job in hand
         self._thread: threading.Thread | None = None  # the thread making jobs (None: none queued)
         self._last: threading.Thread | None = None  # the last thread started, which stop() joins
         self._stopped = False  # at exit: nothing more is scheduled
@@ -116,15 +126,49 @@ class Ahead:
             fresh = [job for job in fresh if not job.counted or id(job) in counted]
             self.budget -= len(counted)
             self._queue.extend((job, threads) for job in fresh)
+            if self._queue:
+                self._idle.clear()  # (a waiter may have said idle while the thread, done, had not ended yet)
             if self._queue and self._thread is None:
-                self._idle.clear()
-                self._thread = self._last = threading.Thread(target=self._work, name="kiln-onednn-ahead", daemon=True)
-                self._thread.start()
+                self._start()
         return len(fresh)
 
+    def _start(self) -> None:
+        """A thread for the queue (the caller holds the lock)."""
+        self._thread = self._last = threading.Thread(target=self._work, name="kiln-onednn-ahead", daemon=True)
+        self._thread.start()
+
     def wait(self, timeout: float | None = None) -> bool:
-        """Whether every queued job is made (within `timeout` seconds)."""
-        return self._idle.wait(timeout)
+        """Whether every queued job is made (within `timeout` seconds). The caller makes the jobs still queued itself,
+        in order, once the one in hand is made (the thread leaves the queue to it: the module's docstring says why); a
+        job it has begun it finishes, past the timeout; what it leaves queued goes back to a thread."""
+        if threading.current_thread() is self._thread:  # a job that waits: for the others, which only it can make
+            return self._idle.wait(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            self._waiters += 1
+        try:
+            while not self._idle.is_set():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                if not self._making.acquire(timeout=-1 if left is None else left):  # the job in hand outlasted it
+                    return self._idle.is_set()
+                try:
+                    with self._lock:
+                        if not self._queue:  # nothing in hand (the lock is ours) and nothing queued: all made
+                            self._idle.set()
+                            break
+                        job, threads = self._queue.popleft()
+                    self._make(job, threads)
+                    job = None  # what it held freed here, before the caller hears that it is made
+                finally:
+                    self._making.release()
+            return True
+        finally:
+            with self._lock:
+                self._waiters -= 1
+                if self._queue and self._thread is None and not self._waiters and not self._stopped:
+                    self._start()  # a waiter that ran out of time: the rest on a thread again
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """At exit: drop what is queued, schedule nothing more, and join the thread once it has made the job in hand,
@@ -143,22 +187,29 @@ class Ahead:
     def _work(self) -> None:
         _lowest_priority()
         while True:
-            with self._lock:
-                if not self._queue:
-                    self._thread = None
-                    self._idle.set()
-                    return
-                job, threads = self._queue.popleft()
-            with creating_with_threads(threads):
-                try:
-                    if job.make():
-                        self.made += 1
-                except Exception:  # noqa: BLE001  work ahead is an optimisation: a call makes what a job could not
-                    self.failed += 1
-                    log.debug("kiln: a job made ahead failed; its first call makes it", exc_info=True)
-            # dropped here, before the thread can say it is idle: the job's closure may hold the last reference to a
-            # layer, and its tensors are freed on this thread (by the time wait() returns, not while Python exits)
-            job = None
+            with self._making:
+                with self._lock:
+                    if not self._queue or self._waiters:  # all made, or a caller waits to make the rest (wait())
+                        self._thread = None
+                        if not self._queue:
+                            self._idle.set()
+                        return
+                    job, threads = self._queue.popleft()
+                self._make(job, threads)
+                # dropped here, before the thread can say it is idle: the job's closure may hold the last reference to
+                # a layer, and its tensors are freed on this thread (by the time wait() returns, not while Python exits)
+                job = None
+
+    def _make(self, job: Job, threads: int) -> None:
+        """One job made on OpenMP's count `threads`; it never raises (work ahead is an optimisation: a call makes what
+        a job could not)."""
+        with creating_with_threads(threads):
+            try:
+                if job.make():
+                    self.made += 1
+            except Exception:  # noqa: BLE001
+                self.failed += 1
+                log.debug("kiln: a job made ahead failed; its first call makes it", exc_info=True)
 
 
 def _lowest_priority() -> None:
