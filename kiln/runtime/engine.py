@@ -17,9 +17,10 @@ import torch
 
 from kiln.errors import BindingError, EngineFormatError
 from kiln.ir import dtypes
-from kiln.kernels.cpu import omp_governor
+from kiln.kernels.cpu import omp_governor, onednn_ahead
 from kiln.plan import file as engine_file
 from kiln.plan.spec import Binding, EnginePlan, Profile
+from kiln.runtime import views_ahead
 from kiln.runtime.bindings import _to_runtime
 from kiln.runtime.buckets import plan_buckets
 from kiln.runtime.context import ExecutionContext, WarmUp  # noqa: F401  (WarmUp re-exported: kiln.serve imports it)
@@ -152,9 +153,23 @@ class Engine:
         return lane
 
     def _new_lane(self) -> CpuLane:
-        program = self.program.with_own_arena()
-        plain = None if self.plain_program is None else self.plain_program.with_own_arena()
-        return CpuLane(program, plain, _first_calls(self, program), _direct_runs(self, program))
+        """A lane of its own (CpuLane). Where work may be made ahead (onednn_ahead.enabled), what its segments take
+        from the engine's lane (the grown view templates, their plan rewrites) and its views and direct-run records
+        at the shapes the engine's lane has bound are made on the background thread (views_ahead.twins_job): a
+        context's creation binds its segments only, and its first call at a shape another context ran finds its view
+        (session 26's h-ctx3, bench/results/first-shape-2026-12-06.md)."""
+        later = views_ahead.TWINS_AHEAD and onednn_ahead.enabled()
+        program = self.program.with_own_arena(adopt=not later)
+        plain = None if self.plain_program is None else self.plain_program.with_own_arena(adopt=not later)
+        lane = CpuLane(program, plain, _first_calls(self, program), _direct_runs(self, program))
+        if later:
+            jobs = [views_ahead.twins_job(program, lane.direct_runs, self.direct_runs)]
+            if plain is not None:
+                jobs.append(views_ahead.twins_job(plain))
+            jobs = [job for job in jobs if job is not None]
+            if jobs:
+                onednn_ahead.AHEAD.schedule(jobs, torch.get_num_threads())
+        return lane
 
     def _program_dtypes(self) -> list[torch.dtype] | None:
         """The dtypes of the program's inputs (a half-precision engine's float inputs cast as program_inputs casts

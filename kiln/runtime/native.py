@@ -277,20 +277,45 @@ class Segment:
         self._per_image: bool | None = None
         self._bound_batches: dict[tuple, BatchPlan] = {}  # batches bound exactly, kept (native_batches.call_batch)
 
-    def on_arena(self, arena: SharedArena | None) -> Segment:
+    def on_arena(self, arena: SharedArena | None, adopt: bool = True) -> Segment:
         """These layers bound anew over `arena` (another execution context's: SharedArena.sibling): the same memory
         plan, at the same offsets from the arena's start, with bound calls, staging buffers and views of their own;
         the layers' launches and packed weights are shared. Views are bound under this segment's resize lock: a
         layer's primitives at other sizes (NativeStep.at, cached in its launch) are made one at a time, as within
         one program. What the origin's views have made that follows the sizes only (its grown template's sizes,
-        traced rules and walk) the twin takes now and at its later new sizes (_adopt), not made again."""
+        traced rules and walk) the twin takes now (`adopt`; else a background job does, views_ahead.twins_job, or its
+        first new size) and at its later new sizes (_adopt), not made again."""
         twin = Segment(self.members, self.read_after, self.constants, self._natives, arena=arena)
         twin._resize_lock = self._resize_lock
         if self.SHARE_VIEWS:
             twin._origin = weakref.ref(self)  # weakly: a refit's old program is not kept alive by its twins
-            with self._resize_lock:
-                twin._adopt()
+            if adopt:
+                with self._resize_lock:
+                    twin._adopt()
         return twin
+
+    def adopt_views(self, limit: int) -> int:
+        """A twin's (on_arena) views readied from its origin's, for a background job at the twin's creation
+        (views_ahead.twins_job): what _adopt takes (the grown template, its plan rewrite on the origin's traces), then
+        this segment's own view at each of the origin's `limit` most recently used sizes (oldest first, as the
+        origin's LRU holds them), so that a second context's first call at a shape the first has run finds its view
+        bound, as a repeat does (before: its first call assembled it, ~0.15-0.3 ms). Takes the resize lock per view,
+        so a call waits for one view's binding at most. Returns how many views it bound."""
+        origin = self._origin() if self._origin is not None else None
+        if origin is None or not self._views:
+            return 0
+        with self._resize_lock:
+            self._adopt()
+            keys = [key for key, view in origin.resized.items() if view is not None][-limit:] if limit > 0 else []
+        del origin
+        made = 0
+        for key in keys:
+            with self._resize_lock:
+                if key in self.resized:
+                    continue
+                made += self._bind_sizes(key) is not None
+            time.sleep(0)  # the GIL to a calling thread, if one waits
+        return made
 
     def _adopt(self) -> None:
         """What this segment (another context's twin: on_arena) may take from its origin's views instead of making
