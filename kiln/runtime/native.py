@@ -300,15 +300,14 @@ class Segment:
         this segment's own view at each of the origin's `limit` most recently used sizes (oldest first, as the
         origin's LRU holds them), so that a second context's first call at a shape the first has run finds its view
         bound, as a repeat does (before: its first call assembled it, ~0.15-0.3 ms). Takes the resize lock per view,
-        so a call waits for one view's binding at most. Returns how many views it bound."""
+        so a call waits for one view's binding at most. Returns how many views it bound, plus one where it adopted."""
         origin = self._origin() if self._origin is not None else None
         if origin is None or not self._views:
             return 0
         with self._resize_lock:
-            self._adopt()
+            made = int(self._adopt())
             keys = [key for key, view in origin.resized.items() if view is not None][-limit:] if limit > 0 else []
         del origin
-        made = 0
         for key in keys:
             with self._resize_lock:
                 if key in self.resized:
@@ -317,7 +316,7 @@ class Segment:
             time.sleep(0)  # the GIL to a calling thread, if one waits
         return made
 
-    def _adopt(self) -> None:
+    def _adopt(self) -> bool:
         """What this segment (another context's twin: on_arena) may take from its origin's views instead of making
         it again at its first calls (issue 10/14: a second context's first call at a shape the first had run cost
         ~5 ms on bert_tiny where its repeat costs 0.1): the origin's grown template (the load's view job grew it to
@@ -325,19 +324,22 @@ class Segment:
         here, as grow_ahead touches them), and each template's plan rewrite made sharing its origin's traced rules
         and traced walk (_PlanRewrite's `like`: what is the engine's, read-only once made, and the same for
         templates of one plan). Views themselves stay this segment's: they point at its memory. The caller holds
-        the resize lock (shared with the origin: what the origin grows or rewrites meanwhile is set under it)."""
+        the resize lock (shared with the origin: what the origin grows or rewrites meanwhile is set under it). True
+        where it took something."""
         origin = self._origin() if self._origin is not None else None
         if origin is None:
-            return
+            return False
+        adopted = False
         if self._grown is None and origin._grown is not None:
             grown = origin._grown.on_arena(None)
             for buffer in grown.buffers:
                 buffer.zero_()
-            self._grown = grown
+            self._grown, adopted = grown, True
         template = self._grown or self
         like = template._origin() if template._origin is not None else None
         if template._rewrite is None and like is not None and like._rewrite is not None:
-            template._rewrite = _PlanRewrite(template, like=like._rewrite)
+            template._rewrite, adopted = _PlanRewrite(template, like=like._rewrite), True
+        return adopted
 
     def _c_loop(self, loop, bindings: list, calls: list) -> tuple:
         nbind = len(bindings)
