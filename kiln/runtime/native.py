@@ -78,6 +78,7 @@ class Segment:
     """Consecutive layers of a program run as bound primitives; called as one step."""
 
     SHARE_VIEWS = True  # twins (on_arena) take their origin's grown template, traced rules and walk (_adopt)
+    SHARE_ARENA = True  # ... that grown template over the twin's arena (SharedArena.sibling), not memory of its own
 
     def __init__(self, members: list[BoundStep], read_after: set[int], constants: dict[int, Any] | None = None,
                  natives: list[NativeStep] | None = None, arena: SharedArena | None = None):
@@ -331,9 +332,13 @@ class Segment:
             return False
         adopted = False
         if self._grown is None and origin._grown is not None:
-            grown = origin._grown.on_arena(None)
-            for buffer in grown.buffers:
-                buffer.zero_()
+            # over this context's arena where it holds it (SharedArena.sibling: one memory and lock for the views and
+            # the planned segments), else memory of its own; its pages touched under the lock its runs take: a run of
+            # this lane's other segments may be using the arena meanwhile (a background job adopts)
+            grown = origin._grown.on_arena(self.arena if self.SHARE_ARENA else None)
+            with grown._lock:
+                for buffer in grown.buffers:
+                    buffer.zero_()
             self._grown, adopted = grown, True
         template = self._grown or self
         like = template._origin() if template._origin is not None else None

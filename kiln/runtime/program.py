@@ -222,7 +222,8 @@ class Program:
         copy = object.__new__(Program)
         copy.__dict__.update(self.__dict__)
         arena = self.segments[0].arena  # the program's segments share one (kiln/runtime/native_runs.py)
-        sibling = arena.sibling() if arena is not None else None
+        grown = max((s._grown.planned_bytes for s in self.segments if s._grown is not None), default=0)
+        sibling = arena.sibling(grown) if arena is not None else None
         owned = {id(segment) for segment in self.segments}
         twins = {id(step): replace(step, fn=step.fn.on_arena(sibling, adopt))  # id of a segment's step -> the copy's
                  for step in self.run_steps if id(step.fn) in owned}

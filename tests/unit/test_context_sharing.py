@@ -220,12 +220,16 @@ def test_a_second_contexts_lane_is_readied_in_the_background(dynamic_bert_tiny, 
         assert wanted and wanted <= {key for key, view in twin.resized.items() if view is not None}
     if first._direct is not None:
         assert set(first._direct._records) <= set(second._direct._records)
+    for _origin, twin in pairs:  # the grown template over the second context's arena: one memory (SHARE_ARENA)
+        if twin._grown is not None and twin.buffers:
+            assert twin._grown.arena is twin.arena and twin._grown._lock is twin._lock
+            assert twin._grown.buffers[0].data_ptr() == twin.buffers[0].data_ptr()
     binds = _Binds(monkeypatch)
     for shape in seen:
         _check(second, session, "ahead", *shape)
     assert binds.count == 0, f"the second context's first calls at seen shapes bound {binds.count} views"
-    for shape in ((1, 6), (4, 41)):  # new to both (4x41: past the build's 4x32)
-        _check(second, session, "ahead new", *shape)
+    for shape in ((1, 6), (4, 32), (4, 41), (4, 32), (2, 9)):  # new to both (4x41: past the build's 4x32), and the
+        _check(second, session, "ahead new", *shape)  # planned 4x32 between views over the same memory
     _check(first, session, "ahead", 4, 41)
 
 
@@ -252,8 +256,8 @@ def test_a_second_contexts_job_runs_while_it_calls(dynamic_bert_tiny, monkeypatc
     thread = threading.Thread(target=run_job)
     thread.start()
     together.wait()
-    for shape in ((3, 33), (1, 9), (4, 43), (2, 21)):
-        _check(second, session, "racing", *shape)
+    for shape in ((4, 32), (3, 33), (4, 32), (1, 9), (4, 43), (4, 32), (2, 21)):  # 4x32: the planned segment, over
+        _check(second, session, "racing", *shape)  # the arena whose pages the job touches for the grown template
     thread.join()
     if raised:
         raise raised[0]
