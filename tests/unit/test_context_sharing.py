@@ -299,3 +299,28 @@ def test_without_the_job_creation_adopts(dynamic_bert_tiny, monkeypatch):
         assert (twin._grown is None) == (origin._grown is None)
         assert (twin._grown or twin)._rewrite is not None
     _check(second, session, "at creation", 2, 6)
+
+
+def test_a_lane_given_back_is_readied_again(dynamic_bert_tiny, monkeypatch):
+    """A context made on a lane a freed context gave back queues the lane's job again: it binds the views at the shapes
+    the first context ran since, so the new context's first calls there bind nothing (without the job on reuse each
+    binds one: this fails)."""
+    engine, session = dynamic_bert_tiny
+    held = _held_lanes(engine, monkeypatch)
+    first = engine.create_execution_context(pad_first_calls=False)
+    second = engine.create_execution_context(pad_first_calls=False)
+    (job,) = _twin_jobs(held)
+    job.make()
+    lane_program = second.program
+    del second  # its lane goes back to the pool (weakref.finalize)
+    for shape in ((2, 17), (1, 23)):
+        _check(first, session, "again", *shape)
+    third = engine.create_execution_context(pad_first_calls=False)
+    assert third.program is lane_program
+    jobs = _twin_jobs(held)
+    assert len(jobs) == 2
+    jobs[1].make()
+    binds = _Binds(monkeypatch)
+    for shape in ((2, 17), (1, 23)):
+        _check(third, session, "again", *shape)
+    assert binds.count == 0, f"the reused lane's first calls at the first context's shapes bound {binds.count} views"
