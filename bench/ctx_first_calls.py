@@ -7,8 +7,8 @@ whole first-call cost again (what the load's view job had done for the first lan
 (--no-share: the sharing off, Segment.SHARE_VIEWS False), engine built in-process from the zoo's bert_tiny with
 the tests' profile (1x1 / 4x32 / 4x48), background jobs waited for, 1 thread, KILN_PAD_FIRST_CALLS=0 (every new
 shape binds). Thread CPU µs of each call (the first, then the median of 3 repeats); context creation's µs beside.
-Session 26 (h-ctx3): --no-ahead (views_ahead.TWINS_AHEAD False: a new lane adopts its origin's grown templates at its
-creation and binds its views at its first calls, the tree before) against the lane readied on the background thread
+Session 26 (h-ctx3): --no-ahead (views_ahead.TWINS_AHEAD and Segment.SHARE_ARENA False: a new lane adopts its origin's
+grown templates at its creation, in memory of their own, and binds its views at its first calls: the tree before) against the lane readied on the background thread
 (views_ahead.twins_job: the adoption, the views at the first context's shapes and their direct-run records); and each
 extra context's memory: RSS (VmRSS) growth at creation + its job, and after its calls; its arena's address space;
 its grown templates' bytes (touched at adoption). --rounds N alternates processes (A = --no-ahead, B = ahead) and
@@ -76,6 +76,7 @@ def main() -> None:
         native.Segment.SHARE_VIEWS = False
     if args.no_ahead:
         views_ahead.TWINS_AHEAD = False
+        native.Segment.SHARE_ARENA = False
     torch.set_num_threads(1)
     exported = zoo.export("bert_tiny", dynamic=True)
     engine = kiln.build(str(exported.path), profiles=[{"input_ids": "1x1,4x32,4x48"}])
