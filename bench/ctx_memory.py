@@ -7,7 +7,8 @@ grown template in memory of its own, the views bound at the first calls); B = th
 thread (views_ahead.twins_job) and its grown template over the lane's arena. One process per run: the engine loaded,
 its jobs waited for, 1 thread, KILN_PAD_FIRST_CALLS=0; context 1 runs 2x7, 3x20 and the profile's opt shape; context
 2 is made (thread CPU µs; RSS growth right after and once its job is done) and runs the same shapes (thread CPU µs
-of the first call and the median of 3 repeats), then RSS growth again. --rounds N alternates A and B processes and
+of the first call and the median of 3 repeats), then RSS growth again. Context 1's calls' RSS growth too: in A the
+engine's own grown template (touched at load) and its planned arena are two memories, in B one (Segment._grow_arena). --rounds N alternates A and B processes and
 prints medians, with the load.
 
     python bench/ctx_memory.py ENGINE.kiln [--before] [--rounds N]
@@ -48,9 +49,11 @@ def one(path: str, before: bool) -> None:
     opt = tuple(engine.profiles[0].inputs[engine.inputs[0].name].opt)
     shapes = [(2, 7), (3, 20), opt]
     c1 = engine.create_execution_context()
+    rss1 = status_bytes("VmRSS")
     for shape in shapes:
         first_and_repeat(c1, engine, shape)
     rss0 = status_bytes("VmRSS")
+    rss_c1 = rss0 - rss1
     t0 = time.thread_time_ns()
     c2 = engine.create_execution_context()
     made_us = (time.thread_time_ns() - t0) / 1e3
@@ -66,7 +69,7 @@ def one(path: str, before: bool) -> None:
     print(f"creation: {made_us:.0f} us; RSS +{rss_made / MIB:.1f} MiB made, +{rss_job / MIB:.1f} MiB with its job, "
           f"+{rss_called / MIB:.1f} MiB after its calls; arena {twin.arena.nbytes / MIB:.1f} MiB of address space "
           f"(planned {twin.planned_bytes / MIB:.1f}), grown template {grown / MIB:.1f} MiB "
-          f"({'its own memory' if own else 'over the arena'})")
+          f"({'its own memory' if own else 'over the arena'}); ctx1's calls: RSS +{rss_c1 / MIB:.1f} MiB")
     for shape, first, rep in rows:
         print(f"| ctx2 {shape[0]}x{shape[1]} | {first:.0f} | {rep:.0f} | {first - rep:.0f} |")
 
@@ -85,6 +88,8 @@ def alternate(path: str, rounds: int) -> None:
             for key, value in zip(("creation us", "RSS made MiB", "RSS with job MiB", "RSS after calls MiB"),
                                   found.groups()):
                 rows.setdefault(key, []).append(float(value))
+            rows.setdefault("ctx1's calls: RSS MiB", []).append(float(re.search(r"ctx1's calls: RSS \+([\d.]+)",
+                                                                                  out).group(1)))
             for line in out.splitlines():
                 cells = [c.strip() for c in line.strip("|").split("|")]
                 if len(cells) == 4 and cells[0].startswith("ctx2"):

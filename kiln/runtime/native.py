@@ -78,7 +78,7 @@ class Segment:
     """Consecutive layers of a program run as bound primitives; called as one step."""
 
     SHARE_VIEWS = True  # twins (on_arena) take their origin's grown template, traced rules and walk (_adopt)
-    SHARE_ARENA = True  # ... that grown template over the twin's arena (SharedArena.sibling), not memory of its own
+    SHARE_ARENA = True  # a grown view template over its program's arena (_grow_arena), not memory of its own
 
     def __init__(self, members: list[BoundStep], read_after: set[int], constants: dict[int, Any] | None = None,
                  natives: list[NativeStep] | None = None, arena: SharedArena | None = None):
@@ -335,7 +335,7 @@ class Segment:
             # over this context's arena where it holds it (SharedArena.sibling: one memory and lock for the views and
             # the planned segments), else memory of its own; its pages touched under the lock its runs take: a run of
             # this lane's other segments may be using the arena meanwhile (a background job adopts)
-            grown = origin._grown.on_arena(self.arena if self.SHARE_ARENA else None)
+            grown = origin._grown.on_arena(self._grow_arena())
             with grown._lock:
                 for buffer in grown.buffers:
                     buffer.zero_()
@@ -546,19 +546,29 @@ class Segment:
         at = self._natives_at(key)
         if self.fits(at.natives, at.forms):
             return False
-        candidate = type(self)(self.members, self.read_after, self.constants, at.natives)
+        candidate = type(self)(self.members, self.read_after, self.constants, at.natives, arena=self._grow_arena())
         if candidate.entries != self.entries or candidate.exits != self.exits or not candidate._views \
                 or not candidate.fits(at.natives, at.forms) \
                 or sum(b.numel() * b.element_size() for b in candidate.buffers) > GROW_AHEAD_BYTES:
             return False  # (its arena's pages never touched: they held no memory)
         candidate.rewrite_ahead()
-        for buffer in candidate.buffers:  # its pages faulted in here: a huge page's first touch may wait on the
-            buffer.zero_()  # kernel's compaction (a first call on the untouched arena: +35-75 ms inside the loop)
+        with candidate._lock:  # (the program's arena, where it is over it: a run may be using it meanwhile)
+            for buffer in candidate.buffers:  # its pages faulted in here: a huge page's first touch may wait on the
+                buffer.zero_()  # kernel's compaction (a first call on the untouched arena: +35-75 ms inside the loop)
         with self._resize_lock:  # as _view sets it (its caller holds the lock)
             if self._grown is not None:
                 return False
             self._grown = candidate
         return True
+
+    def _grow_arena(self) -> SharedArena | None:
+        """Where a grown view template plans its values: the program's arena (SHARE_ARENA), as its segments do, where
+        it holds the template (its address space is the bound of any run of the planned sizes: BERT-base's 441 MiB
+        holds its 36 MiB template at 8 x 256), else (None, or an arena too small: Segment falls back) memory of its
+        own. Views and the segments at their planned sizes then share their pages and lock instead of holding both
+        (BERT-base: ~36 MiB resident where they held 54 once both had run, bench/results/first-shape-2026-12-06.md).
+        They run one at a time anyway: one context calls its program's segments one after another."""
+        return self.arena if self.SHARE_ARENA else None
 
     def _rewritten(self, key: tuple) -> _Resized | None:
         """These sizes as a view whose plans of kiln's own kernels are the template's rewritten (_PlanRewrite),
@@ -580,7 +590,8 @@ class Segment:
         for sizes in dict.fromkeys((grown, key)):
             try:
                 at = wanted if sizes == key else self._natives_at(sizes)
-                candidate = Segment(self.members, self.read_after, self.constants, at.natives)
+                candidate = Segment(self.members, self.read_after, self.constants, at.natives,
+                                    arena=self._grow_arena())
             except Exception:  # noqa: BLE001  the merged sizes may not bind: then these alone
                 continue
             if candidate.entries != self.entries or candidate.exits != self.exits or not candidate._views \

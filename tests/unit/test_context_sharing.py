@@ -78,7 +78,9 @@ def test_a_second_context_shares_the_traces_not_the_memory(dynamic_bert_tiny):
     for origin, twin in pairs:
         assert twin._origin() is origin
         assert (twin._grown is None) == (origin._grown is None)
-        if origin._grown is not None:  # the load's view job grew it to 4x48
+        if origin._grown is not None:  # the load's view job grew it to 4x48, over the program's arena (SHARE_ARENA)
+            assert origin._grown.arena is origin.arena and origin._grown._lock is origin._lock
+            assert origin._grown.buffers[0].data_ptr() == origin.buffers[0].data_ptr()
             assert twin._grown.entry_sizes == origin._grown.entry_sizes
             ours = {b.data_ptr() for b in twin._grown.buffers}
             assert not ours & {b.data_ptr() for b in origin._grown.buffers}, "the twin runs in the origin's memory"
@@ -87,7 +89,9 @@ def test_a_second_context_shares_the_traces_not_the_memory(dynamic_bert_tiny):
         assert template._rewrite._whole is origin_template._rewrite._whole
         assert {id(m[0]) for m in template._rewrite._members if m[0] is not None} \
             == {id(m[0]) for m in origin_template._rewrite._members if m[0] is not None}
-    _check(second, session, "sharing", 2, 7)
+    for shape in ((2, 7), (4, 32), (3, 45), (4, 32)):  # views and the planned 4x32 over one memory, in each context
+        _check(second, session, "sharing", *shape)
+        _check(first, session, "sharing", *shape)
     for origin, twin in pairs:
         assert not set(map(id, twin.resized.values())) & set(map(id, origin.resized.values())) - {id(None)}
 
