@@ -7,8 +7,14 @@ whole first-call cost again (what the load's view job had done for the first lan
 (--no-share: the sharing off, Segment.SHARE_VIEWS False), engine built in-process from the zoo's bert_tiny with
 the tests' profile (1x1 / 4x32 / 4x48), background jobs waited for, 1 thread, KILN_PAD_FIRST_CALLS=0 (every new
 shape binds). Thread CPU µs of each call (the first, then the median of 3 repeats); context creation's µs beside.
+Session 26 (h-ctx3): --no-ahead (views_ahead.TWINS_AHEAD and Segment.SHARE_ARENA False: a new lane adopts its origin's
+grown templates at its creation, in memory of their own, and binds its views at its first calls: the tree before) against the lane readied on the background thread
+(views_ahead.twins_job: the adoption, the views at the first context's shapes and their direct-run records); and each
+extra context's memory: RSS (VmRSS) growth at creation + its job, and after its calls; its arena's address space;
+its grown templates' bytes (touched at adoption). --rounds N alternates processes (A = --no-ahead, B = ahead) and
+prints the medians.
 
-    python bench/ctx_first_calls.py [--no-share] [--label X]
+    python bench/ctx_first_calls.py [--no-share] [--no-ahead] [--label X] [--rounds N]
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ import torch  # noqa: E402
 import kiln  # noqa: E402
 from kiln import zoo  # noqa: E402
 from kiln.kernels.cpu import onednn_ahead  # noqa: E402
-from kiln.runtime import native  # noqa: E402
+from kiln.runtime import native, views_ahead  # noqa: E402
+from kiln.runtime.rss import status_bytes  # noqa: E402
 
 
 def feeds(engine, batch: int, seq: int) -> dict:
@@ -59,10 +66,17 @@ def first_and_repeat(context, engine, shape) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--no-share", action="store_true")
+    ap.add_argument("--no-ahead", action="store_true")
     ap.add_argument("--label", default="")
+    ap.add_argument("--rounds", type=int, default=0)
     args = ap.parse_args()
+    if args.rounds:
+        return alternate(args.rounds)
     if args.no_share:
         native.Segment.SHARE_VIEWS = False
+    if args.no_ahead:
+        views_ahead.TWINS_AHEAD = False
+        native.Segment.SHARE_ARENA = False
     torch.set_num_threads(1)
     exported = zoo.export("bert_tiny", dynamic=True)
     engine = kiln.build(str(exported.path), profiles=[{"input_ids": "1x1,4x32,4x48"}])
@@ -71,25 +85,60 @@ def main() -> None:
     rows = []
     for shape in [(2, 7), (3, 20)]:
         rows.append(("ctx1 first ever", shape, *first_and_repeat(c1, engine, shape)))
+    rss0 = status_bytes("VmRSS")
     t0 = time.thread_time_ns()
     c2 = engine.create_execution_context()
     made_us = (time.thread_time_ns() - t0) / 1e3
     assert onednn_ahead.AHEAD.wait(timeout=120)
+    rss_made = status_bytes("VmRSS") - rss0
     for shape in [(2, 7), (3, 20)]:
         rows.append(("ctx2, seen by ctx1", shape, *first_and_repeat(c2, engine, shape)))
     for shape in [(1, 11), (4, 41)]:
         rows.append(("ctx2 first ever", shape, *first_and_repeat(c2, engine, shape)))
     for shape in [(1, 11), (4, 41)]:
         rows.append(("ctx1, seen by ctx2", shape, *first_and_repeat(c1, engine, shape)))
-    label = args.label or ("sharing off" if args.no_share else "sharing on")
+    for shape in [(2, 7), (3, 20)]:  # a seen shape's call after other shapes ran: what a warm engine's call costs
+        rows.append(("ctx1, its own again", shape, *first_and_repeat(c1, engine, shape)))
+    rss_called = status_bytes("VmRSS") - rss0
+    label = args.label or ("sharing off" if args.no_share else "no ahead" if args.no_ahead else "ahead")
     print(f"# {label}; load {open('/proc/loadavg').read().split()[:3]}")
     grown = sum(b.numel() * b.element_size() for s in c2.program.segments if s._grown is not None
                 for b in s._grown.buffers)
+    arena = c2.program.segments[0].arena
     print(f"ctx2 creation: {made_us:.0f} us; its grown templates' memory after its calls: {grown / 2**20:.2f} MiB")
+    print(f"ctx2 memory: arena address space {(arena.planned if arena else 0) / 2**20:.2f} MiB; RSS +"
+          f"{rss_made / 2**20:.2f} MiB made (and its job), +{rss_called / 2**20:.2f} MiB after its calls")
     print("| call | shape | first us | repeat us | first - repeat |")
     print("|---|---|---|---|---|")
     for what, shape, first, rep in rows:
         print(f"| {what} | {shape[0]}x{shape[1]} | {first:.0f} | {rep:.0f} | {first - rep:.0f} |")
+
+
+def alternate(rounds: int) -> None:
+    """A (--no-ahead) and B (ahead) in alternating processes, `rounds` each; the medians of each row's first - repeat
+    and of the creation, with the load beside."""
+    import re
+    import subprocess
+    got: dict[str, dict[str, list[float]]] = {"A": {}, "B": {}}
+    loads = []
+    for _ in range(rounds):
+        for side, flags in (("A", ["--no-ahead"]), ("B", [])):
+            out = subprocess.run([sys.executable, __file__, *flags], capture_output=True, text=True, check=True).stdout
+            loads.append(open("/proc/loadavg").read().split()[0])
+            rows = got[side]
+            rows.setdefault("creation", []).append(float(re.search(r"creation: (\d+) us", out).group(1)))
+            for key, pattern in (("rss made", r"RSS \+([\d.]+) MiB made"), ("rss called", r"\+([\d.]+) MiB after")):
+                rows.setdefault(key, []).append(float(re.search(pattern, out).group(1)))
+            for line in out.splitlines():
+                cells = [c.strip() for c in line.strip("|").split("|")]
+                if len(cells) == 5 and cells[2].isdigit():
+                    rows.setdefault(f"{cells[0]} {cells[1]} first", []).append(float(cells[2]))
+                    rows.setdefault(f"{cells[0]} {cells[1]} first-repeat", []).append(float(cells[4]))
+    print(f"# {rounds} rounds, loads after each process: {' '.join(loads)}")
+    print("| row | A (no ahead) | B (ahead) |")
+    print("|---|---|---|")
+    for key in got["A"]:
+        print(f"| {key} | {statistics.median(got['A'][key]):.2f} | {statistics.median(got['B'][key]):.2f} |")
 
 
 if __name__ == "__main__":

@@ -17,9 +17,10 @@ import torch
 
 from kiln.errors import BindingError, EngineFormatError
 from kiln.ir import dtypes
-from kiln.kernels.cpu import omp_governor
+from kiln.kernels.cpu import omp_governor, onednn_ahead
 from kiln.plan import file as engine_file
 from kiln.plan.spec import Binding, EnginePlan, Profile
+from kiln.runtime import views_ahead
 from kiln.runtime.bindings import _to_runtime
 from kiln.runtime.buckets import plan_buckets
 from kiln.runtime.context import ExecutionContext, WarmUp  # noqa: F401  (WarmUp re-exported: kiln.serve imports it)
@@ -149,12 +150,34 @@ class Engine:
         weakref.finalize(context, pool.append, lane)
         if lane is None:
             return CpuLane(self.program, self.plain_program, self.first_calls, self.direct_runs)
+        if self._lanes_ahead():
+            self._ready_lane(lane)  # a new one, or one a freed context gave back: the shapes run since, too
         return lane
 
+    def _lanes_ahead(self) -> bool:
+        """Whether another lane is readied on the background thread (views_ahead.twins_job), not at its creation."""
+        return views_ahead.TWINS_AHEAD and onednn_ahead.enabled()
+
     def _new_lane(self) -> CpuLane:
-        program = self.program.with_own_arena()
-        plain = None if self.plain_program is None else self.plain_program.with_own_arena()
+        """A lane of its own (CpuLane). Where lanes are readied ahead (_lanes_ahead), what its segments take from the
+        engine's lane (the grown view templates, their plan rewrites) is left to the background job lend_lane queues
+        (_ready_lane), which also binds its views and direct-run records at the shapes the engine's lane has bound: a
+        context's creation binds its segments only, and its first call at a shape another context ran finds its view
+        (session 26's h-ctx3, bench/results/first-shape-2026-12-06.md)."""
+        later = self._lanes_ahead()
+        program = self.program.with_own_arena(adopt=not later)
+        plain = None if self.plain_program is None else self.plain_program.with_own_arena(adopt=not later)
         return CpuLane(program, plain, _first_calls(self, program), _direct_runs(self, program))
+
+    def _ready_lane(self, lane: CpuLane) -> None:
+        """Queue the lane's job (views_ahead.twins_job): its programs' twins adopt what they have not yet, and bind
+        their views (and records) at the engine's lane's latest shapes that they have not bound."""
+        jobs = [views_ahead.twins_job(lane.program, lane.direct_runs, self.direct_runs)]
+        if lane.plain_program is not None:
+            jobs.append(views_ahead.twins_job(lane.plain_program))
+        jobs = [job for job in jobs if job is not None]
+        if jobs:
+            onednn_ahead.AHEAD.schedule(jobs, torch.get_num_threads())
 
     def _program_dtypes(self) -> list[torch.dtype] | None:
         """The dtypes of the program's inputs (a half-precision engine's float inputs cast as program_inputs casts

@@ -78,6 +78,7 @@ class Segment:
     """Consecutive layers of a program run as bound primitives; called as one step."""
 
     SHARE_VIEWS = True  # twins (on_arena) take their origin's grown template, traced rules and walk (_adopt)
+    SHARE_ARENA = True  # a grown view template over its program's arena (_grow_arena), not memory of its own
 
     def __init__(self, members: list[BoundStep], read_after: set[int], constants: dict[int, Any] | None = None,
                  natives: list[NativeStep] | None = None, arena: SharedArena | None = None):
@@ -277,22 +278,46 @@ class Segment:
         self._per_image: bool | None = None
         self._bound_batches: dict[tuple, BatchPlan] = {}  # batches bound exactly, kept (native_batches.call_batch)
 
-    def on_arena(self, arena: SharedArena | None) -> Segment:
+    def on_arena(self, arena: SharedArena | None, adopt: bool = True) -> Segment:
         """These layers bound anew over `arena` (another execution context's: SharedArena.sibling): the same memory
         plan, at the same offsets from the arena's start, with bound calls, staging buffers and views of their own;
         the layers' launches and packed weights are shared. Views are bound under this segment's resize lock: a
         layer's primitives at other sizes (NativeStep.at, cached in its launch) are made one at a time, as within
         one program. What the origin's views have made that follows the sizes only (its grown template's sizes,
-        traced rules and walk) the twin takes now and at its later new sizes (_adopt), not made again."""
+        traced rules and walk) the twin takes now (`adopt`; else a background job does, views_ahead.twins_job, or its
+        first new size) and at its later new sizes (_adopt), not made again."""
         twin = Segment(self.members, self.read_after, self.constants, self._natives, arena=arena)
         twin._resize_lock = self._resize_lock
         if self.SHARE_VIEWS:
             twin._origin = weakref.ref(self)  # weakly: a refit's old program is not kept alive by its twins
-            with self._resize_lock:
-                twin._adopt()
+            if adopt:
+                with self._resize_lock:
+                    twin._adopt()
         return twin
 
-    def _adopt(self) -> None:
+    def adopt_views(self, limit: int) -> int:
+        """A twin's (on_arena) views readied from its origin's, for a background job at the twin's creation
+        (views_ahead.twins_job): what _adopt takes (the grown template, its plan rewrite on the origin's traces), then
+        this segment's own view at each of the origin's `limit` most recently used sizes (oldest first, as the
+        origin's LRU holds them), so that a second context's first call at a shape the first has run finds its view
+        bound, as a repeat does (before: its first call assembled it, ~0.15-0.3 ms). Takes the resize lock per view,
+        so a call waits for one view's binding at most. Returns how many views it bound, plus one where it adopted."""
+        origin = self._origin() if self._origin is not None else None
+        if origin is None or not self._views:
+            return 0
+        with self._resize_lock:
+            made = int(self._adopt())
+            keys = [key for key, view in origin.resized.items() if view is not None][-limit:] if limit > 0 else []
+        del origin
+        for key in keys:
+            with self._resize_lock:
+                if key in self.resized:
+                    continue
+                made += self._bind_sizes(key) is not None
+            time.sleep(0)  # the GIL to a calling thread, if one waits
+        return made
+
+    def _adopt(self) -> bool:
         """What this segment (another context's twin: on_arena) may take from its origin's views instead of making
         it again at its first calls (issue 10/14: a second context's first call at a shape the first had run cost
         ~5 ms on bert_tiny where its repeat costs 0.1): the origin's grown template (the load's view job grew it to
@@ -300,19 +325,26 @@ class Segment:
         here, as grow_ahead touches them), and each template's plan rewrite made sharing its origin's traced rules
         and traced walk (_PlanRewrite's `like`: what is the engine's, read-only once made, and the same for
         templates of one plan). Views themselves stay this segment's: they point at its memory. The caller holds
-        the resize lock (shared with the origin: what the origin grows or rewrites meanwhile is set under it)."""
+        the resize lock (shared with the origin: what the origin grows or rewrites meanwhile is set under it). True
+        where it took something."""
         origin = self._origin() if self._origin is not None else None
         if origin is None:
-            return
+            return False
+        adopted = False
         if self._grown is None and origin._grown is not None:
-            grown = origin._grown.on_arena(None)
-            for buffer in grown.buffers:
-                buffer.zero_()
-            self._grown = grown
+            # over this context's arena where it holds it (SharedArena.sibling: one memory and lock for the views and
+            # the planned segments), else memory of its own; its pages touched under the lock its runs take: a run of
+            # this lane's other segments may be using the arena meanwhile (a background job adopts)
+            grown = origin._grown.on_arena(self._grow_arena())
+            with grown._lock:
+                for buffer in grown.buffers:
+                    buffer.zero_()
+            self._grown, adopted = grown, True
         template = self._grown or self
         like = template._origin() if template._origin is not None else None
         if template._rewrite is None and like is not None and like._rewrite is not None:
-            template._rewrite = _PlanRewrite(template, like=like._rewrite)
+            template._rewrite, adopted = _PlanRewrite(template, like=like._rewrite), True
+        return adopted
 
     def _c_loop(self, loop, bindings: list, calls: list) -> tuple:
         nbind = len(bindings)
@@ -540,19 +572,29 @@ class Segment:
         at = self._natives_at(key)
         if self.fits(at.natives, at.forms):
             return False
-        candidate = type(self)(self.members, self.read_after, self.constants, at.natives)
+        candidate = type(self)(self.members, self.read_after, self.constants, at.natives, arena=self._grow_arena())
         if candidate.entries != self.entries or candidate.exits != self.exits or not candidate._views \
                 or not candidate.fits(at.natives, at.forms) \
                 or sum(b.numel() * b.element_size() for b in candidate.buffers) > GROW_AHEAD_BYTES:
             return False  # (its arena's pages never touched: they held no memory)
         candidate.rewrite_ahead()
-        for buffer in candidate.buffers:  # its pages faulted in here: a huge page's first touch may wait on the
-            buffer.zero_()  # kernel's compaction (a first call on the untouched arena: +35-75 ms inside the loop)
+        with candidate._lock:  # (the program's arena, where it is over it: a run may be using it meanwhile)
+            for buffer in candidate.buffers:  # its pages faulted in here: a huge page's first touch may wait on the
+                buffer.zero_()  # kernel's compaction (a first call on the untouched arena: +35-75 ms inside the loop)
         with self._resize_lock:  # as _view sets it (its caller holds the lock)
             if self._grown is not None:
                 return False
             self._grown = candidate
         return True
+
+    def _grow_arena(self) -> SharedArena | None:
+        """Where a grown view template plans its values: the program's arena (SHARE_ARENA), as its segments do, where
+        it holds the template (its address space is the bound of any run of the planned sizes: BERT-base's 441 MiB
+        holds its 36 MiB template at 8 x 256), else (None, or an arena too small: Segment falls back) memory of its
+        own. Views and the segments at their planned sizes then share their pages and lock instead of holding both
+        (BERT-base: ~36 MiB resident where they held 54 once both had run, bench/results/first-shape-2026-12-06.md).
+        They run one at a time anyway: one context calls its program's segments one after another."""
+        return self.arena if self.SHARE_ARENA else None
 
     def _rewritten(self, key: tuple) -> _Resized | None:
         """These sizes as a view whose plans of kiln's own kernels are the template's rewritten (_PlanRewrite),
@@ -574,7 +616,8 @@ class Segment:
         for sizes in dict.fromkeys((grown, key)):
             try:
                 at = wanted if sizes == key else self._natives_at(sizes)
-                candidate = Segment(self.members, self.read_after, self.constants, at.natives)
+                candidate = Segment(self.members, self.read_after, self.constants, at.natives,
+                                    arena=self._grow_arena())
             except Exception:  # noqa: BLE001  the merged sizes may not bind: then these alone
                 continue
             if candidate.entries != self.entries or candidate.exits != self.exits or not candidate._views \

@@ -210,20 +210,22 @@ class Program:
     def plan_evictions(self, value: int) -> None:
         self._plan_tally.evictions = value
 
-    def with_own_arena(self) -> Program:
+    def with_own_arena(self, adopt: bool = True) -> Program:
         """A copy for another execution context (kiln/runtime/engine.py CpuLane): the same layers (prepared
         launches, packed weights), shape plans and shape function, shared; each native segment bound anew over an
-        arena of its own, planned the same (Segment.on_arena). Two contexts' runs then compute at once, where
-        segments over one arena take turns under its lock. A program without segments holds no activations
-        between runs: it is its own copy."""
+        arena of its own, planned the same (Segment.on_arena; `adopt` False: what its segments take from their
+        origins' views is left to a background job, views_ahead.twins_job, or their first new sizes). Two contexts'
+        runs then compute at once, where segments over one arena take turns under its lock. A program without
+        segments holds no activations between runs: it is its own copy."""
         if not self.segments:
             return self
         copy = object.__new__(Program)
         copy.__dict__.update(self.__dict__)
         arena = self.segments[0].arena  # the program's segments share one (kiln/runtime/native_runs.py)
-        sibling = arena.sibling() if arena is not None else None
+        grown = max((s._grown.planned_bytes for s in self.segments if s._grown is not None), default=0)
+        sibling = arena.sibling(grown) if arena is not None else None
         owned = {id(segment) for segment in self.segments}
-        twins = {id(step): replace(step, fn=step.fn.on_arena(sibling))  # id of a segment's step -> the copy's
+        twins = {id(step): replace(step, fn=step.fn.on_arena(sibling, adopt))  # id of a segment's step -> the copy's
                  for step in self.run_steps if id(step.fn) in owned}
         copy.run_steps = [twins.get(id(s), s) for s in self.run_steps]
         copy.lean_steps = [twins.get(id(s), s) for s in self.lean_steps]

@@ -349,6 +349,59 @@ def _ready_at(program_ref: weakref.ref, inputs: list[tuple[int, ...]], input_dty
     return made
 
 
+TWINS_AHEAD = True  # a new context's lane readied on the background thread (twins_job); False: at its creation
+TWIN_VIEWS = 32  # views a new context's segment binds ahead (twins_job): its origin's most recently used sizes
+TWIN_RECORDS = 32  # direct-run records a new context makes ahead (twins_job): its origin lane's, the latest
+
+
+def twins_job(program: Program, direct: Any = None, origin_direct: Any = None) -> onednn_ahead.Job | None:
+    """A new execution context's lane (`program`: Program.with_own_arena's copy made with adopt=False) readied on the
+    background thread, so that neither its creation nor its first calls make what its origin lane made already
+    (issue 10/14): each twin segment adopts its origin's grown template and plan rewrite (~2.5 ms of creation on
+    bert_tiny before, most of it the grown template's binding and its pages' first touch) and binds its views at the
+    origin's latest sizes (Segment.adopt_views), then `direct` (the lane's DirectRuns, or None) makes its records of
+    the signatures `origin_direct` (the origin lane's) holds, from those views and the shared shape plans: a first
+    call at a shape another context has run is then a repeat. A call that comes first adopts and binds what it needs
+    itself (Segment._bind_sizes), under the lock the job takes per view. Holds the lane weakly; never raises (a
+    failure leaves the work to the calls, as before)."""
+    twins = [weakref.ref(s) for s in program.segments if s._origin is not None and s._views]
+    if not twins:
+        return None
+    records = (weakref.ref(direct), weakref.ref(origin_direct)) if direct is not None and origin_direct is not None \
+        else None
+
+    def make() -> bool:
+        made = 0
+        try:
+            for ref in twins:
+                twin = ref()
+                if twin is not None:
+                    made += twin.adopt_views(TWIN_VIEWS)
+                del twin
+            if records is not None:
+                made += _records_ahead(*records)
+        except Exception:  # noqa: BLE001  work ahead: what it could not make, a call makes
+            return made > 0
+        return made > 0
+    return onednn_ahead.Job(("twin views", next(_JOBS)), 0, make, counted=False)
+
+
+def _records_ahead(direct_ref: weakref.ref, origin_ref: weakref.ref) -> int:
+    """The direct-run records (kiln/runtime/direct_run.py DirectRuns.find) of the origin lane's TWIN_RECORDS latest
+    signatures, made in the twin lane's DirectRuns where its views are bound (find binds nothing). How many it made."""
+    direct, origin = direct_ref(), origin_ref()
+    if direct is None or origin is None:
+        return 0
+    with origin._lock:
+        signatures = [s for s, record in origin._records.items() if record is not None][-TWIN_RECORDS:]
+    made = 0
+    for signature in signatures:
+        if signature not in direct._records:
+            made += direct.find(signature) is not None
+        time.sleep(0)
+    return made
+
+
 def grow(segment: Segment, keys: list[tuple]) -> bool:
     """The segment's view template grown to the largest of `keys` along each entry dim (Segment.grow_ahead), before
     its walk is traced: a first call past the planned arena would grow it, and the next new shapes trace again."""

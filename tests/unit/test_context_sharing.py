@@ -7,7 +7,10 @@ origin's traced rules and traced walk (Segment._adopt, _PlanRewrite's `like`), s
 class already traced traces nothing (before: ~5 ms on bert_tiny where its repeat costs 0.1, bench/results/
 first-shape-2026-12-06.md). These tests check what is shared and what is not (memory), that a twin's first calls
 trace nothing (they fail with Segment.SHARE_VIEWS off), and that contexts at new shapes, alone and on threads of
-their own at once, answer as onnxruntime does."""
+their own at once, answer as onnxruntime does. Since session 26 (h-ctx3) the adoption is a background job queued at
+the lane's creation (views_ahead.twins_job), which also binds the twin's views and direct-run records at the shapes
+the first context ran: the last tests hold the job back, check what creation left to it, run it (alone, and on a
+thread of its own while the second context calls), and check that it never raises."""
 
 from __future__ import annotations
 
@@ -17,9 +20,9 @@ import zlib
 import numpy as np
 import pytest
 
-from kiln.kernels.cpu import onednn
+from kiln.kernels.cpu import onednn, onednn_ahead
 from kiln.kernels.cpu import transformer as kernels
-from kiln.runtime import native, view_trace
+from kiln.runtime import native, view_trace, views_ahead
 from kiln.tactics import traced_rules
 
 pytestmark = pytest.mark.skipif(not (kernels.available() and onednn.available()),
@@ -68,13 +71,16 @@ def test_a_second_context_shares_the_traces_not_the_memory(dynamic_bert_tiny):
     first = engine.create_execution_context(pad_first_calls=False)
     _check(first, session, "sharing", 2, 7)
     second = engine.create_execution_context(pad_first_calls=False)
+    assert onednn_ahead.AHEAD.wait(timeout=120), "the second lane's job (views_ahead.twins_job) did not finish"
     assert second.program is not first.program
     pairs = list(zip(_view_segments(first.program), _view_segments(second.program)))
     assert pairs, "bert_tiny's program has no segment with views"
     for origin, twin in pairs:
         assert twin._origin() is origin
         assert (twin._grown is None) == (origin._grown is None)
-        if origin._grown is not None:  # the load's view job grew it to 4x48
+        if origin._grown is not None:  # the load's view job grew it to 4x48, over the program's arena (SHARE_ARENA)
+            assert origin._grown.arena is origin.arena and origin._grown._lock is origin._lock
+            assert origin._grown.buffers[0].data_ptr() == origin.buffers[0].data_ptr()
             assert twin._grown.entry_sizes == origin._grown.entry_sizes
             ours = {b.data_ptr() for b in twin._grown.buffers}
             assert not ours & {b.data_ptr() for b in origin._grown.buffers}, "the twin runs in the origin's memory"
@@ -83,7 +89,9 @@ def test_a_second_context_shares_the_traces_not_the_memory(dynamic_bert_tiny):
         assert template._rewrite._whole is origin_template._rewrite._whole
         assert {id(m[0]) for m in template._rewrite._members if m[0] is not None} \
             == {id(m[0]) for m in origin_template._rewrite._members if m[0] is not None}
-    _check(second, session, "sharing", 2, 7)
+    for shape in ((2, 7), (4, 32), (3, 45), (4, 32)):  # views and the planned 4x32 over one memory, in each context
+        _check(second, session, "sharing", *shape)
+        _check(first, session, "sharing", *shape)
     for origin, twin in pairs:
         assert not set(map(id, twin.resized.values())) & set(map(id, origin.resized.values())) - {id(None)}
 
@@ -146,3 +154,177 @@ def test_contexts_at_new_shapes_on_threads_at_once_match_onnxruntime(dynamic_ber
         t.join()
     if raised:
         raise raised[0]
+
+
+class _Held:
+    """onednn_ahead.AHEAD's stand-in: jobs queued are kept, not run (a test runs them when it chooses)."""
+
+    def __init__(self):
+        self.jobs: list[onednn_ahead.Job] = []
+
+    def schedule(self, jobs, threads: int) -> int:
+        jobs = list(jobs)
+        self.jobs += jobs
+        return len(jobs)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return True
+
+
+def _held_lanes(engine, monkeypatch) -> _Held:
+    """Background jobs held back, and the engine's lane pool as a fresh engine's: the first context takes the engine's
+    own lane, the next ones new lanes (not lanes earlier tests' contexts gave back, already readied)."""
+    held = _Held()
+    monkeypatch.setattr(onednn_ahead, "AHEAD", held)
+    monkeypatch.setattr(engine, "_free_lanes", [None])
+    return held
+
+
+def _twin_jobs(held: _Held) -> list[onednn_ahead.Job]:
+    return [job for job in held.jobs if job.key[0] == "twin views"]
+
+
+class _Binds:
+    """Counts the views a segment binds or assembles (Segment._bind_sizes) while it is on."""
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        original = native.Segment._bind_sizes
+
+        def counted(segment, key):
+            self.count += 1
+            return original(segment, key)
+        monkeypatch.setattr(native.Segment, "_bind_sizes", counted)
+
+
+def test_a_second_contexts_lane_is_readied_in_the_background(dynamic_bert_tiny, monkeypatch):
+    """Creation leaves the adoption to the lane's job (its twins hold no grown template or rewrite yet: with
+    views_ahead.TWINS_AHEAD off they do, and this fails); the job adopts, binds the twin's views at the first context's
+    shapes and makes their direct-run records, so the second context's first calls there bind nothing (without the
+    job's views each binds one: this fails) and answer as onnxruntime does, as do its calls at new shapes."""
+    engine, session = dynamic_bert_tiny
+    held = _held_lanes(engine, monkeypatch)
+    first = engine.create_execution_context(pad_first_calls=False)
+    seen = ((2, 9), (3, 20))
+    for shape in seen:
+        _check(first, session, "ahead", *shape)
+    second = engine.create_execution_context(pad_first_calls=False)
+    pairs = list(zip(_view_segments(first.program), _view_segments(second.program)))
+    assert pairs and all(twin._origin() is origin for origin, twin in pairs)
+    assert all(twin._grown is None and twin._rewrite is None for _origin, twin in pairs), \
+        "the second context's creation adopted its origin's views (not left to its job)"
+    jobs = _twin_jobs(held)
+    assert len(jobs) == 1
+    assert jobs[0].make()
+    for origin, twin in pairs:
+        assert (twin._grown is None) == (origin._grown is None)
+        template, origin_template = twin._grown or twin, origin._grown or origin
+        assert template._rewrite is not None and template._rewrite._whole is origin_template._rewrite._whole
+        wanted = {key for key, view in origin.resized.items() if view is not None}
+        assert wanted and wanted <= {key for key, view in twin.resized.items() if view is not None}
+    if first._direct is not None:
+        assert set(first._direct._records) <= set(second._direct._records)
+    for _origin, twin in pairs:  # the grown template over the second context's arena: one memory (SHARE_ARENA)
+        if twin._grown is not None and twin.buffers:
+            assert twin._grown.arena is twin.arena and twin._grown._lock is twin._lock
+            assert twin._grown.buffers[0].data_ptr() == twin.buffers[0].data_ptr()
+    binds = _Binds(monkeypatch)
+    for shape in seen:
+        _check(second, session, "ahead", *shape)
+    assert binds.count == 0, f"the second context's first calls at seen shapes bound {binds.count} views"
+    for shape in ((1, 6), (4, 32), (4, 41), (4, 32), (2, 9)):  # new to both (4x41: past the build's 4x32), and the
+        _check(second, session, "ahead new", *shape)  # planned 4x32 between views over the same memory
+    _check(first, session, "ahead", 4, 41)
+
+
+def test_a_second_contexts_job_runs_while_it_calls(dynamic_bert_tiny, monkeypatch):
+    """The lane's job on a thread of its own while the second context calls at the first's shapes and at new ones
+    (each view bound by whichever comes first, under the resize lock both take): every answer is onnxruntime's."""
+    engine, session = dynamic_bert_tiny
+    held = _held_lanes(engine, monkeypatch)
+    first = engine.create_execution_context(pad_first_calls=False)
+    for shape in ((1, 9), (2, 21), (3, 33)):
+        _check(first, session, "racing", *shape)
+    second = engine.create_execution_context(pad_first_calls=False)
+    (job,) = _twin_jobs(held)
+    together = threading.Barrier(2, timeout=60)
+    raised: list[BaseException] = []
+
+    def run_job() -> None:
+        try:
+            together.wait()
+            job.make()
+        except BaseException as e:  # noqa: BLE001  re-raised below, in the test's thread
+            raised.append(e)
+
+    thread = threading.Thread(target=run_job)
+    thread.start()
+    together.wait()
+    for shape in ((4, 32), (3, 33), (4, 32), (1, 9), (4, 43), (4, 32), (2, 21)):  # 4x32: the planned segment, over
+        _check(second, session, "racing", *shape)  # the arena whose pages the job touches for the grown template
+    thread.join()
+    if raised:
+        raise raised[0]
+    for shape in ((1, 9), (4, 43)):
+        _check(second, session, "racing", *shape)
+
+
+def test_a_second_contexts_job_never_raises(dynamic_bert_tiny, monkeypatch):
+    """A job whose work fails returns (the background thread must never see it raise) and leaves the work to the
+    calls: the second context still adopts at its first new size and answers as onnxruntime does."""
+    engine, session = dynamic_bert_tiny
+    held = _held_lanes(engine, monkeypatch)
+    first = engine.create_execution_context(pad_first_calls=False)
+    _check(first, session, "failing", 2, 5)
+    second = engine.create_execution_context(pad_first_calls=False)
+
+    def fails(segment, limit):
+        raise RuntimeError("a view that cannot be bound")
+    monkeypatch.setattr(native.Segment, "adopt_views", fails)
+    (job,) = _twin_jobs(held)
+    assert job.make() is False
+    _check(second, session, "failing", 2, 5)
+    _check(second, session, "failing", 3, 12)
+    twin = _view_segments(second.program)[0]
+    assert (twin._grown or twin)._rewrite is not None
+
+
+def test_without_the_job_creation_adopts(dynamic_bert_tiny, monkeypatch):
+    """views_ahead.TWINS_AHEAD off (or KILN_ONEDNN_AHEAD=0): a new lane adopts at its creation, as before, and queues
+    no job."""
+    engine, session = dynamic_bert_tiny
+    held = _held_lanes(engine, monkeypatch)
+    monkeypatch.setattr(views_ahead, "TWINS_AHEAD", False)
+    first = engine.create_execution_context(pad_first_calls=False)
+    _check(first, session, "at creation", 2, 6)
+    second = engine.create_execution_context(pad_first_calls=False)
+    assert not _twin_jobs(held)
+    for origin, twin in zip(_view_segments(first.program), _view_segments(second.program)):
+        assert (twin._grown is None) == (origin._grown is None)
+        assert (twin._grown or twin)._rewrite is not None
+    _check(second, session, "at creation", 2, 6)
+
+
+def test_a_lane_given_back_is_readied_again(dynamic_bert_tiny, monkeypatch):
+    """A context made on a lane a freed context gave back queues the lane's job again: it binds the views at the shapes
+    the first context ran since, so the new context's first calls there bind nothing (without the job on reuse each
+    binds one: this fails)."""
+    engine, session = dynamic_bert_tiny
+    held = _held_lanes(engine, monkeypatch)
+    first = engine.create_execution_context(pad_first_calls=False)
+    second = engine.create_execution_context(pad_first_calls=False)
+    (job,) = _twin_jobs(held)
+    job.make()
+    lane_program = second.program
+    del second  # its lane goes back to the pool (weakref.finalize)
+    for shape in ((2, 17), (1, 23)):
+        _check(first, session, "again", *shape)
+    third = engine.create_execution_context(pad_first_calls=False)
+    assert third.program is lane_program
+    jobs = _twin_jobs(held)
+    assert len(jobs) == 2
+    jobs[1].make()
+    binds = _Binds(monkeypatch)
+    for shape in ((2, 17), (1, 23)):
+        _check(third, session, "again", *shape)
+    assert binds.count == 0, f"the reused lane's first calls at the first context's shapes bound {binds.count} views"
