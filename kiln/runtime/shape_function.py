@@ -57,6 +57,8 @@ MEMO_ENTRIES = 256  # a group's values kept for at most this many values of its 
 MEMO_BYTES = 8 << 20  # ... and this many bytes of tensors (an encoder's position embeddings: seq x hidden floats)
 GRID_BYTES = 4 << 20  # the largest index grid a _Grid keeps to cut smaller ones from
 GRID_ROWS_BYTES = 8 << 20  # ... and the most bytes of its rows of corners (_GridBase) it keeps
+GATHER_GRIDS = True  # a GatherND by a _Grid's grid indexes by the grid's parts (_GatherGrid; False: the A of
+# bench/first_shape.py --no-gather-grids)
 _RANDOM = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
 
 
@@ -838,7 +840,7 @@ def compile_shape_steps(steps: list[BoundStep], order: list[int], template: list
                 w.values[step.outputs[0]] = _Value(var, "tensor", var, grid=(
                     grid, tuple((v.stacked[0].var, v.stacked[1]) for v in ins)))
             continue
-        if op == "GatherND" and i not in calls and len(step.outputs) == 1 and len(ins) == 2 \
+        if GATHER_GRIDS and op == "GatherND" and i not in calls and len(step.outputs) == 1 and len(ins) == 2 \
                 and ins[0] is not None and ins[1] is not None and ins[1].grid is not None \
                 and int(step.attributes.get("batch_dims", 0)) == 0:
             # gathered by an index grid's parts, the grid not made (_GatherGrid)
