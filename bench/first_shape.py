@@ -17,7 +17,7 @@ jobs done (first_calls.primitives_made), then first calls at --shapes in order, 
 --no-views-made-ahead: the load makes no segment's view at the shapes it plans (views_ahead.views_ahead_at).
 --no-size-rules: kiln::Rotary, kiln::RMSNorm and the last-axis Slice without their size rules (llama_tiny: its segments walk at the call).
 --no-gather-grids: a GatherND by an index grid (a decoder's causal mask) gathers by the grid made, not its parts.
---plans-ahead N: first_calls.PLANS_AHEAD (a profile's shapes past the N smallest compute their shape values at the call).
+--plans-ahead N: first_calls.PLANS_AHEAD (shapes past a profile's N smallest compute their shape values at the call).
 --no-memos: the view job's memo shapes off (first_calls.memo_shapes empty); --no-grid-rows: each grid corner a
 copy. --no-views-ahead: the load's view jobs off (first_calls._trace_job and _segments_job: no template grown, no walk
 traced, no segment readied at load), the tree before them otherwise. --steady: the hot path at shapes already seen,

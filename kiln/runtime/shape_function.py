@@ -341,7 +341,8 @@ class _GatherGrid:
     data.shape[m:]. Taken only where every S is one shape, the parts broadcast to exactly S, every part is int64 (a
     Concat's operands share one dtype; a bool part would be a mask to torch) and m <= data's rank; anything else is
     the ops' own computation (the grid, then GatherND's kernel). An index past its axis raises (torch's IndexError),
-    so the function falls back to the steps, which compute what the graph computes."""
+    so the function falls back to the steps, which compute what the graph computes. CPU data only: on a GPU such an
+    index would be a device-side assert, not an exception (not measured there)."""
 
     def __init__(self, grid: _Grid, fn: Any, ctx: Any, attributes: dict[str, Any]):
         self._grid, self._fn, self._ctx, self._attributes = grid, fn, ctx, attributes
@@ -349,7 +350,8 @@ class _GatherGrid:
     def __call__(self, data: Any, parts: tuple[tuple[Any, tuple], ...]) -> Any:
         shape = parts[0][1]
         try:
-            if isinstance(data, torch.Tensor) and len(parts) <= data.dim() and all(s == shape for _, s in parts) \
+            if isinstance(data, torch.Tensor) and data.device.type == "cpu" and len(parts) <= data.dim() \
+                    and all(s == shape for _, s in parts) \
                     and all(isinstance(p, torch.Tensor) and p.dtype == torch.int64 for p, _ in parts) \
                     and broadcast_sizes(*(tuple(p.shape) for p, _ in parts)) == tuple(shape):
                 return data[tuple(p for p, _ in parts)]
