@@ -16,6 +16,8 @@ jobs done (first_calls.primitives_made), then first calls at --shapes in order, 
 --no-rewritten-launch: a kiln kernel's launch outside a segment builds its kernel at each new size (llama's Wheres).
 --no-views-made-ahead: the load makes no segment's view at the shapes it plans (views_ahead.views_ahead_at).
 --no-size-rules: kiln::Rotary, kiln::RMSNorm and the last-axis Slice without their size rules (llama_tiny: its segments walk at the call).
+--no-gather-grids: a GatherND by an index grid (a decoder's causal mask) gathers by the grid made, not its parts.
+--plans-ahead N: first_calls.PLANS_AHEAD (shapes past a profile's N smallest compute their shape values at the call).
 --no-memos: the view job's memo shapes off (first_calls.memo_shapes empty); --no-grid-rows: each grid corner a
 copy. --no-views-ahead: the load's view jobs off (first_calls._trace_job and _segments_job: no template grown, no walk
 traced, no segment readied at load), the tree before them otherwise. --steady: the hot path at shapes already seen,
@@ -41,10 +43,11 @@ import kiln  # noqa: E402
 import numpy as np  # noqa: E402
 
 from first_call_direct import span_timer, warm_context  # noqa: E402
-from kiln.runtime import first_calls, native, native_views, view_trace  # noqa: E402
+from kiln.runtime import first_calls, native, native_views, shape_function, view_trace  # noqa: E402
 from kiln.tactics import traced_rules  # noqa: E402
 
 PARTS = [
+    (shape_function.ShapeFunction, "__call__", "shape function (a shape without a plan)"),
     (native.Segment, "_bind_sizes", "view (Segment._bind_sizes)"),
     (native_views._PlanRewrite, "view", "  its walk (_PlanRewrite.view)"),
     (traced_rules.TracedRule, "_trace", "    rule traces (TracedRule._trace)"),
@@ -74,6 +77,9 @@ def main() -> None:
                     "builds its kernel at each new size (A of native_member.RewrittenLaunch: llama_tiny's mask Wheres)")
     ap.add_argument("--no-views-made-ahead", action="store_true", help="the load makes no segment's view at the "
                     "shapes it plans (A of views_ahead.views_ahead_at)")
+    ap.add_argument("--no-gather-grids", action="store_true", help="a GatherND by an index grid gathers by the grid "
+                    "made (A of shape_function._GatherGrid: a decoder's mask past the shapes planned at load)")
+    ap.add_argument("--plans-ahead", type=int, default=0, help="first_calls.PLANS_AHEAD (0: as it is)")
     ap.add_argument("--steady", default="", help="shapes of the steady-state A/B (then no first calls)")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--image", default="", help="CxHxW: pixel_values of an image model; --shapes are batches")
@@ -87,7 +93,6 @@ def main() -> None:
         if hasattr(first_calls, "_segments_job"):  # (a tree before it has none)
             first_calls._segments_job = lambda program, profiles, dtypes: None
     if args.no_reshaped_shapes:
-        from kiln.runtime import shape_function
         shape_function._reshaped_by = lambda *a: None
     if args.no_plans_ahead and hasattr(first_calls, "plan_shapes"):
         first_calls.plan_shapes = lambda program, profiles: []
@@ -106,10 +111,13 @@ def main() -> None:
     if args.no_views_made_ahead:
         from kiln.runtime import views_ahead
         views_ahead.views_ahead_at = lambda *a: False
+    if args.no_gather_grids:
+        shape_function.GATHER_GRIDS = False
+    if args.plans_ahead:
+        first_calls.PLANS_AHEAD = args.plans_ahead
     if args.no_memos:
         first_calls.memo_shapes = lambda program, profiles: []
     if args.no_grid_rows:
-        from kiln.runtime import shape_function
         shape_function.GRID_ROWS_BYTES = 0
     rng = np.random.default_rng(0)
     if args.image:

@@ -57,6 +57,8 @@ MEMO_ENTRIES = 256  # a group's values kept for at most this many values of its 
 MEMO_BYTES = 8 << 20  # ... and this many bytes of tensors (an encoder's position embeddings: seq x hidden floats)
 GRID_BYTES = 4 << 20  # the largest index grid a _Grid keeps to cut smaller ones from
 GRID_ROWS_BYTES = 8 << 20  # ... and the most bytes of its rows of corners (_GridBase) it keeps
+GATHER_GRIDS = True  # a GatherND by a _Grid's grid indexes by the grid's parts (_GatherGrid; False: the A of
+# bench/first_shape.py --no-gather-grids)
 _RANDOM = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
 
 
@@ -152,6 +154,8 @@ class _Value:
     dim: str | None = None  # of "int" or a 1-element "ints": the 1-element dims line whose one value it is
     along: _Along | None = None  # of "tensor": the prefix it is along that dim
     stacked: tuple[_Value, str] | None = None  # of an Unsqueeze(-1) of an Expand's "tensor": `expanded` (_Grid)
+    grid: tuple[str, tuple[tuple[str, str], ...]] | None = None  # of a _Grid's "tensor": (its _Grid's global, its
+    # parts' (P_i, S_i) expressions): a GatherND by it indexes by the parts (_GatherGrid)
 
 
 @dataclass(frozen=True)
@@ -325,6 +329,35 @@ class _GridBase:
         corners[(row.shape[0], *rest)] = row
         self._corners.update(corners)  # one C call: a reader on another thread sees none or all of them
         return corners.get(tuple(shape))
+
+
+class _GatherGrid:
+    """GatherND(data, G) with batch_dims 0 where G is a _Grid's index grid Concat(Unsqueeze(Expand(P_i, S), -1)...,
+    axis=-1) (an exported mask's four GatherNDs of positions by [b, 1, s, s, 2] grids: ~55-95 µs each right after a
+    run, ~40% of the mask's shape values past the shapes planned at load): data[P_0, P_1, ...], one advanced index
+    of the parts, neither the grid nor the flat indices made. The same values by the ops' definitions: G[..., i] is
+    P_i broadcast to S, GatherND's out[k] = data[G[k, 0], ..., G[k, m - 1]] (a negative index counted from the end,
+    as torch counts it), and torch's advanced indexing by tensors that broadcast to S is that, of shape S ++
+    data.shape[m:]. Taken only where every S is one shape, the parts broadcast to exactly S, every part is int64 (a
+    Concat's operands share one dtype; a bool part would be a mask to torch) and m <= data's rank; anything else is
+    the ops' own computation (the grid, then GatherND's kernel). An index past its axis raises (torch's IndexError),
+    so the function falls back to the steps, which compute what the graph computes. CPU data only: on a GPU such an
+    index would be a device-side assert, not an exception (not measured there)."""
+
+    def __init__(self, grid: _Grid, fn: Any, ctx: Any, attributes: dict[str, Any]):
+        self._grid, self._fn, self._ctx, self._attributes = grid, fn, ctx, attributes
+
+    def __call__(self, data: Any, parts: tuple[tuple[Any, tuple], ...]) -> Any:
+        shape = parts[0][1]
+        try:
+            if isinstance(data, torch.Tensor) and data.device.type == "cpu" and len(parts) <= data.dim() \
+                    and all(s == shape for _, s in parts) \
+                    and all(isinstance(p, torch.Tensor) and p.dtype == torch.int64 for p, _ in parts) \
+                    and broadcast_sizes(*(tuple(p.shape) for p, _ in parts)) == tuple(shape):
+                return data[tuple(p for p, _ in parts)]
+        except ValueError:  # parts that do not broadcast: the ops say what is wrong
+            pass
+        return _one(self._fn(self._ctx, data, self._grid(parts), **self._attributes))
 
 
 def _larger(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor | None:
@@ -805,6 +838,22 @@ def compile_shape_steps(steps: list[BoundStep], order: list[int], template: list
             var = w.name("v")
             w.line(f"{var} = {grid}(({parts}))", (var,),
                    tuple(dict.fromkeys(name for v in ins for name in (v.stacked[0].var, v.stacked[1]))))
+            if step.outputs[0] >= 0:
+                w.values[step.outputs[0]] = _Value(var, "tensor", var, grid=(
+                    grid, tuple((v.stacked[0].var, v.stacked[1]) for v in ins)))
+            continue
+        if GATHER_GRIDS and op == "GatherND" and i not in calls and len(step.outputs) == 1 and len(ins) == 2 \
+                and ins[0] is not None and ins[1] is not None and ins[1].grid is not None \
+                and int(step.attributes.get("batch_dims", 0)) == 0:
+            # gathered by an index grid's parts, the grid not made (_GatherGrid)
+            grid, grid_parts = ins[1].grid
+            gathered = w.object("_gather_grid", _GatherGrid(w.globals[grid], step.fn, step.ctx,
+                                                            dict(step.attributes)))
+            data = w.tensor(ins[0])
+            parts = "".join(f"({p}, {s}), " for p, s in grid_parts)
+            var = w.name("v")
+            w.line(f"{var} = {gathered}({data}, ({parts}))", (var,),
+                   tuple(dict.fromkeys((data, *(name for part in grid_parts for name in part)))))
             if step.outputs[0] >= 0:
                 w.values[step.outputs[0]] = _Value(var, "tensor", var)
             continue

@@ -234,3 +234,35 @@ def test_llama_later_first_calls_without_views_ahead_or_the_rewrite_make_them(ll
     views, built = _later_first_calls(llama, monkeypatch)
     assert len(views) == 5 * len(set(LATER)), len(views)
     assert {what.split(" of ")[0] for (what,) in built} == {"where"}, built
+
+
+def test_llama_first_calls_past_the_planned_shapes_gather_the_mask_by_the_grids_parts(llama, monkeypatch):
+    """Past the shapes planned at load (PLANS_AHEAD: here 4, as a profile of more shapes than 128 has), a first call
+    computes its shape values, the causal mask among them: its four GatherNDs index by the grids' parts
+    (shape_function._GatherGrid), the [b, 1, s, s, 2] grids never made (before: each made by _Grid, ~2 x 10 µs, and
+    each GatherND ~55-95 µs). Outputs against onnxruntime (fp32 logits, 1e-4)."""
+    from kiln.runtime import shape_function as sf
+
+    exported, path = llama
+    monkeypatch.setenv("KILN_PAD_FIRST_CALLS", "0")
+    monkeypatch.setattr(first_calls, "PLANS_AHEAD", 4)
+    context = kiln.load(str(path)).create_execution_context()
+    context.warm_up()
+    assert first_calls.primitives_made(120)
+    program = context.engine.program
+    assert "_gather_grid" in program.shape_function.source and "_grid" not in \
+        program.shape_function.source.replace("_gather_grid", ""), program.shape_function.source
+    grids = _counted(monkeypatch, sf._Grid, "__call__")
+    gathers = _counted(monkeypatch, sf._GatherGrid, "__call__")
+    session = ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(zlib.crc32(b"llama past the planned shapes"))
+    shapes = [(3, 13), (4, 16), (2, 11), (4, 9), (3, 16), (1, 16)]
+    for b, s in shapes:
+        assert not any(key[0][0] == (b, s) for key in program.shape_plans)  # a shape computed at the call
+        feeds = {"input_ids": rng.integers(0, 100, (b, s), dtype=np.int64),
+                 "attention_mask": np.ones((b, s), np.int64)}
+        feeds = {n: feeds[n] for n in context.engine.input_names}
+        got = next(iter(context.run(feeds).values()))
+        np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=1e-4, atol=1e-4)
+    assert len(gathers) == 4 * len(shapes), len(gathers)
+    assert not grids, grids  # no grid made: each GatherND indexed by its parts

@@ -566,3 +566,91 @@ def test_a_shape_of_a_reshapes_output_stays_in_the_loop_where_its_data_sets_it(t
         _assert_same_shape_values(program, [torch.from_numpy(x)])
         got = next(iter(engine.run({"x": x}).values()))
         np.testing.assert_allclose(got, session.run(None, {"x": x})[0], rtol=1e-6, atol=1e-6)  # Sin + Cos, fp32
+
+
+def _gather_nd_reference(data: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    """onnx.reference's GatherND (batch_dims 0): the independent oracle."""
+    from onnx.reference import ReferenceEvaluator
+
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("GatherND", ["d", "g"], ["y"])], "g",
+        [helper.make_tensor_value_info("d", TensorProto.INT64, None),
+         helper.make_tensor_value_info("g", TensorProto.INT64, None)],
+        [helper.make_tensor_value_info("y", TensorProto.INT64, None)]))
+    return ReferenceEvaluator(model).run(None, {"d": data, "g": grid})[0]
+
+
+# parts' shapes (each broadcast to their common shape S), data's trailing dims, and whether the parts hold negative
+# indices (counted from the end): an exported mask's [b, 1, 1, 1] x [1, 1, s, 1] grids and others
+GATHER_GRIDS = [(((3, 1, 1, 1), (1, 1, 5, 1)), (), False), (((4, 1), (1, 6)), (), True),
+                (((2, 1, 1), (1, 3, 1), (1, 1, 4)), (), False), (((5,), (5,)), (3,), True),
+                (((1, 1), (1, 1)), (2,), False), (((2, 1), (1, 7)), (4, 2), True)]
+
+
+@pytest.mark.parametrize("shapes,trailing,negative", GATHER_GRIDS, ids=str)
+def test_gather_nd_by_a_grids_parts_equals_onnx_reference(shapes, trailing, negative):
+    """_GatherGrid: GatherND(data, Concat(Unsqueeze(Expand(P_i, S), -1)...)) as data[P_0, P_1, ...], the grid never
+    made, equal (exactly, dtype, shape and a contiguous layout) to onnx.reference's GatherND of the grid the ops
+    make; the ops' own path (the grid, then GatherND's kernel) gives the same."""
+    from kiln.ops.indexing import gather_nd
+    from kiln.ops.tensor import concat
+    from kiln.runtime import shape_function as sf
+
+    rng = np.random.default_rng(zlib.crc32(repr((shapes, trailing, negative)).encode()))
+    shape = tuple(np.broadcast_shapes(*shapes))
+    dims = [int(rng.integers(2, 9)) for _ in shapes]
+    data = rng.integers(-1000, 1000, (*dims, *trailing), dtype=np.int64)
+    made = sf._Grid(concat, None, {"axis": -1})
+    gathered = sf._GatherGrid(made, gather_nd, None, {})
+    for _ in range(4):
+        parts = []
+        for p, n in zip(shapes, dims):
+            low = -n if negative else 0
+            parts.append(torch.from_numpy(rng.integers(low, n, p, dtype=np.int64)))
+        arguments = tuple((p, shape) for p in parts)
+        grid = np.stack([np.broadcast_to(p.numpy(), shape) for p in parts], axis=-1)
+        want = _gather_nd_reference(data, grid)
+        got = gathered(torch.from_numpy(data), arguments)
+        assert got.dtype == torch.int64 and got.is_contiguous() and tuple(got.shape) == want.shape
+        np.testing.assert_array_equal(got.numpy(), want)
+        ops = sf._one(gather_nd(None, torch.from_numpy(data), sf._Grid(concat, None, {"axis": -1})._made(arguments)))
+        np.testing.assert_array_equal(ops.numpy(), want)
+
+
+def test_gather_nd_by_a_grid_takes_the_ops_where_indexing_would_differ():
+    """Where torch's indexing is not GatherND's (parts of other dtypes, a bool part being a mask to torch, parts that
+    broadcast past S, more parts than data's rank), _GatherGrid makes the grid and calls the kernel: its answer is the
+    ops'. An index past its axis raises (the shape function then falls back to the steps)."""
+    from kiln.runtime import shape_function as sf
+
+    made, calls = [], []
+
+    def concat(ctx, *parts, axis):
+        made.append(tuple(p.shape for p in parts))
+        return torch.cat(parts, axis)
+
+    def kernel(ctx, data, grid, **attributes):
+        calls.append(tuple(grid.shape))
+        return torch.zeros(1)
+
+    gathered = sf._GatherGrid(sf._Grid(concat, None, {"axis": -1}), kernel, None, {})
+    data = torch.arange(12).reshape(3, 4)
+    i, j = torch.arange(3).reshape(3, 1), torch.arange(4).reshape(1, 4)
+    assert torch.equal(gathered(data, ((i, (3, 4)), (j, (3, 4)))), data) and not made and not calls
+    for parts in (((i.int(), (3, 4)), (j.int(), (3, 4))),  # int32: GatherND's kernel casts them
+                  ((i.bool(), (3, 4)), (j, (3, 4))),  # a bool part: a mask to torch
+                  ((i, (3, 4)), (j, (3, 5))),  # the Expands' shapes differ: the Concat raises
+                  ((i, (3, 1)), (j, (3, 1))),  # j broadcasts past S: the Concat raises
+                  ((i, (3, 4)), (j, (3, 4)), (j, (3, 4)))):  # three parts, data of rank 2
+        made.clear()
+        calls.clear()
+        # a fresh grid each (a _Grid's base stands for one set of prefixes, as in the generated function)
+        gathered = sf._GatherGrid(sf._Grid(concat, None, {"axis": -1}), kernel, None, {})
+        try:
+            got = gathered(data, parts)
+        except (RuntimeError, ValueError, IndexError):
+            pass  # the ops' own error (an Expand's, the Concat's): no answer made up by indexing
+        else:
+            assert made and calls and torch.equal(got, torch.zeros(1)), parts  # the ops' answer
+    with pytest.raises(IndexError):
+        gathered(data, ((i + 3, (3, 4)), (j, (3, 4))))
