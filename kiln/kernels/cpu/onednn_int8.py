@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 
 import torch
 
@@ -54,9 +55,13 @@ from kiln.kernels.cpu.onednn import (
     _memory,
     _primitive,
     _reorder,
+    creating_with_threads,
     eltwise_for,
     load,
+    one_openmp_thread,
 )
+from kiln.kernels.cpu import onednn_primitives
+from kiln.kernels.cpu.form_choice import PARALLEL, FormChooser
 
 # dnnl_data_type_t (oneDNN 3, dnnl_common_types.h)
 F32, S32, S8, U8 = 3, 4, 5, 6
@@ -172,9 +177,12 @@ class _Quantized:
         self._lock = threading.Lock()
 
     def bind(self, src: int, dst: int, residual: int | None = None) -> Bound:
-        """Arguments at fixed addresses (onednn.Bound), as the float primitives offer them."""
+        """Arguments at fixed addresses (onednn.Bound), as the float primitives offer them, with the serial form
+        where the layer has one (`_serial`, made at one thread: what a segment's serial form runs)."""
         roles = {"src": (ARG_SRC, self._src_md.value, src), "dst": (ARG_DST, self._dst_md.value, dst)}
-        return Bound(self._prim.value, roles, self._fixed, self.what, self)
+        serial = getattr(self, "_serial", None)
+        return Bound(self._prim.value, roles, self._fixed, self.what, self,
+                     serial[1].value if serial is not None else None, threads=getattr(self, "threads", None))
 
     def _execute(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         lib = _lib()
@@ -182,7 +190,23 @@ class _Quantized:
             bound = self._per_call
             bound.rebind("src", x.data_ptr())
             bound.rebind("dst", y.data_ptr())
-            _check(lib.lib.dnnl_primitive_execute(bound.primitive, lib.stream, bound.nargs, bound.args), self.what)
+            chooser = getattr(self, "_chooser", None)
+            if chooser is None:
+                _check(lib.lib.dnnl_primitive_execute(bound.primitive, lib.stream, bound.nargs, bound.args),
+                       self.what)
+                return y
+            # the per-call path (the tuner's timings) picks its form by recent times, as a segment does
+            # (onednn_primitives._execute)
+            form = chooser.choose()
+            start = time.perf_counter()
+            if form == PARALLEL:
+                status = lib.lib.dnnl_primitive_execute(bound.primitive, lib.stream, bound.nargs, bound.args)
+            else:
+                with one_openmp_thread():
+                    status = lib.lib.dnnl_primitive_execute(bound.serial_primitive, lib.stream, bound.nargs,
+                                                            bound.args)
+            chooser.record(form, time.perf_counter() - start)
+            _check(status, self.what)
         return y
 
 
@@ -322,15 +346,36 @@ class QMatMul(_Quantized):
         b_md = memory_desc([1, n], torch.float32, TAG_AB) if bias is not None else None
         attr = self._attr(scales.expand(n).contiguous() if scales.numel() > 1 else scales, 1 << 1, x_zero,
                           None if y is None else (y[1], y[2]), _eltwise(activation, alpha, beta))
-        pd = ctypes.c_void_p()
-        _check(lib.lib.dnnl_matmul_primitive_desc_create(
-            ctypes.byref(pd), lib.engine, self._src_md.value, w_any.value,
-            b_md.value if b_md is not None else None, self._dst_md.value, attr.value),
-            f"int8 matmul [{rows}, {k}] x [{n}, {k}]ᵀ")
+
+        def descriptor(threads: int | None) -> ctypes.c_void_p:
+            pd = ctypes.c_void_p()
+            with creating_with_threads(threads):  # the count is part of the descriptor (onednn.creating_with_threads)
+                _check(lib.lib.dnnl_matmul_primitive_desc_create(
+                    ctypes.byref(pd), lib.engine, self._src_md.value, w_any.value,
+                    b_md.value if b_md is not None else None, self._dst_md.value, attr.value),
+                    f"int8 matmul [{rows}, {k}] x [{n}, {k}]ᵀ")
+            return pd
+
+        # A small matmul (BERT-tiny's [128, 128] x [128, 128]) is bound twice, on OpenMP's count and on one thread,
+        # as the float small layers are (onednn_primitives.thread_forms): with a serial form the segment gets one
+        # too, which runs all its members without a parallel region; at 2 threads on held cores every region's
+        # join waits out a descheduled thread (bench/results/quant-cpu-2026-12-06.md, s26 h-q8thr).
+        forms = onednn_primitives.thread_forms(rows * max(k, n), rows * k * n)
+        self.threads = forms[0]
         self.what = f"int8 matmul {list(self.input_size)} -> {list(self.output_size)}"
-        self._finish(pd, "int8 matmul", w.t().contiguous(), w_user, real_bias, b_md)  # w: [K, N]
+        with creating_with_threads(self.threads):  # the primitive at its descriptor's count (onednn.Bound)
+            self._finish(descriptor(self.threads), "int8 matmul", w.t().contiguous(), w_user, real_bias, b_md)
+        self._serial = None
+        if len(forms) > 1:  # the serial kernel reads the same packed weight: only where it wants the same layout
+            with creating_with_threads(1):
+                serial = _primitive(descriptor(1), "int8 matmul (serial)")
+            query = lib.lib.dnnl_primitive_desc_query_md
+            if lib.lib.dnnl_memory_desc_equal(query(serial[0].value, QUERY_WEIGHTS_MD, 0),
+                                              query(self._pd.value, QUERY_WEIGHTS_MD, 0)):
+                self._serial = serial
         self._mds = (w_any, w_user, b_md, attr)
         self._per_call = self.bind(0, 0)
+        self._chooser = FormChooser() if self._per_call.serial_primitive is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] contiguous of the built size and dtype -> y [M, N]."""
