@@ -1,6 +1,7 @@
 """kiln on onnxruntime's QDQ BERT-tiny at 2 threads, with and without the int8 matmuls' serial form: A/B in one process.
 
     python bench/quant_threads_ab.py --threads 2 --rounds 7
+    python bench/quant_threads_ab.py --model mobilenet_v2 --rounds 5      (int8 convolutions: the same serial form)
 
 Session 26 (h-q8cpu) found kiln's engine of onnxruntime's QDQ BERT-tiny at 2 threads 4.2x onnxruntime's time: its
 64 steps (QGemm, Q/DQ, Add, GELU) all ran on OpenMP's count, each a parallel region whose join waits out a
@@ -71,11 +72,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     label, seq = quant.MODELS[args.model]
-    exported = zoo.export(args.model, batch=1, seq=seq)
+    exported = zoo.export(args.model, batch=1, seq=seq) if seq else zoo.export(args.model, batch=1)
     calibration = quant.inputs_for(exported, 8, seed=1)
     feeds = quant.inputs_for(exported, 4, seed=2)
     qdq = Path(tempfile.mkdtemp(prefix="kiln-q8thr-")) / f"{args.model}-qdq.onnx"
-    quant.ort_qdq(exported.path, calibration, qdq, True)
+    quant.ort_qdq(exported.path, calibration, qdq, seq is not None)
     engines = {"kiln fp32": kiln.build(str(exported.path)), "kiln QDQ, before": build_parallel_only(qdq),
                "kiln QDQ, after": kiln.build(str(qdq))}
     print(f"segments with a form choice: before {len(choosers(engines['kiln QDQ, before']))}, "

@@ -119,3 +119,25 @@ def test_the_int8_matmul_per_call_path_runs_both_forms_alike(two_threads):
     assert outputs[PARALLEL] and outputs[SERIAL], mm._chooser.runs
     for y in outputs[PARALLEL][1:] + outputs[SERIAL]:
         torch.testing.assert_close(y, outputs[PARALLEL][0], rtol=0, atol=0)
+
+
+@needs_onednn
+@pytest.mark.parametrize("groups", [1, 8])
+def test_the_int8_convolution_per_call_path_runs_both_forms_alike(two_threads, groups):
+    from kiln.kernels.cpu.onednn_int8 import QConv2d
+
+    rng = np.random.default_rng(zlib.crc32(f"qconv per call {groups}".encode()))
+    w = torch.from_numpy(rng.integers(-64, 65, (16, 16 // groups, 3, 3)).astype(np.int8))
+    conv = QConv2d(w, torch.rand(16) * 0.01 + 1e-3, torch.from_numpy(rng.integers(-900, 900, 16).astype(np.int32)),
+                   [1, 16, 12, 12], [1, 1], [1, 1, 1, 1], [1, 1], groups, torch.uint8, 0.02, 17,
+                   (torch.uint8, 0.3, 9), "Relu")
+    assert conv._chooser is not None and conv._per_call.serial_primitive is not None
+    x = torch.from_numpy(rng.integers(0, 256, (1, 16, 12, 12)).astype(np.uint8)).contiguous(
+        memory_format=torch.channels_last)
+    outputs = {PARALLEL: [], SERIAL: []}
+    for _ in range(10):
+        form = conv._chooser.choose()
+        outputs[form].append(conv(x).clone())
+    assert outputs[PARALLEL] and outputs[SERIAL], conv._chooser.runs
+    for y in outputs[PARALLEL][1:] + outputs[SERIAL]:
+        torch.testing.assert_close(y, outputs[PARALLEL][0], rtol=0, atol=0)
