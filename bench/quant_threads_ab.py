@@ -7,13 +7,13 @@ Session 26 (h-q8cpu) found kiln's engine of onnxruntime's QDQ BERT-tiny at 2 thr
 64 steps (QGemm, Q/DQ, Add, GELU) all ran on OpenMP's count, each a parallel region whose join waits out a
 descheduled thread on held cores, because no member had a one-thread form, so its native segment had no form choice
 (kiln/kernels/cpu/form_choice.py). onednn_int8.QMatMul now binds a small matmul twice (onednn_primitives.thread_forms)
-and the segment chooses per run. "before" is the same model built with KILN_SERIAL_SMALL_LAYERS=0 (thread_forms gives
-the parallel form only: the old engine exactly, on this model, whose other members have no serial form either).
+and the segment chooses per run. "before" is the same model built with the int8 layers' serial twins off
+(build_parallel_only: the old engine exactly).
 
 Peers, timed in interleaved rounds (each round: every peer's block once, order rotated; wall clock):
 
     kiln fp32            kiln.build of the float ONNX file
-    kiln QDQ, before     the QDQ model, parallel form only
+    kiln QDQ, before     the QDQ model, int8 layers without a serial twin (as before)
     kiln QDQ, after      the QDQ model, this tree (the segment's FormChooser)
     onnxruntime int8     the QDQ model, ORT_ENABLE_ALL
 
@@ -38,22 +38,25 @@ import quant  # noqa: E402  bench/quant.py: models, inputs, the onnxruntime QDQ 
 import kiln  # noqa: E402
 from kiln import zoo  # noqa: E402
 from kiln.builder.timing_cache import cpu_name  # noqa: E402
+from kiln.kernels.cpu import onednn_int8  # noqa: E402
 from kiln.zoo.timing import time_samples  # noqa: E402
 
 PEERS = ("kiln fp32", "kiln QDQ, before", "kiln QDQ, after", "onnxruntime int8")
 
 
 def build_parallel_only(path: Path):
-    """The QDQ engine as before: small layers on OpenMP's count only (KILN_SERIAL_SMALL_LAYERS=0 at build)."""
-    before = os.environ.get("KILN_SERIAL_SMALL_LAYERS")
-    os.environ["KILN_SERIAL_SMALL_LAYERS"] = "0"
+    """The QDQ engine as before this change: int8 layers on OpenMP's count only, no serial twin (float layers as
+    they are: MobileNetV2's QDQ engine had a form choice in one of its two segments before, from float members)."""
+    original = onednn_int8._Quantized._finish_forms
+
+    def parallel_only(self, descriptor, forms, *rest):
+        return original(self, descriptor, (None,), *rest)
+
+    onednn_int8._Quantized._finish_forms = parallel_only
     try:
         return kiln.build(str(path))
     finally:
-        if before is None:
-            del os.environ["KILN_SERIAL_SMALL_LAYERS"]
-        else:
-            os.environ["KILN_SERIAL_SMALL_LAYERS"] = before
+        onednn_int8._Quantized._finish_forms = original
 
 
 def choosers(engine) -> list:
