@@ -117,6 +117,11 @@ class _Quantized:
     """What QConv/QGemm primitives share: the attr (scales, zero points, post-op) and the
     constant memories (scales, zero points, weight, bias) an execution passes."""
 
+    # a small layer's serial twin and its per-call chooser (_finish_forms, _per_call_forms); None: parallel only
+    threads: int | None = None
+    _serial: tuple | None = None
+    _chooser: FormChooser | None = None
+
     def _attr(self, scales: torch.Tensor, weight_mask: int, x_zero: int, y: tuple | None,
               eltwise: Eltwise | None, accumulate: bool = False) -> _Handle:
         """accumulate: a sum post-op first (dst += the layer's result, before the eltwise): W8A16Conv2d's low byte."""
@@ -206,9 +211,9 @@ class _Quantized:
         """Arguments at fixed addresses (onednn.Bound), as the float primitives offer them, with the serial form
         where the layer has one (`_serial`, made at one thread: what a segment's serial form runs)."""
         roles = {"src": (ARG_SRC, self._src_md.value, src), "dst": (ARG_DST, self._dst_md.value, dst)}
-        serial = getattr(self, "_serial", None)
+        serial = self._serial
         return Bound(self._prim.value, roles, self._fixed, self.what, self,
-                     serial[1].value if serial is not None else None, threads=getattr(self, "threads", None))
+                     serial[1].value if serial is not None else None, threads=self.threads)
 
     def _execute(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         lib = _lib()
@@ -216,7 +221,7 @@ class _Quantized:
             bound = self._per_call
             bound.rebind("src", x.data_ptr())
             bound.rebind("dst", y.data_ptr())
-            chooser = getattr(self, "_chooser", None)
+            chooser = self._chooser
             if chooser is None:
                 _check(lib.lib.dnnl_primitive_execute(bound.primitive, lib.stream, bound.nargs, bound.args),
                        self.what)
