@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 
 import torch
 
@@ -54,9 +55,13 @@ from kiln.kernels.cpu.onednn import (
     _memory,
     _primitive,
     _reorder,
+    creating_with_threads,
     eltwise_for,
     load,
+    one_openmp_thread,
 )
+from kiln.kernels.cpu import onednn_primitives
+from kiln.kernels.cpu.form_choice import PARALLEL, FormChooser
 
 # dnnl_data_type_t (oneDNN 3, dnnl_common_types.h)
 F32, S32, S8, U8 = 3, 4, 5, 6
@@ -111,6 +116,11 @@ def pair_overflow_possible(w: torch.Tensor, x_dtype: torch.dtype) -> bool:
 class _Quantized:
     """What QConv/QGemm primitives share: the attr (scales, zero points, post-op) and the
     constant memories (scales, zero points, weight, bias) an execution passes."""
+
+    # a small layer's serial twin and its per-call chooser (_finish_forms, _per_call_forms); None: parallel only
+    threads: int | None = None
+    _serial: tuple | None = None
+    _chooser: FormChooser | None = None
 
     def _attr(self, scales: torch.Tensor, weight_mask: int, x_zero: int, y: tuple | None,
               eltwise: Eltwise | None, accumulate: bool = False) -> _Handle:
@@ -171,10 +181,39 @@ class _Quantized:
         self._fixed = fixed
         self._lock = threading.Lock()
 
+    def _finish_forms(self, descriptor, forms: tuple[int | None, ...], what: str, w: torch.Tensor,
+                      w_user: _Handle, bias: torch.Tensor | None, b_md: _Handle | None) -> None:
+        """_finish on the primitive `descriptor(threads)` makes at forms[0] (onednn_primitives.thread_forms), and,
+        where forms has a second (1: a small layer on more than one thread), its serial twin, kept only where its
+        kernel wants the same packed weight layout (it reads the same weight). A small layer bound twice gives a
+        native segment a serial form, which runs all its members without a parallel region: at 2 threads on held
+        cores every region's join waits out a descheduled thread (onnxruntime's QDQ BERT-tiny: 64 steps, 4.2x
+        onnxruntime; bench/results/quant-cpu-2026-12-06.md, s26 h-q8thr)."""
+        lib = _lib()
+        self.threads = forms[0]
+        with creating_with_threads(self.threads):  # the primitive at its descriptor's count (onednn.Bound)
+            self._finish(descriptor(self.threads), what, w, w_user, bias, b_md)
+        self._serial = None
+        if len(forms) > 1:
+            with creating_with_threads(1):
+                serial = _primitive(descriptor(1), f"{what} (serial)")
+            query = lib.lib.dnnl_primitive_desc_query_md
+            if lib.lib.dnnl_memory_desc_equal(query(serial[0].value, QUERY_WEIGHTS_MD, 0),
+                                              query(self._pd.value, QUERY_WEIGHTS_MD, 0)):
+                self._serial = serial
+
+    def _per_call_forms(self) -> None:
+        """The per-call path's binding, and its chooser where the layer has a serial form."""
+        self._per_call = self.bind(0, 0)
+        self._chooser = FormChooser() if self._per_call.serial_primitive is not None else None
+
     def bind(self, src: int, dst: int, residual: int | None = None) -> Bound:
-        """Arguments at fixed addresses (onednn.Bound), as the float primitives offer them."""
+        """Arguments at fixed addresses (onednn.Bound), as the float primitives offer them, with the serial form
+        where the layer has one (`_serial`, made at one thread: what a segment's serial form runs)."""
         roles = {"src": (ARG_SRC, self._src_md.value, src), "dst": (ARG_DST, self._dst_md.value, dst)}
-        return Bound(self._prim.value, roles, self._fixed, self.what, self)
+        serial = self._serial
+        return Bound(self._prim.value, roles, self._fixed, self.what, self,
+                     serial[1].value if serial is not None else None, threads=self.threads)
 
     def _execute(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         lib = _lib()
@@ -182,7 +221,23 @@ class _Quantized:
             bound = self._per_call
             bound.rebind("src", x.data_ptr())
             bound.rebind("dst", y.data_ptr())
-            _check(lib.lib.dnnl_primitive_execute(bound.primitive, lib.stream, bound.nargs, bound.args), self.what)
+            chooser = self._chooser
+            if chooser is None:
+                _check(lib.lib.dnnl_primitive_execute(bound.primitive, lib.stream, bound.nargs, bound.args),
+                       self.what)
+                return y
+            # the per-call path (the tuner's timings) picks its form by recent times, as a segment does
+            # (onednn_primitives._execute)
+            form = chooser.choose()
+            start = time.perf_counter()
+            if form == PARALLEL:
+                status = lib.lib.dnnl_primitive_execute(bound.primitive, lib.stream, bound.nargs, bound.args)
+            else:
+                with one_openmp_thread():
+                    status = lib.lib.dnnl_primitive_execute(bound.serial_primitive, lib.stream, bound.nargs,
+                                                            bound.args)
+            chooser.record(form, time.perf_counter() - start)
+            _check(status, self.what)
         return y
 
 
@@ -238,17 +293,27 @@ class QConv2d(_Quantized):
         b_md = memory_desc([o], torch.float32, TAG_A) if real_bias is not None else None
         attr = self._attr(scales.expand(o).contiguous() if scales.numel() > 1 else scales, mask, x_zero,
                           None if y is None else (y[1], y[2]), _eltwise(activation, alpha, beta), accumulate)
-        pd = ctypes.c_void_p()
-        _check(lib.lib.dnnl_convolution_forward_primitive_desc_create(
-            ctypes.byref(pd), lib.engine, FORWARD_INFERENCE, CONVOLUTION_DIRECT, self._src_md.value, w_any.value,
-            b_md.value if b_md is not None else None, self._dst_md.value, _dims(stride),
-            _dims([d - 1 for d in dilation]), _dims(pads[:2]), _dims(pads[2:]), attr.value),
-            f"int8 convolution {list(input_size)} * {list(w.shape)} stride {stride} pads {pads} groups {groups}")
+
+        def descriptor(threads: int | None) -> ctypes.c_void_p:
+            pd = ctypes.c_void_p()
+            with creating_with_threads(threads):
+                _check(lib.lib.dnnl_convolution_forward_primitive_desc_create(
+                    ctypes.byref(pd), lib.engine, FORWARD_INFERENCE, CONVOLUTION_DIRECT, self._src_md.value,
+                    w_any.value, b_md.value if b_md is not None else None, self._dst_md.value, _dims(stride),
+                    _dims([d - 1 for d in dilation]), _dims(pads[:2]), _dims(pads[2:]), attr.value),
+                    f"int8 convolution {list(input_size)} * {list(w.shape)} stride {stride} pads {pads} "
+                    f"groups {groups}")
+            return pd
+
         self.what = f"int8 convolution {list(self.input_size)} -> {list(self.output_size)}"
-        self._finish(pd, "int8 convolution", w, w_user, real_bias, b_md)
+        # bound twice where small, as the float convolutions are; not the accumulating half of a W8A16Conv2d, whose
+        # member runs its parallel calls only (w8a16.py)
+        forms = (None,) if accumulate else onednn_primitives.thread_forms(
+            max(n * c * h * wd, n * o * oh * ow), n * o * oh * ow * i_per_group * kh * kw)
+        self._finish_forms(descriptor, forms, "int8 convolution", w, w_user, real_bias, b_md)
         self._mds = (w_any, w_user, b_md, attr)
         self._out_strides = (oh * ow * o, 1, ow * o, o)  # NHWC in memory, NCHW in shape
-        self._per_call = self.bind(0, 0)
+        self._per_call_forms()
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, C, H, W] channels-last of the built size and dtype -> y [N, O, H', W'] channels-last (`out`, when
@@ -322,15 +387,22 @@ class QMatMul(_Quantized):
         b_md = memory_desc([1, n], torch.float32, TAG_AB) if bias is not None else None
         attr = self._attr(scales.expand(n).contiguous() if scales.numel() > 1 else scales, 1 << 1, x_zero,
                           None if y is None else (y[1], y[2]), _eltwise(activation, alpha, beta))
-        pd = ctypes.c_void_p()
-        _check(lib.lib.dnnl_matmul_primitive_desc_create(
-            ctypes.byref(pd), lib.engine, self._src_md.value, w_any.value,
-            b_md.value if b_md is not None else None, self._dst_md.value, attr.value),
-            f"int8 matmul [{rows}, {k}] x [{n}, {k}]ᵀ")
+
+        def descriptor(threads: int | None) -> ctypes.c_void_p:
+            pd = ctypes.c_void_p()
+            with creating_with_threads(threads):  # the count is part of the descriptor (onednn.creating_with_threads)
+                _check(lib.lib.dnnl_matmul_primitive_desc_create(
+                    ctypes.byref(pd), lib.engine, self._src_md.value, w_any.value,
+                    b_md.value if b_md is not None else None, self._dst_md.value, attr.value),
+                    f"int8 matmul [{rows}, {k}] x [{n}, {k}]ᵀ")
+            return pd
+
+        # bound twice where small (BERT-tiny's [128, 128] x [128, 128]), as the float small layers are
         self.what = f"int8 matmul {list(self.input_size)} -> {list(self.output_size)}"
-        self._finish(pd, "int8 matmul", w.t().contiguous(), w_user, real_bias, b_md)  # w: [K, N]
+        self._finish_forms(descriptor, onednn_primitives.thread_forms(rows * max(k, n), rows * k * n), "int8 matmul",
+                           w.t().contiguous(), w_user, real_bias, b_md)  # w: [K, N]
         self._mds = (w_any, w_user, b_md, attr)
-        self._per_call = self.bind(0, 0)
+        self._per_call_forms()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] contiguous of the built size and dtype -> y [M, N]."""
