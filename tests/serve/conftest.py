@@ -49,6 +49,46 @@ def options(repository: Path, **overrides) -> ServeOptions:
                            "metrics_port": 0, "shutdown_timeout": 10.0, **overrides})
 
 
+class RecordingTransport:
+    """What an HTTP/1.1 protocol (uvicorn's, kiln's) writes, as a transport: each write or writelines call's bytes,
+    and whether it closed."""
+
+    def __init__(self):
+        self.calls: list[bytes] = []
+        self.closed = False
+
+    def write(self, data):
+        self.calls.append(bytes(data))
+
+    def writelines(self, parts):
+        self.calls.append(b"".join(bytes(p) for p in parts))
+
+    def close(self):
+        self.closed = True
+
+    def is_closing(self):
+        return self.closed
+
+    def get_extra_info(self, name, default=None):
+        return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 5000)}.get(name, default)
+
+    def pause_reading(self):
+        pass
+
+    def resume_reading(self):
+        pass
+
+    def set_protocol(self, protocol):
+        pass
+
+
+def post_request(path: str, body: bytes, headers: dict | None = None, close: bool = False) -> bytes:
+    """An HTTP/1.1 POST of `body` to `path` (Content-Length), its headers `headers`, Connection: close if `close`."""
+    head = [f"POST {path} HTTP/1.1", "host: 127.0.0.1", f"content-length: {len(body)}"]
+    head += [f"{k}: {v}" for k, v in (headers or {}).items()] + (["connection: close"] if close else [])
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
 @pytest.fixture(scope="session")
 def server(repository):
     thread = ServerThread(options(repository))

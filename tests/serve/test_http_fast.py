@@ -13,7 +13,7 @@ import zlib
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import options, rng
+from conftest import RecordingTransport, options, post_request, rng
 from test_errors import CASES, binary_body, infer_json
 
 from kiln.serve import ServerThread
@@ -167,39 +167,7 @@ def test_switch_interval_restored_when_the_last_server_stops():
         sys.setswitchinterval(saved)
 
 
-class _Transport:
-    """What uvicorn's HTTP/1.1 protocols write: each write or writelines call's bytes, and whether it closed."""
-
-    def __init__(self):
-        self.calls: list[bytes] = []
-        self.closed = False
-
-    def write(self, data):
-        self.calls.append(bytes(data))
-
-    def writelines(self, parts):
-        self.calls.append(b"".join(bytes(p) for p in parts))
-
-    def close(self):
-        self.closed = True
-
-    def is_closing(self):
-        return self.closed
-
-    def get_extra_info(self, name, default=None):
-        return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 5000)}.get(name, default)
-
-    def pause_reading(self):
-        pass
-
-    def resume_reading(self):
-        pass
-
-    def set_protocol(self, protocol):
-        pass
-
-
-async def _through_uvicorn(app, http: str, data: bytes, answers: int) -> _Transport:
+async def _through_uvicorn(app, http: str, data: bytes, answers: int) -> RecordingTransport:
     """`data` fed to uvicorn's `http` protocol (httptools or h11) over a recording transport, until `answers`
     responses have been written (or 5 s)."""
     import asyncio
@@ -211,7 +179,7 @@ async def _through_uvicorn(app, http: str, data: bytes, answers: int) -> _Transp
     config.load()
     protocol = config.http_protocol_class(config=config, server_state=ServerState(), app_state={},
                                           _loop=asyncio.get_running_loop())
-    transport = _Transport()
+    transport = RecordingTransport()
     protocol.connection_made(transport)
     protocol.data_received(data)
     for _ in range(500):
@@ -224,11 +192,6 @@ async def _through_uvicorn(app, http: str, data: bytes, answers: int) -> _Transp
     transport.closed = closed  # as the answers left it
     return transport
 
-
-def _request(path: str, body: bytes, headers: dict[str, str], close: bool = False) -> bytes:
-    head = [f"POST {path} HTTP/1.1", "host: 127.0.0.1", f"content-length: {len(body)}"]
-    head += [f"{k}: {v}" for k, v in headers.items()] + (["connection: close"] if close else [])
-    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
 @pytest.mark.parametrize("http", ["httptools", "h11"])
@@ -243,8 +206,8 @@ def test_an_answer_leaves_in_one_write_under_uvicorn(core_thread, http):
     path, body, headers = _valid_cases()["binary in and out"]
     expected = thread.call(_asgi(app, path, body, headers))
     assert expected[0] == 200
-    one = _request(path, body, headers)
-    bad = _request("/v2/models/nope/infer", b"{}", {})
+    one = post_request(path, body, headers)
+    bad = post_request("/v2/models/nope/infer", b"{}", {})
     transport = thread.call(_through_uvicorn(fast, http, one + bad, 2))
     assert len(transport.calls) == 2, [c[:60] for c in transport.calls]
     for call, (status, payload) in zip(transport.calls, [(200, expected[1]), (404, None)]):
@@ -257,7 +220,7 @@ def test_an_answer_leaves_in_one_write_under_uvicorn(core_thread, http):
         else:
             assert "nope" in json.loads(rest)["error"]
     assert not transport.closed
-    closing = thread.call(_through_uvicorn(fast, http, _request(path, body, headers, close=True), 1))
+    closing = thread.call(_through_uvicorn(fast, http, post_request(path, body, headers, close=True), 1))
     assert len(closing.calls) == 1 and closing.calls[0].endswith(expected[1]) and closing.closed
 
 

@@ -17,7 +17,7 @@ import zlib
 
 import numpy as np
 import pytest
-from conftest import options
+from conftest import RecordingTransport, options, post_request
 from serve_models import MLP_W
 from test_errors import CASES, binary_body, infer_json
 
@@ -50,36 +50,7 @@ def core_thread(repository):
     thread.stop()
 
 
-class _Transport:
-    """Records what a protocol writes, and whether it closed."""
-
-    def __init__(self):
-        self.calls: list[bytes] = []
-        self.closed = False
-
-    def write(self, data):
-        self.calls.append(bytes(data))
-
-    def writelines(self, parts):
-        self.calls.append(b"".join(bytes(p) for p in parts))
-
-    def close(self):
-        self.closed = True
-
-    def is_closing(self):
-        return self.closed
-
-    def get_extra_info(self, name, default=None):
-        return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 5000)}.get(name, default)
-
-    def pause_reading(self):
-        pass
-
-    def resume_reading(self):
-        pass
-
-
-async def _answers(transport: _Transport, answers: int) -> None:
+async def _answers(transport: RecordingTransport, answers: int) -> None:
     for _ in range(1000):
         if b"".join(transport.calls).count(b"HTTP/1.1 ") >= answers:
             return
@@ -87,7 +58,7 @@ async def _answers(transport: _Transport, answers: int) -> None:
 
 
 async def _feed(kind: str, fast: InferFastPath, pieces: list[bytes], answers: int,
-                each: bool = False) -> _Transport:
+                each: bool = False) -> RecordingTransport:
     """`pieces` fed one data_received each to kiln's protocol ("kiln") or uvicorn's ("uvicorn", the ASGI path)
     over `fast`, until `answers` responses have been written (or 10 s); `each`: a piece is a request, fed once
     the one before is answered."""
@@ -102,7 +73,7 @@ async def _feed(kind: str, fast: InferFastPath, pieces: list[bytes], answers: in
         protocol = InferProtocol(config=config, server_state=ServerState(), app_state={}, _loop=loop, fast=fast)
     else:
         protocol = HttpToolsProtocol(config=config, server_state=ServerState(), app_state={}, _loop=loop)
-    transport = _Transport()
+    transport = RecordingTransport()
     protocol.connection_made(transport)
     for k, piece in enumerate(pieces):
         protocol.data_received(piece)
@@ -117,11 +88,6 @@ async def _feed(kind: str, fast: InferFastPath, pieces: list[bytes], answers: in
     return transport
 
 
-def _request(path: str, body: bytes, headers: dict | None = None, close: bool = False) -> bytes:
-    head = [f"POST {path} HTTP/1.1", "host: 127.0.0.1", f"content-length: {len(body)}"]
-    head += [f"{k}: {v}" for k, v in (headers or {}).items()] + (["connection: close"] if close else [])
-    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
-
 
 def _chunked(path: str, body: bytes, headers: dict | None = None, size: int = 7) -> bytes:
     head = [f"POST {path} HTTP/1.1", "host: 127.0.0.1", "transfer-encoding: chunked"]
@@ -130,13 +96,14 @@ def _chunked(path: str, body: bytes, headers: dict | None = None, size: int = 7)
     return ("\r\n".join(head) + "\r\n\r\n").encode() + chunks + b"0\r\n\r\n"
 
 
-def _both(core_thread, pieces: list[bytes], answers: int, limit: int = 64 << 20) -> tuple[_Transport, _Transport]:
+def _both(core_thread, pieces: list[bytes], answers: int, limit: int = 64 << 20
+          ) -> tuple[RecordingTransport, RecordingTransport]:
     thread, core = core_thread
     fast = InferFastPath(http_app(core, MetricsExporter(list), limit), core, limit)
     return thread.call(_feed("uvicorn", fast, pieces, answers)), thread.call(_feed("kiln", fast, pieces, answers))
 
 
-def _same_bytes(old: _Transport, new: _Transport) -> bytes:
+def _same_bytes(old: RecordingTransport, new: RecordingTransport) -> bytes:
     """The two protocols wrote the same bytes and closed alike; those bytes."""
     assert b"".join(new.calls) == b"".join(old.calls), (b"".join(new.calls)[:400], b"".join(old.calls)[:400])
     assert new.closed == old.closed
@@ -164,7 +131,7 @@ def _valid() -> dict[str, tuple[str, bytes, dict | None]]:
 @pytest.mark.parametrize("case", list(_valid()))
 def test_valid_request_writes_what_uvicorns_protocol_writes(core_thread, case):
     path, body, headers = _valid()[case]
-    old, new = _both(core_thread, [_request(path, body, headers)], 1)
+    old, new = _both(core_thread, [post_request(path, body, headers)], 1)
     written = _same_bytes(old, new)
     assert written.startswith(b"HTTP/1.1 200 OK\r\n") and len(new.calls) == 1  # head and body in one write
 
@@ -177,7 +144,7 @@ def _infer_cases() -> list[str]:
 def test_malformed_request_writes_what_uvicorns_protocol_writes(core_thread, case):
     path, body, headers, status, message = CASES[case]
     body = json.dumps(body).encode() if isinstance(body, dict) else body.encode() if isinstance(body, str) else body
-    old, new = _both(core_thread, [_request(path, body or b"", headers)], 1)
+    old, new = _both(core_thread, [post_request(path, body or b"", headers)], 1)
     written = _same_bytes(old, new)
     head, _, payload = written.partition(b"\r\n\r\n")
     assert head.startswith(f"HTTP/1.1 {status} ".encode()) and message in json.loads(payload)["error"]
@@ -190,9 +157,9 @@ def test_pipelined_keep_alive_close_and_errors_write_what_uvicorn_writes(core_th
     path, body, headers = cases["binary in and out"]
     json_path, json_body, _ = cases["JSON"]
     get = b"GET /v2/models/mlp HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n"
-    data = (_request(path, body, headers) + _request("/v2/models/nope/infer", b"{}") + get
-            + _request(json_path, json_body) + _chunked(path, body, headers)
-            + _request(path, body, headers, close=True))
+    data = (post_request(path, body, headers) + post_request("/v2/models/nope/infer", b"{}") + get
+            + post_request(json_path, json_body) + _chunked(path, body, headers)
+            + post_request(path, body, headers, close=True))
     old, new = _both(core_thread, [data], 6)
     written = _same_bytes(old, new)
     assert written.count(b"HTTP/1.1 200 OK") == 5 and written.count(b"HTTP/1.1 404") == 1 and new.closed
@@ -201,7 +168,7 @@ def test_pipelined_keep_alive_close_and_errors_write_what_uvicorn_writes(core_th
 def test_request_in_pieces_writes_what_uvicorn_writes(core_thread):
     """One request fed a byte at a time (head and body), then one cut mid-header: the same answers."""
     path, body, headers = _valid()["binary in and out"]
-    data = _request(path, body, headers) + _chunked(path, body, headers, size=5)
+    data = post_request(path, body, headers) + _chunked(path, body, headers, size=5)
     old, new = _both(core_thread, [data[k:k + 1] for k in range(len(data))], 2)
     assert _same_bytes(old, new).count(b"HTTP/1.1 200 OK") == 2
 
@@ -211,8 +178,8 @@ def test_too_large_bodies_are_413_as_uvicorn_answers(core_thread):
     chunked body's size: 413 each, the connection still serving the next request."""
     path, body, headers = _valid()["binary in and out"]
     limit = len(body) - 1
-    small = _request(path, body[:limit - 10], headers)  # a 400 (binary data short), within the limit
-    data = _request(path, body, headers) + _chunked(path, body, headers) + small
+    small = post_request(path, body[:limit - 10], headers)  # a 400 (binary data short), within the limit
+    data = post_request(path, body, headers) + _chunked(path, body, headers) + small
     old, new = _both(core_thread, [data], 3, limit)
     written = _same_bytes(old, new)
     assert written.count(b"HTTP/1.1 413 ") == 2 and written.count(b"HTTP/1.1 400 ") == 1 and not new.closed
@@ -220,7 +187,7 @@ def test_too_large_bodies_are_413_as_uvicorn_answers(core_thread):
 
 def test_expect_100_continue_as_uvicorn(core_thread):
     path, body, headers = _valid()["binary in and out"]
-    data = _request(path, body, {**headers, "Expect": "100-continue"})
+    data = post_request(path, body, {**headers, "Expect": "100-continue"})
     head, _, rest = data.partition(b"\r\n\r\n")
     old, new = _both(core_thread, [head + b"\r\n\r\n", rest], 2)
     written = _same_bytes(old, new)
@@ -260,15 +227,15 @@ def test_infer_skips_asgi_but_other_requests_go_to_it(core_thread, monkeypatch):
     path, body, headers = _valid()["binary in and out"]
     thread, core = core_thread
     fast = InferFastPath(http_app(core, MetricsExporter(list)), core, 64 << 20)
-    one = thread.call(_feed("kiln", fast, [_request(path, body, headers)] * 3, 3, each=True))  # keep-alive
+    one = thread.call(_feed("kiln", fast, [post_request(path, body, headers)] * 3, 3, each=True))  # keep-alive
     assert b"".join(one.calls).count(b"HTTP/1.1 200 OK") == 3 and to_app == []
     get = b"GET /v2/models/mlp HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n"
-    pipelined = get + _request(path + "?q=1", body, headers) + _request(path, body, headers)
+    pipelined = get + post_request(path + "?q=1", body, headers) + post_request(path, body, headers)
     two = thread.call(_feed("kiln", fast, [pipelined], 3))
     assert b"".join(two.calls).count(b"HTTP/1.1 200 OK") == 3
     assert to_app == [b"/v2/models/mlp", path.encode() + b"?q=1", path.encode()]  # the last: behind the others
     to_app.clear()
-    three = thread.call(_feed("kiln", fast, [_request(path, body, headers) * 2], 2))
+    three = thread.call(_feed("kiln", fast, [post_request(path, body, headers) * 2], 2))
     assert b"".join(three.calls).count(b"HTTP/1.1 200 OK") == 2 and to_app == [path.encode()]
 
 
@@ -315,7 +282,7 @@ def test_keep_alive_timer_closes_an_idle_connection_as_uvicorns(core_thread):
     config.load()
     clock = _Clock()
     protocol = InferProtocol(config=config, server_state=ServerState(), app_state={}, _loop=clock, fast=fast)
-    transport = _Transport()
+    transport = RecordingTransport()
     protocol.connection_made(transport)
     protocol.on_response_complete()  # an answer at 100
     assert clock.armed() == [105.0]
@@ -331,7 +298,7 @@ def test_keep_alive_timer_closes_an_idle_connection_as_uvicorns(core_thread):
     clock.advance(0.5)  # 107: idle for 5 s
     assert transport.closed
     # a request being read or answered when the timer fires keeps the connection; its answer arms the timer again
-    transport = _Transport()
+    transport = RecordingTransport()
     protocol = InferProtocol(config=config, server_state=ServerState(), app_state={}, _loop=clock, fast=fast)
     protocol.connection_made(transport)
     protocol.on_response_complete()
@@ -354,15 +321,15 @@ def test_keep_alive_timeout_closes_a_served_connection(core_thread):
     fast = InferFastPath(http_app(core, MetricsExporter(list)), core, 64 << 20)
     path, body, headers = _valid()["binary in and out"]
 
-    async def serve() -> _Transport:
+    async def serve() -> RecordingTransport:
         config = uvicorn.Config(fast, lifespan="off", access_log=False, timeout_keep_alive=0.2)
         config.load()
         protocol = InferProtocol(config=config, server_state=ServerState(), app_state={},
                                  _loop=asyncio.get_running_loop(), fast=fast)
-        transport = _Transport()
+        transport = RecordingTransport()
         protocol.connection_made(transport)
         for _ in range(3):
-            protocol.data_received(_request(path, body, headers))
+            protocol.data_received(post_request(path, body, headers))
             await _answers(transport, 1)
             transport.calls.clear()
         for _ in range(1000):
@@ -397,7 +364,7 @@ def test_a_cancelled_answer_is_a_500_and_the_connection_serves_on(core_thread, w
     thread, core = core_thread
     path, body, headers = _valid()["binary in and out"]
     fast = _Cancelled(http_app(core, MetricsExporter(list)), core, 64 << 20, wait)
-    new = thread.call(_feed("kiln", fast, [_request(path, body, headers)] * 2, 2, each=True))
+    new = thread.call(_feed("kiln", fast, [post_request(path, body, headers)] * 2, 2, each=True))
     written = b"".join(new.calls)
     assert written.count(b"HTTP/1.1 500 Internal Server Error") == 2 and not new.closed
     assert b'{"error":"internal error: CancelledError: "}' in written
@@ -487,11 +454,11 @@ def test_keep_alive_chunked_and_json_on_one_connection(server):
             x = gen.standard_normal((2, 8)).astype(np.float32)
             body, headers = _binary_request(x, f"k{k}")
             data = _chunked("/v2/models/mlp/infer", body, headers, size=13) if k % 2 else \
-                _request("/v2/models/mlp/infer", body, headers)
+                post_request("/v2/models/mlp/infer", body, headers)
             sock.sendall(data)
             _check_binary_answer(*_read_answer(sock, buffer), x, f"k{k}")
         x = gen.standard_normal((1, 8)).astype(np.float32)
-        sock.sendall(_request("/v2/models/mlp/infer", json.dumps(infer_json(shape=(1, 8),
+        sock.sendall(post_request("/v2/models/mlp/infer", json.dumps(infer_json(shape=(1, 8),
                                                                             data=x.ravel().tolist())).encode()))
         status, headers, payload = _read_answer(sock, buffer)
         assert status == 200 and headers["content-type"] == "application/json"
@@ -503,7 +470,7 @@ def test_request_split_across_many_writes(server):
     gen = _seeded("many writes")
     x = gen.standard_normal((3, 8)).astype(np.float32)
     body, headers = _binary_request(x, "split")
-    data = _request("/v2/models/mlp/infer", body, headers)
+    data = post_request("/v2/models/mlp/infer", body, headers)
     with _connect(server) as sock:
         for k in range(0, len(data), 17):
             sock.sendall(data[k:k + 17])
@@ -516,8 +483,8 @@ def test_pipelined_over_a_socket(server):
     xs = [gen.standard_normal((1, 8)).astype(np.float32) for _ in range(4)]
     requests = [_binary_request(x, f"p{k}") for k, x in enumerate(xs)]
     get = b"GET /v2/health/ready HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n"
-    data = _request("/v2/models/mlp/infer", *requests[0]) + get + b"".join(
-        _request("/v2/models/mlp/infer", *r) for r in requests[1:])
+    data = post_request("/v2/models/mlp/infer", *requests[0]) + get + b"".join(
+        post_request("/v2/models/mlp/infer", *r) for r in requests[1:])
     with _connect(server) as sock:
         sock.sendall(data)
         buffer = bytearray()
@@ -537,7 +504,7 @@ def test_two_clients_interleaved_each_get_their_own(server):
             sent = {}
             for sock, name in ((a, "a"), (b, "b")):
                 x = gen.standard_normal((1 + k % 3, 8)).astype(np.float32)
-                sent[sock] = (x, f"{name}{k}", _request("/v2/models/mlp/infer", *_binary_request(x, f"{name}{k}")))
+                sent[sock] = (x, f"{name}{k}", post_request("/v2/models/mlp/infer", *_binary_request(x, f"{name}{k}")))
             half = {sock: len(data) // 2 for sock, (_, _, data) in sent.items()}
             for sock in (a, b):
                 sock.sendall(sent[sock][2][:half[sock]])
@@ -556,7 +523,7 @@ def test_two_clients_interleaved_each_get_their_own(server):
                 buffer = bytearray()
                 for k in range(30):
                     x = client_gen.standard_normal((1, 8)).astype(np.float32)
-                    sock.sendall(_request("/v2/models/mlp/infer", *_binary_request(x, f"{name}{k}")))
+                    sock.sendall(post_request("/v2/models/mlp/infer", *_binary_request(x, f"{name}{k}")))
                     _check_binary_answer(*_read_answer(sock, buffer), x, f"{name}{k}")
         except Exception as e:  # noqa: BLE001 - reported by the test
             failures.append(f"{name}: {e!r}")
@@ -580,15 +547,15 @@ def test_malformed_requests_answer_and_the_server_serves_on(server):
         assert sock.recv(10) == b""  # closed
     with _connect(server) as sock:
         buffer = bytearray()
-        sock.sendall(_request("/v2/models/mlp/infer", b"{not json"))
+        sock.sendall(post_request("/v2/models/mlp/infer", b"{not json"))
         status, headers, payload = _read_answer(sock, buffer)
         assert status == 400 and "not valid JSON" in json.loads(payload)["error"]
         x = gen.standard_normal((1, 8)).astype(np.float32)
-        sock.sendall(_request("/v2/models/mlp/infer", *_binary_request(x, "after")))
+        sock.sendall(post_request("/v2/models/mlp/infer", *_binary_request(x, "after")))
         _check_binary_answer(*_read_answer(sock, buffer), x, "after")
     with _connect(server) as sock:
-        sock.sendall(_request("/v2/models/mlp/infer", b"{" * 100)[:-50])  # gone with half its body sent
+        sock.sendall(post_request("/v2/models/mlp/infer", b"{" * 100)[:-50])  # gone with half its body sent
     with _connect(server) as sock:
         x = gen.standard_normal((2, 8)).astype(np.float32)
-        sock.sendall(_request("/v2/models/mlp/infer", *_binary_request(x, "last")))
+        sock.sendall(post_request("/v2/models/mlp/infer", *_binary_request(x, "last")))
         _check_binary_answer(*_read_answer(sock, bytearray()), x, "last")
