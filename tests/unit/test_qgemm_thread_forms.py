@@ -110,13 +110,13 @@ def test_the_int8_matmul_per_call_path_runs_both_forms_alike(two_threads):
     w = torch.from_numpy(rng.integers(-64, 65, (24, 40)).astype(np.int8))
     mm = QMatMul(w, torch.rand(24) * 0.01 + 1e-3, torch.from_numpy(rng.integers(-900, 900, 24).astype(np.int32)),
                  rows=16, x_dtype=torch.uint8, x_scale=0.02, x_zero=17, y=(torch.uint8, 0.3, 9))
-    assert mm._chooser is not None and mm._per_call.serial_primitive is not None
+    assert mm._forms.chooser is not None and mm._per_call.serial_primitive is not None
     x = torch.from_numpy(rng.integers(0, 256, (16, 40)).astype(np.uint8))
     outputs = {PARALLEL: [], SERIAL: []}
     for _ in range(10):
-        form = mm._chooser.choose()
+        form = mm._forms.chooser.choose()
         outputs[form].append(mm(x).clone())
-    assert outputs[PARALLEL] and outputs[SERIAL], mm._chooser.runs
+    assert outputs[PARALLEL] and outputs[SERIAL], mm._forms.chooser.runs
     for y in outputs[PARALLEL][1:] + outputs[SERIAL]:
         torch.testing.assert_close(y, outputs[PARALLEL][0], rtol=0, atol=0)
 
@@ -131,13 +131,13 @@ def test_the_int8_convolution_per_call_path_runs_both_forms_alike(two_threads, g
     conv = QConv2d(w, torch.rand(16) * 0.01 + 1e-3, torch.from_numpy(rng.integers(-900, 900, 16).astype(np.int32)),
                    [1, 16, 12, 12], [1, 1], [1, 1, 1, 1], [1, 1], groups, torch.uint8, 0.02, 17,
                    (torch.uint8, 0.3, 9), "Relu")
-    assert conv._chooser is not None and conv._per_call.serial_primitive is not None
+    assert conv._forms.chooser is not None and conv._per_call.serial_primitive is not None
     x = torch.from_numpy(rng.integers(0, 256, (1, 16, 12, 12)).astype(np.uint8)).contiguous(
         memory_format=torch.channels_last)
     outputs = {PARALLEL: [], SERIAL: []}
     for _ in range(10):
-        form = conv._chooser.choose()
+        form = conv._forms.chooser.choose()
         outputs[form].append(conv(x).clone())
-    assert outputs[PARALLEL] and outputs[SERIAL], conv._chooser.runs
+    assert outputs[PARALLEL] and outputs[SERIAL], conv._forms.chooser.runs
     for y in outputs[PARALLEL][1:] + outputs[SERIAL]:
         torch.testing.assert_close(y, outputs[PARALLEL][0], rtol=0, atol=0)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import threading
-import time
 
 import torch
 
@@ -58,10 +57,8 @@ from kiln.kernels.cpu.onednn import (
     creating_with_threads,
     eltwise_for,
     load,
-    one_openmp_thread,
 )
 from kiln.kernels.cpu import onednn_primitives
-from kiln.kernels.cpu.form_choice import PARALLEL, FormChooser
 
 # dnnl_data_type_t (oneDNN 3, dnnl_common_types.h)
 F32, S32, S8, U8 = 3, 4, 5, 6
@@ -120,7 +117,7 @@ class _Quantized:
     # a small layer's serial twin and its per-call chooser (_finish_forms, _per_call_forms); None: parallel only
     threads: int | None = None
     _serial: tuple | None = None
-    _chooser: FormChooser | None = None
+    _forms = onednn_primitives._PerCallForms(None)  # parallel only, until _per_call_forms
 
     def _attr(self, scales: torch.Tensor, weight_mask: int, x_zero: int, y: tuple | None,
               eltwise: Eltwise | None, accumulate: bool = False) -> _Handle:
@@ -205,15 +202,14 @@ class _Quantized:
     def _per_call_forms(self) -> None:
         """The per-call path's binding, and its chooser where the layer has a serial form."""
         self._per_call = self.bind(0, 0)
-        self._chooser = FormChooser() if self._per_call.serial_primitive is not None else None
+        self._forms = onednn_primitives._PerCallForms(self._serial)
 
     def bind(self, src: int, dst: int, residual: int | None = None) -> Bound:
         """Arguments at fixed addresses (onednn.Bound), as the float primitives offer them, with the serial form
         where the layer has one (`_serial`, made at one thread: what a segment's serial form runs)."""
         roles = {"src": (ARG_SRC, self._src_md.value, src), "dst": (ARG_DST, self._dst_md.value, dst)}
-        serial = self._serial
         return Bound(self._prim.value, roles, self._fixed, self.what, self,
-                     serial[1].value if serial is not None else None, threads=self.threads)
+                     onednn_primitives._value(self._serial), threads=self.threads)
 
     def _execute(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         lib = _lib()
@@ -221,22 +217,9 @@ class _Quantized:
             bound = self._per_call
             bound.rebind("src", x.data_ptr())
             bound.rebind("dst", y.data_ptr())
-            chooser = self._chooser
-            if chooser is None:
-                _check(lib.lib.dnnl_primitive_execute(bound.primitive, lib.stream, bound.nargs, bound.args),
-                       self.what)
-                return y
             # the per-call path (the tuner's timings) picks its form by recent times, as a segment does
-            # (onednn_primitives._execute)
-            form = chooser.choose()
-            start = time.perf_counter()
-            if form == PARALLEL:
-                status = lib.lib.dnnl_primitive_execute(bound.primitive, lib.stream, bound.nargs, bound.args)
-            else:
-                with one_openmp_thread():
-                    status = lib.lib.dnnl_primitive_execute(bound.serial_primitive, lib.stream, bound.nargs,
-                                                            bound.args)
-            chooser.record(form, time.perf_counter() - start)
+            status = onednn_primitives._execute(self._forms, lib.lib.dnnl_primitive_execute, bound.primitive,
+                                                lib.stream, bound.nargs, bound.args)
             _check(status, self.what)
         return y
 
