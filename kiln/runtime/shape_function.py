@@ -26,6 +26,10 @@ segment's run has cooled the caches. Here the steps become straight-line code, g
 - an index grid over several dims (an exported mask's [b, 1, 1, s, 2]: a Concat at -1 of Unsqueezes of Expands of
   such prefixes to their broadcast) is a corner of the grid at larger dims: made once at the largest dims seen and
   cut at a new signature (_Grid: one as_strided and one copy instead of five ops, ~0.2 ms cold on BERT-base).
+- a stored tensor that follows every input dim and is proved, op by op, to be the top-left corner of its value at
+  larger dims (a decoder's causal mask [b, 1, s, s]: kiln/runtime/shape_corners.py) is cut from its value at the
+  largest dims met (CornerCut: one slice and one copy) instead of running the ~20 steps that make it; the steps run
+  only where no larger value is kept yet, and their value is kept when its dims are the largest.
 
 A kind stands for the tensor a step would make: "int" a 0-D int64 tensor, "ints" a 1-D one, "tensor"
 the value itself. Any exception inside the generated function makes the caller run the steps one by
@@ -48,6 +52,7 @@ from kiln.ops._util import MULTIDIRECTIONAL, broadcast_sizes, norm_axis
 from kiln.ops.generators import arange_int64
 from kiln.ops.indexing import gather, gather_elements
 from kiln.ops.tensor import expand_to, reshape_to, slice_ints, squeeze_axes, unsqueeze_axes
+from kiln.runtime.shape_corners import CornerCut, corners
 from kiln.runtime.step import BoundStep
 
 _INT64 = 7  # ONNX TensorProto.INT64
@@ -59,6 +64,8 @@ GRID_BYTES = 4 << 20  # the largest index grid a _Grid keeps to cut smaller ones
 GRID_ROWS_BYTES = 8 << 20  # ... and the most bytes of its rows of corners (_GridBase) it keeps
 GATHER_GRIDS = True  # a GatherND by a _Grid's grid indexes by the grid's parts (_GatherGrid; False: the A of
 # bench/first_shape.py --no-gather-grids)
+CORNERS = True  # a stored tensor proved a corner of itself at larger dims is cut from its value there (shape_corners;
+# False: the A of bench/first_shape.py --no-corners)
 _RANDOM = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
 
 
@@ -885,7 +892,8 @@ def compile_shape_steps(steps: list[BoundStep], order: list[int], template: list
     stores = [f"env[{s}] = {w.tensor(w.values[s])}" for s in slots]
     _drop_unread(w, {w.values[s].tensor for s in slots})
     shapes_only = _reads_shapes_only(w, inputs, stores)
-    grouped = _grouped(w, {w.values[s].tensor for s in slots})
+    cut = _corners_cut(w, steps, order, template, input_slots, slots, calls) if CORNERS else {}
+    grouped = _grouped(w, {w.values[s].tensor for s in slots}, cut)
     source = "".join(grouped.functions) + "def shape_values(env):\n" + \
         "\n".join("    " + line for line in grouped.body + stores) + "\n"
     namespace = dict(w.globals)
@@ -893,6 +901,49 @@ def compile_shape_steps(steps: list[BoundStep], order: list[int], template: list
     for name, function, narrowed, bound in grouped.prefixes:
         namespace[name] = _Prefix(namespace[function], narrowed, bound)
     return ShapeFunction(namespace["shape_values"], source, list(slots), grouped.memos, shapes_only)
+
+
+@dataclass
+class _Cut:
+    """A stored tensor served by a CornerCut: the CornerCut's global, the key's and the sizes' expressions (the dims
+    it follows, its extents there), and the variables only it needs (their lines run where the cut gives None)."""
+
+    cut: str
+    key: str
+    extents: str
+    only: set[str]
+    ranks: str  # an expression true where each input has the rank the proof needs (Facts.ranks)
+
+
+def _corners_cut(w: _Writer, steps: list[BoundStep], order: list[int], template: list[Any], input_slots: list[int],
+                 slots: list[int], calls: set[int]) -> dict[str, _Cut]:
+    """The stored tensors proved corners (shape_corners.corners) that follow at least one input dim and are made by
+    lines no other stored value reads, by their variable."""
+    facts = corners(steps, order, template, input_slots, calls)
+    ranks = " and ".join(f"len(x{slot}.shape) >= {rank}" for slot, rank in sorted(facts.ranks.items())) or "True"
+    stored = {w.values[s].tensor: s for s in slots}
+    found: dict[str, _Cut] = {}
+    for var, s in stored.items():
+        fact = facts.corners.get(s)
+        if fact is None or not fact.dims() or w.values[s].kind != "tensor" or var in w.globals:
+            continue
+        others = _needed(w, {v for v in stored if v != var} | {d for (d_, _, kind) in w.meta if kind for d in d_})
+        only = _needed(w, {var}) - others
+        if var not in only:
+            continue
+        key = "(" + "".join(f"x{slot}.shape[{axis}], " for slot, axis in fact.dims()) + ")"
+        extents = "(" + "".join(f"{e.code()}, " for e in fact.extents) + ")"
+        found[var] = _Cut(w.object("_corner", CornerCut()), key, extents, only, ranks)
+    return found
+
+
+def _needed(w: _Writer, roots: set[str]) -> set[str]:
+    """The variables `roots` read, transitively (the lines are in order: one pass from the last)."""
+    needed = set(roots)
+    for defines, reads, _kind in reversed(w.meta):
+        if needed.intersection(defines):
+            needed.update(reads)
+    return needed
 
 
 def _reads_shapes_only(w: _Writer, inputs: set[str], stores: list[str]) -> bool:
@@ -932,14 +983,18 @@ class _Grouped:
     prefixes: list[tuple[str, str, list[tuple[int, int, bool]], int | None]]
 
 
-def _grouped(w: _Writer, stored: set[str]) -> _Grouped:
+def _grouped(w: _Writer, stored: set[str], cut: dict[str, _Cut] | None = None) -> _Grouped:
     """The lines in groups by the input dims they follow (the "dims" lines they read, transitively), each group
     that follows some but not all of them kept per their values in a _Memo: the inputs and the dims lines first,
     then the groups by how many dims they follow (a group reads only lines of groups of fewer dims, or its own,
     earlier), then the lines never kept (reading an input's data, a random op, or what such a line made) in
     their order. Every variable a group defines is kept (what later lines read of it is among them). A group of one
     dim whose tensors include prefixes (_Along) is a function of its own, called through a _Prefix; `stored`: the
-    variables the function stores."""
+    variables the function stores. `cut`: stored tensors a CornerCut serves (_corners_cut): the lines of every dim
+    that only such a tensor needs run last, where its CornerCut has no value (nothing else reads them)."""
+    cut = cut or {}
+    moved = {var for c in cut.values() for var in c.only}
+    held: list[tuple[str, tuple[str, ...]]] = []  # the lines moved, in order
     follows: dict[str, frozenset | None] = {}  # variable -> the dims lines it follows; None: never kept
     head, groups, rest = [], {}, []
     for k, (line, (defines, reads, kind)) in enumerate(zip(w.lines, w.meta)):
@@ -970,7 +1025,8 @@ def _grouped(w: _Writer, stored: set[str]) -> _Grouped:
             # signatures at the same dim, and at a new dim its _Prefix narrows a base (BERT-base's two embedding
             # rows, which were two gathers of [s, 768] at each new signature: its shape values ~250 -> ~80 µs at a new
             # s, ~13 at a known s and new b, bench/results/first-call-2026-12-06.md)
-            found.body += [line for line, _, _ in lines]
+            found.body += [line for line, defines, _ in lines if not moved.issuperset(defines)]
+            held += [(line, defines) for line, defines, _ in lines if moved.issuperset(defines)]
             continue
         memo = _Memo()
         name = w.object("_memo", memo)
@@ -989,6 +1045,11 @@ def _grouped(w: _Writer, stored: set[str]) -> _Grouped:
         else:
             found.body += [f"    _m = {call}", f"    {name}.put({key}, _m)", f"{kept} = _m"]
     found.body += rest
+    for var, c in cut.items():  # last: only `var` reads these lines, and they read nothing defined after them
+        found.body.append(f"{var} = {c.cut}({c.key}, {c.extents}) if {c.ranks} else None")
+        found.body.append(f"if {var} is None:")
+        found.body += ["    " + line for line, defines in held if c.only.issuperset(defines)]
+        found.body.append(f"    {c.cut}.keep({c.key}, {var})")
     return found
 
 
