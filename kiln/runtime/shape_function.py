@@ -46,6 +46,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from kiln.ops._util import MULTIDIRECTIONAL, broadcast_sizes, norm_axis
@@ -406,6 +407,15 @@ def _reshaped_sizes(target: Any, allowzero: int) -> tuple[int, ...]:
     return sizes
 
 
+def _slice_dims(dims: tuple, start: int, end: int) -> tuple:
+    """ONNX Slice with step 1 of a 1-D shape value: a negative start or end counted from the end, both clamped to
+    [0, len]."""
+    n = len(dims)
+    start = min(max(start + n if start < 0 else start, 0), n)
+    end = min(max(end + n if end < 0 else end, 0), n)
+    return tuple(dims[start:end])
+
+
 def _int64(v: int) -> int:
     if not _INT64_MIN <= v <= _INT64_MAX:
         raise OverflowError(f"{v} is past int64: the step computes it")
@@ -454,7 +464,9 @@ _INTEGERS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 def _tensor(dims: Any) -> torch.Tensor:
-    return torch.tensor(dims, dtype=torch.int64)
+    """The int64 tensor of a shape value (0-D for an int): through numpy, ~2.5x cheaper than torch.tensor's
+    sequence parsing (a first call past the planned shapes stores ~8 of them: llama_tiny's repeat_kv shapes)."""
+    return torch.from_numpy(np.array(dims, dtype=np.int64))
 
 
 def _one(result: Any) -> Any:
@@ -465,7 +477,8 @@ _HELPERS = {"_only": _only, "_at": _at, "_arith": _arith, "_tensor": _tensor, "_
             "_gather_nonneg": _gather_nonneg, "_gather_elements_nonneg": _gather_elements_nonneg,
             "_reshape_to": reshape_to, "_slice_ints": slice_ints, "_squeeze_axes": squeeze_axes,
             "_unsqueeze_axes": unsqueeze_axes, "_expand_to": expand_to, "_arange_int64": arange_int64,
-            "_broadcast_sizes": broadcast_sizes, "_narrow": _narrow, "_reshaped_sizes": _reshaped_sizes}
+            "_broadcast_sizes": broadcast_sizes, "_narrow": _narrow, "_reshaped_sizes": _reshaped_sizes,
+            "_slice_dims": _slice_dims}
 
 
 def _constant_dims(value: Any) -> tuple[str, Any] | None:
@@ -593,6 +606,11 @@ def _emit(w: _Writer, step: BoundStep, ins: list[_Value | None], attrs: dict[str
         return None
     if op in ("Add", "Sub", "Mul") and i is not None and x.kind != "tensor" and i.kind != "tensor":
         return _Out(f"_arith({op!r}, {x.var}, {i.var})", "int" if x.kind == i.kind == "int" else "ints")
+    if op == "Slice" and x.kind == "ints" and 3 <= len(ins) <= 5 and "starts" not in attrs:
+        bounds = _slice_dims_bounds(ins + [None] * (5 - len(ins)))
+        if bounds is None:
+            return None
+        return _Out(f"_slice_dims({x.var}, {bounds[0]}, {bounds[1]})", "ints")
     if op == "Range" and len(ins) == 3 and all(v is not None and v.kind == "int" for v in ins):
         start, delta = x.constant, ins[2].constant
         counts_up = start is not None and delta is not None and start >= 0 and delta > 0  # start, start + delta...
@@ -632,6 +650,28 @@ def _emit(w: _Writer, step: BoundStep, ins: list[_Value | None], attrs: dict[str
         along = _gathered(w, x, i.along, axis) if op == "Gather" else _gathered_elements(w, x, i.along)
         return _Out(f"{fn}({ctx}, {x.var}, {i.var}, {axis})", "tensor", nonneg=x.nonneg, along=along)
     return None
+
+
+def _slice_dims_bounds(ins: list[_Value | None]) -> tuple[str, str] | None:
+    """A Slice of a 1-D shape value (an exported Llama's [batch, heads, seq, dim] cut into its parts to make the
+    repeat_kv's shapes): the expressions of its one start and end, where its axes are absent or [0] / [-1] and its
+    steps absent or [1]; None otherwise."""
+    _x, starts, ends, axes, steps = ins
+    if (axes is not None and axes.constant not in ((0,), (-1,))) or (steps is not None and steps.constant != (1,)):
+        return None
+    found = []
+    for v in (starts, ends):
+        if v is None or v.kind not in ("int", "ints"):
+            return None
+        if v.constant is not None:
+            if v.kind == "ints" and len(v.constant) != 1:
+                return None
+            found.append(str(v.constant[0] if v.kind == "ints" else v.constant))
+        elif v.kind == "ints" and v.length == 1:
+            found.append(f"{v.var}[0]")
+        else:
+            return None
+    return found[0], found[1]
 
 
 def _sliced(w: _Writer, ins: list[_Value | None]) -> _Along | None:
