@@ -316,7 +316,7 @@ def _sliced(x: Corner, starts, ends, axes=None, steps=None) -> Corner | None:
         if not start.at_most(end):
             return None
         extents[a] = end.plus(-start.offset)
-    return Corner(tuple(extents))
+    return Corner(tuple(extents), x.bound)  # (its elements are some of x's)
 
 
 def _scalar(ints: dict[int, _Ints], slot: int) -> Affine | None:
