@@ -35,7 +35,7 @@ dim the caller computes the ops). Anything else has no fact, and a tensor readin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -105,6 +105,8 @@ class Facts:
 
     corners: dict[int, Corner]
     ranks: dict[int, int]
+    dims: set[tuple[int, int]] = field(default_factory=set)  # every input dim a Shape reads (slot, axis): a cut's
+    # key, each >= 1 and at most the base's at a call (a corner's elements may follow a dim its extents do not name)
 
 
 def corners(steps: list[BoundStep], order: list[int], template: list[Any], input_slots: list[int],
@@ -114,6 +116,7 @@ def corners(steps: list[BoundStep], order: list[int], template: list[Any], input
     ints: dict[int, _Ints] = {}
     found: dict[int, Corner] = {}
     ranks: dict[int, int] = {}
+    dims: set[tuple[int, int]] = set()
     for s, value in enumerate(template):
         if isinstance(value, torch.Tensor) and s not in input_slots:
             found[s] = Corner(tuple(Affine(None, n) for n in value.shape))
@@ -127,7 +130,7 @@ def corners(steps: list[BoundStep], order: list[int], template: list[Any], input
         op, attrs, out = step.ctx.op_type, step.attributes, step.outputs[0]
         args = list(step.inputs)
         try:
-            made = _ints(op, args, attrs, ints, found, input_slots, ranks)
+            made = _ints(op, args, attrs, ints, found, input_slots, ranks, dims)
             if made is not None:
                 ints[out] = made
             corner = _corner(op, args, attrs, ints, found)
@@ -135,16 +138,17 @@ def corners(steps: list[BoundStep], order: list[int], template: list[Any], input
             corner = None
         if corner is not None:
             found[out] = corner
-    return Facts({s: c for s, c in found.items() if template[s] is None}, ranks)
+    return Facts({s: c for s, c in found.items() if template[s] is None}, ranks, dims)
 
 
 def _ints(op: str, args: list[int], attrs: dict, ints: dict[int, _Ints], found: dict[int, Corner],
-          input_slots: list[int], ranks: dict[int, int]) -> _Ints | None:
+          input_slots: list[int], ranks: dict[int, int], dims: set[tuple[int, int]]) -> _Ints | None:
     x = args[0] if args else -1
     if op == "Shape" and len(args) == 1:
         start, end = int(attrs.get("start", 0)), attrs.get("end")
         if x in input_slots and end is not None and 0 <= start <= int(end):
             ranks[x] = max(ranks.get(x, 0), int(end))
+            dims.update((x, a) for a in range(start, int(end)))
             return _Ints(tuple(Affine((x, a), 0) for a in range(start, int(end))), False)
         if x in found:
             extents = found[x].extents
@@ -158,6 +162,10 @@ def _ints(op: str, args: list[int], attrs: dict, ints: dict[int, _Ints], found: 
     if op == "Squeeze" and len(v.elements) == 1 and not v.scalar:
         return _Ints(v.elements, True)
     if op in ("Unsqueeze", "Reshape") and len(v.elements) == 1 and v.scalar:
+        if op == "Unsqueeze" and len(args) == 2 and (args[1] not in ints or len(ints[args[1]].elements) != 1):
+            return None  # (two axes: a [1, 1] tensor)
+        if op == "Unsqueeze" and len(args) == 1 and len(attrs.get("axes", ())) != 1:
+            return None
         if op == "Reshape" and (len(args) != 2 or args[1] not in ints
                                 or ints[args[1]].elements not in ((Affine(None, -1),), (_ONE,))):
             return None
@@ -208,13 +216,13 @@ def _corner(op: str, args: list[int], attrs: dict, ints: dict[int, _Ints], found
             return None
         if op == "Unsqueeze":
             rank = len(x.extents) + len(axes)
-            inserted = sorted(norm_axis(a, rank) for a in axes)
+            inserted = sorted(_axis(a, rank) for a in axes)
             extents = list(x.extents)
             for a in inserted:
                 extents.insert(a, _ONE)
             return Corner(tuple(extents), x.bound)
         rank = len(x.extents)
-        removed = {norm_axis(a, rank) for a in axes}
+        removed = {_axis(a, rank) for a in axes}
         if any(x.extents[a] != _ONE for a in removed):
             return None
         return Corner(tuple(e for a, e in enumerate(x.extents) if a not in removed), x.bound)
@@ -256,7 +264,7 @@ def _corner(op: str, args: list[int], attrs: dict, ints: dict[int, _Ints], found
         rank = len(operands[0].extents)
         if any(len(c.extents) != rank for c in operands):
             return None
-        axis = norm_axis(int(attrs["axis"]), rank)
+        axis = _axis(int(attrs["axis"]), rank)
         if any(c.extents[k] != operands[0].extents[k] for c in operands for k in range(rank) if k != axis) \
                 or any(c.extents[axis].dim is not None for c in operands[:-1]):
             return None
@@ -273,7 +281,7 @@ def _corner(op: str, args: list[int], attrs: dict, ints: dict[int, _Ints], found
         return Corner(x.extents)
     if op == "Gather" and len(args) == 2:
         data, index = found[args[0]], found[args[1]]
-        axis = norm_axis(int(attrs.get("axis", 0)), len(data.extents))
+        axis = _axis(int(attrs.get("axis", 0)), len(data.extents))
         if index.bound is None or not index.bound.at_most(data.extents[axis]):
             return None
         return Corner(data.extents[:axis] + index.extents + data.extents[axis + 1:], data.bound)
@@ -300,7 +308,7 @@ def _sliced(x: Corner, starts, ends, axes=None, steps=None) -> Corner | None:
     extents = list(x.extents)
     seen = set()
     for start, end, axis, step in zip(starts, ends, axes, steps):
-        a = norm_axis(axis.offset, rank)
+        a = _axis(axis.offset, rank)
         if a in seen or step != _ONE or start is None or start.dim is not None or start.offset < 0 or end is None:
             return None
         seen.add(a)
@@ -317,6 +325,13 @@ def _sliced(x: Corner, starts, ends, axes=None, steps=None) -> Corner | None:
             return None
         extents[a] = end.plus(-start.offset)
     return Corner(tuple(extents), x.bound)  # (its elements are some of x's)
+
+
+def _axis(axis: int, rank: int) -> int:
+    """An axis in [-rank, rank) counted from 0 (ValueError otherwise: the op itself refuses it, and no fact holds)."""
+    if not -rank <= axis < rank:
+        raise ValueError(f"axis {axis} of a rank-{rank} tensor")
+    return norm_axis(axis, rank)
 
 
 def _scalar(ints: dict[int, _Ints], slot: int) -> Affine | None:

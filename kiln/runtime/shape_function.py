@@ -971,7 +971,7 @@ def _corners_cut(w: _Writer, steps: list[BoundStep], order: list[int], template:
         only = _needed(w, {var}) - others
         if var not in only:
             continue
-        key = "(" + "".join(f"x{slot}.shape[{axis}], " for slot, axis in fact.dims()) + ")"
+        key = "(" + "".join(f"x{slot}.shape[{axis}], " for slot, axis in sorted(facts.dims)) + ")"
         extents = "(" + "".join(f"{e.code()}, " for e in fact.extents) + ")"
         found[var] = _Cut(w.object("_corner", CornerCut()), key, extents, only, ranks)
     return found

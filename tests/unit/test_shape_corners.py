@@ -192,7 +192,7 @@ def test_a_refused_tensor_has_no_fact_and_where_it_is_no_corner_a_pair_shows_it(
 
 def test_the_ranks_a_shape_of_an_input_needs_are_named():
     facts, _ = _facts(_graph(_POSITIONS, "pos_bs"))
-    assert facts.ranks == {0: 2}
+    assert facts.ranks == {0: 2} and facts.dims == {(0, 0), (0, 1)}
 
 
 def test_corner_cut_serves_dims_within_its_base_only():
