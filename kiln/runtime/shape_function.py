@@ -965,7 +965,8 @@ def _corners_cut(w: _Writer, steps: list[BoundStep], order: list[int], template:
     found: dict[str, _Cut] = {}
     for var, s in stored.items():
         fact = facts.corners.get(s)
-        if fact is None or not fact.dims() or w.values[s].kind != "tensor" or var in w.globals:
+        if fact is None or not fact.dims() or w.values[s].kind != "tensor" or var in w.globals \
+                or w.values[s].grid is not None:  # (an index grid: its _Grid cuts it from a larger one already)
             continue
         others = _needed(w, {v for v in stored if v != var} | {d for (d_, _, kind) in w.meta if kind for d in d_})
         only = _needed(w, {var}) - others
@@ -1032,9 +1033,6 @@ def _grouped(w: _Writer, stored: set[str], cut: dict[str, _Cut] | None = None) -
     dim whose tensors include prefixes (_Along) is a function of its own, called through a _Prefix; `stored`: the
     variables the function stores. `cut`: stored tensors a CornerCut serves (_corners_cut): the lines of every dim
     that only such a tensor needs run last, where its CornerCut has no value (nothing else reads them)."""
-    cut = cut or {}
-    moved = {var for c in cut.values() for var in c.only}
-    held: list[tuple[str, tuple[str, ...]]] = []  # the lines moved, in order
     follows: dict[str, frozenset | None] = {}  # variable -> the dims lines it follows; None: never kept
     head, groups, rest = [], {}, []
     for k, (line, (defines, reads, kind)) in enumerate(zip(w.lines, w.meta)):
@@ -1056,6 +1054,12 @@ def _grouped(w: _Writer, stored: set[str], cut: dict[str, _Cut] | None = None) -
             groups.setdefault(deps, []).append((line, defines, reads))
     every = frozenset(name for line, (defines, _, kind) in zip(w.lines, w.meta) if kind == "dims"
                       for name in defines)
+    # a cut only of a value the signature's own lines make (not one a memo keeps per fewer dims: it is kept already)
+    plain = {d for deps, lines in groups.items() if (deps == every or not every) and not _has_prefix(w, deps, lines)
+             for _, defines, _ in lines for d in defines}
+    cut = {var: c for var, c in (cut or {}).items() if var in plain}
+    moved = {var for c in cut.values() for var in c.only}
+    held: list[tuple[str, tuple[str, ...]]] = []  # the lines moved, in order
     found = _Grouped(list(head), [], [], [])
     for deps in sorted(groups, key=lambda d: (len(d), sorted(d))):
         lines = groups[deps]

@@ -673,3 +673,11 @@ def test_a_slice_of_a_shape_value_is_onnx_slice(start, end):
     values = [np.array(v, np.int64) for v in (dims, [start], [end], [0], [1])]
     want = ReferenceEvaluator(model).run(None, dict(zip(names, values)))[0]
     assert _slice_dims(dims, start, end) == tuple(int(v) for v in want)
+
+
+def test_an_encoders_mask_parts_kept_per_dim_or_grids_are_not_cut_again(bert):
+    """The corner cut (shape_corners) serves only values a signature's own lines make: an encoder's mask parts that
+    follow the sequence alone are kept per sequence (_Memo) and its index grid is a _Grid's corner already, so its
+    shape function has no cut (a cut of a memo's value once stored None, its lines left in the memo's group)."""
+    _, engine = bert
+    assert "_corner" not in engine.program.shape_function.source
