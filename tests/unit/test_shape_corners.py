@@ -47,8 +47,8 @@ _POSITIONS = [
     _node("Concat", ["b1", "one_1d"], "b_by_1", axis=0),
     _node("Expand", ["pos_row", "b_by_1"], "pos_bs"),  # [b, s]
 ]
-_CONSTANTS = [_scalar("zero", 0), _scalar("one", 1), _i("zero_axis", 0), _i("one_1d", 1), _i("last_axis", -1), _scalar("last", -1),
-              _scalar("zero_f", 0.0, np.float32), _scalar("low_f", -3.0e38, np.float32)]
+_CONSTANTS = [_scalar("zero", 0), _scalar("one", 1), _i("zero_axis", 0), _i("one_1d", 1), _i("last_axis", -1),
+              _scalar("last", -1), _scalar("zero_f", 0.0, np.float32), _scalar("low_f", -3.0e38, np.float32)]
 
 # the exported packed-sequence mask's chain (transformers' causal mask: bench/results/first-shape-2026-12-06.md)
 _PACKED = [
