@@ -17,6 +17,7 @@ jobs done (first_calls.primitives_made), then first calls at --shapes in order, 
 --no-views-made-ahead: the load makes no segment's view at the shapes it plans (views_ahead.views_ahead_at).
 --no-size-rules: kiln::Rotary, kiln::RMSNorm and the last-axis Slice without their size rules (llama_tiny: its segments walk at the call).
 --no-gather-grids: a GatherND by an index grid (a decoder's causal mask) gathers by the grid made, not its parts.
+--no-corners: a stored tensor proved a corner of itself at larger dims (a decoder's causal mask) made by its steps.
 --plans-ahead N: first_calls.PLANS_AHEAD (shapes past a profile's N smallest compute their shape values at the call).
 --no-memos: the view job's memo shapes off (first_calls.memo_shapes empty); --no-grid-rows: each grid corner a
 copy. --no-views-ahead: the load's view jobs off (first_calls._trace_job and _segments_job: no template grown, no walk
@@ -79,6 +80,8 @@ def main() -> None:
                     "shapes it plans (A of views_ahead.views_ahead_at)")
     ap.add_argument("--no-gather-grids", action="store_true", help="a GatherND by an index grid gathers by the grid "
                     "made (A of shape_function._GatherGrid: a decoder's mask past the shapes planned at load)")
+    ap.add_argument("--no-corners", action="store_true", help="a decoder's mask made by its steps at each shape past "
+                    "the planned ones (A of shape_function.CORNERS: shape_corners.CornerCut)")
     ap.add_argument("--plans-ahead", type=int, default=0, help="first_calls.PLANS_AHEAD (0: as it is)")
     ap.add_argument("--steady", default="", help="shapes of the steady-state A/B (then no first calls)")
     ap.add_argument("--rounds", type=int, default=15)
@@ -113,6 +116,8 @@ def main() -> None:
         views_ahead.views_ahead_at = lambda *a: False
     if args.no_gather_grids:
         shape_function.GATHER_GRIDS = False
+    if args.no_corners:
+        shape_function.CORNERS = False
     if args.plans_ahead:
         first_calls.PLANS_AHEAD = args.plans_ahead
     if args.no_memos:

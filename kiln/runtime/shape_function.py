@@ -26,6 +26,10 @@ segment's run has cooled the caches. Here the steps become straight-line code, g
 - an index grid over several dims (an exported mask's [b, 1, 1, s, 2]: a Concat at -1 of Unsqueezes of Expands of
   such prefixes to their broadcast) is a corner of the grid at larger dims: made once at the largest dims seen and
   cut at a new signature (_Grid: one as_strided and one copy instead of five ops, ~0.2 ms cold on BERT-base).
+- a stored tensor that follows every input dim and is proved, op by op, to be the top-left corner of its value at
+  larger dims (a decoder's causal mask [b, 1, s, s]: kiln/runtime/shape_corners.py) is cut from its value at the
+  largest dims met (CornerCut: one slice and one copy) instead of running the ~20 steps that make it; the steps run
+  only where no larger value is kept yet, and their value is kept when its dims are the largest.
 
 A kind stands for the tensor a step would make: "int" a 0-D int64 tensor, "ints" a 1-D one, "tensor"
 the value itself. Any exception inside the generated function makes the caller run the steps one by
@@ -42,12 +46,14 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from kiln.ops._util import MULTIDIRECTIONAL, broadcast_sizes, norm_axis
 from kiln.ops.generators import arange_int64
 from kiln.ops.indexing import gather, gather_elements
 from kiln.ops.tensor import expand_to, reshape_to, slice_ints, squeeze_axes, unsqueeze_axes
+from kiln.runtime.shape_corners import CornerCut, corners
 from kiln.runtime.step import BoundStep
 
 _INT64 = 7  # ONNX TensorProto.INT64
@@ -59,6 +65,8 @@ GRID_BYTES = 4 << 20  # the largest index grid a _Grid keeps to cut smaller ones
 GRID_ROWS_BYTES = 8 << 20  # ... and the most bytes of its rows of corners (_GridBase) it keeps
 GATHER_GRIDS = True  # a GatherND by a _Grid's grid indexes by the grid's parts (_GatherGrid; False: the A of
 # bench/first_shape.py --no-gather-grids)
+CORNERS = True  # a stored tensor proved a corner of itself at larger dims is cut from its value there (shape_corners;
+# False: the A of bench/first_shape.py --no-corners)
 _RANDOM = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
 
 
@@ -399,6 +407,15 @@ def _reshaped_sizes(target: Any, allowzero: int) -> tuple[int, ...]:
     return sizes
 
 
+def _slice_dims(dims: tuple, start: int, end: int) -> tuple:
+    """ONNX Slice with step 1 of a 1-D shape value: a negative start or end counted from the end, both clamped to
+    [0, len]."""
+    n = len(dims)
+    start = min(max(start + n if start < 0 else start, 0), n)
+    end = min(max(end + n if end < 0 else end, 0), n)
+    return tuple(dims[start:end])
+
+
 def _int64(v: int) -> int:
     if not _INT64_MIN <= v <= _INT64_MAX:
         raise OverflowError(f"{v} is past int64: the step computes it")
@@ -447,7 +464,9 @@ _INTEGERS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 def _tensor(dims: Any) -> torch.Tensor:
-    return torch.tensor(dims, dtype=torch.int64)
+    """The int64 tensor of a shape value (0-D for an int): through numpy, ~2.5x cheaper than torch.tensor's
+    sequence parsing (a first call past the planned shapes stores ~8 of them: llama_tiny's repeat_kv shapes)."""
+    return torch.from_numpy(np.array(dims, dtype=np.int64))
 
 
 def _one(result: Any) -> Any:
@@ -458,7 +477,8 @@ _HELPERS = {"_only": _only, "_at": _at, "_arith": _arith, "_tensor": _tensor, "_
             "_gather_nonneg": _gather_nonneg, "_gather_elements_nonneg": _gather_elements_nonneg,
             "_reshape_to": reshape_to, "_slice_ints": slice_ints, "_squeeze_axes": squeeze_axes,
             "_unsqueeze_axes": unsqueeze_axes, "_expand_to": expand_to, "_arange_int64": arange_int64,
-            "_broadcast_sizes": broadcast_sizes, "_narrow": _narrow, "_reshaped_sizes": _reshaped_sizes}
+            "_broadcast_sizes": broadcast_sizes, "_narrow": _narrow, "_reshaped_sizes": _reshaped_sizes,
+            "_slice_dims": _slice_dims}
 
 
 def _constant_dims(value: Any) -> tuple[str, Any] | None:
@@ -586,6 +606,11 @@ def _emit(w: _Writer, step: BoundStep, ins: list[_Value | None], attrs: dict[str
         return None
     if op in ("Add", "Sub", "Mul") and i is not None and x.kind != "tensor" and i.kind != "tensor":
         return _Out(f"_arith({op!r}, {x.var}, {i.var})", "int" if x.kind == i.kind == "int" else "ints")
+    if op == "Slice" and x.kind == "ints" and 3 <= len(ins) <= 5 and "starts" not in attrs:
+        bounds = _slice_dims_bounds(ins + [None] * (5 - len(ins)))
+        if bounds is None:
+            return None
+        return _Out(f"_slice_dims({x.var}, {bounds[0]}, {bounds[1]})", "ints")
     if op == "Range" and len(ins) == 3 and all(v is not None and v.kind == "int" for v in ins):
         start, delta = x.constant, ins[2].constant
         counts_up = start is not None and delta is not None and start >= 0 and delta > 0  # start, start + delta...
@@ -625,6 +650,28 @@ def _emit(w: _Writer, step: BoundStep, ins: list[_Value | None], attrs: dict[str
         along = _gathered(w, x, i.along, axis) if op == "Gather" else _gathered_elements(w, x, i.along)
         return _Out(f"{fn}({ctx}, {x.var}, {i.var}, {axis})", "tensor", nonneg=x.nonneg, along=along)
     return None
+
+
+def _slice_dims_bounds(ins: list[_Value | None]) -> tuple[str, str] | None:
+    """A Slice of a 1-D shape value (an exported Llama's [batch, heads, seq, dim] cut into its parts to make the
+    repeat_kv's shapes): the expressions of its one start and end, where its axes are absent or [0] / [-1] and its
+    steps absent or [1]; None otherwise."""
+    _x, starts, ends, axes, steps = ins
+    if (axes is not None and axes.constant not in ((0,), (-1,))) or (steps is not None and steps.constant != (1,)):
+        return None
+    found = []
+    for v in (starts, ends):
+        if v is None or v.kind not in ("int", "ints"):
+            return None
+        if v.constant is not None:
+            if v.kind == "ints" and len(v.constant) != 1:
+                return None
+            found.append(str(v.constant[0] if v.kind == "ints" else v.constant))
+        elif v.kind == "ints" and v.length == 1:
+            found.append(f"{v.var}[0]")
+        else:
+            return None
+    return found[0], found[1]
 
 
 def _sliced(w: _Writer, ins: list[_Value | None]) -> _Along | None:
@@ -885,7 +932,8 @@ def compile_shape_steps(steps: list[BoundStep], order: list[int], template: list
     stores = [f"env[{s}] = {w.tensor(w.values[s])}" for s in slots]
     _drop_unread(w, {w.values[s].tensor for s in slots})
     shapes_only = _reads_shapes_only(w, inputs, stores)
-    grouped = _grouped(w, {w.values[s].tensor for s in slots})
+    cut = _corners_cut(w, steps, order, template, input_slots, slots, calls) if CORNERS else {}
+    grouped = _grouped(w, {w.values[s].tensor for s in slots}, cut)
     source = "".join(grouped.functions) + "def shape_values(env):\n" + \
         "\n".join("    " + line for line in grouped.body + stores) + "\n"
     namespace = dict(w.globals)
@@ -893,6 +941,50 @@ def compile_shape_steps(steps: list[BoundStep], order: list[int], template: list
     for name, function, narrowed, bound in grouped.prefixes:
         namespace[name] = _Prefix(namespace[function], narrowed, bound)
     return ShapeFunction(namespace["shape_values"], source, list(slots), grouped.memos, shapes_only)
+
+
+@dataclass
+class _Cut:
+    """A stored tensor served by a CornerCut: the CornerCut's global, the key's and the sizes' expressions (the dims
+    it follows, its extents there), and the variables only it needs (their lines run where the cut gives None)."""
+
+    cut: str
+    key: str
+    extents: str
+    only: set[str]
+    ranks: str  # an expression true where each input has the rank the proof needs (Facts.ranks)
+
+
+def _corners_cut(w: _Writer, steps: list[BoundStep], order: list[int], template: list[Any], input_slots: list[int],
+                 slots: list[int], calls: set[int]) -> dict[str, _Cut]:
+    """The stored tensors proved corners (shape_corners.corners) that follow at least one input dim and are made by
+    lines no other stored value reads, by their variable."""
+    facts = corners(steps, order, template, input_slots, calls)
+    ranks = " and ".join(f"len(x{slot}.shape) >= {rank}" for slot, rank in sorted(facts.ranks.items())) or "True"
+    stored = {w.values[s].tensor: s for s in slots}
+    found: dict[str, _Cut] = {}
+    for var, s in stored.items():
+        fact = facts.corners.get(s)
+        if fact is None or not fact.dims() or w.values[s].kind != "tensor" or var in w.globals \
+                or w.values[s].grid is not None:  # (an index grid: its _Grid cuts it from a larger one already)
+            continue
+        others = _needed(w, {v for v in stored if v != var} | {d for (d_, _, kind) in w.meta if kind for d in d_})
+        only = _needed(w, {var}) - others
+        if var not in only:
+            continue
+        key = "(" + "".join(f"x{slot}.shape[{axis}], " for slot, axis in sorted(facts.dims)) + ")"
+        extents = "(" + "".join(f"{e.code()}, " for e in fact.extents) + ")"
+        found[var] = _Cut(w.object("_corner", CornerCut()), key, extents, only, ranks)
+    return found
+
+
+def _needed(w: _Writer, roots: set[str]) -> set[str]:
+    """The variables `roots` read, transitively (the lines are in order: one pass from the last)."""
+    needed = set(roots)
+    for defines, reads, _kind in reversed(w.meta):
+        if needed.intersection(defines):
+            needed.update(reads)
+    return needed
 
 
 def _reads_shapes_only(w: _Writer, inputs: set[str], stores: list[str]) -> bool:
@@ -932,14 +1024,15 @@ class _Grouped:
     prefixes: list[tuple[str, str, list[tuple[int, int, bool]], int | None]]
 
 
-def _grouped(w: _Writer, stored: set[str]) -> _Grouped:
+def _grouped(w: _Writer, stored: set[str], cut: dict[str, _Cut] | None = None) -> _Grouped:
     """The lines in groups by the input dims they follow (the "dims" lines they read, transitively), each group
     that follows some but not all of them kept per their values in a _Memo: the inputs and the dims lines first,
     then the groups by how many dims they follow (a group reads only lines of groups of fewer dims, or its own,
     earlier), then the lines never kept (reading an input's data, a random op, or what such a line made) in
     their order. Every variable a group defines is kept (what later lines read of it is among them). A group of one
     dim whose tensors include prefixes (_Along) is a function of its own, called through a _Prefix; `stored`: the
-    variables the function stores."""
+    variables the function stores. `cut`: stored tensors a CornerCut serves (_corners_cut): the lines of every dim
+    that only such a tensor needs run last, where its CornerCut has no value (nothing else reads them)."""
     follows: dict[str, frozenset | None] = {}  # variable -> the dims lines it follows; None: never kept
     head, groups, rest = [], {}, []
     for k, (line, (defines, reads, kind)) in enumerate(zip(w.lines, w.meta)):
@@ -961,6 +1054,12 @@ def _grouped(w: _Writer, stored: set[str]) -> _Grouped:
             groups.setdefault(deps, []).append((line, defines, reads))
     every = frozenset(name for line, (defines, _, kind) in zip(w.lines, w.meta) if kind == "dims"
                       for name in defines)
+    # a cut only of a value the signature's own lines make (not one a memo keeps per fewer dims: it is kept already)
+    plain = {d for deps, lines in groups.items() if (deps == every or not every) and not _has_prefix(w, deps, lines)
+             for _, defines, _ in lines for d in defines}
+    cut = {var: c for var, c in (cut or {}).items() if var in plain}
+    moved = {var for c in cut.values() for var in c.only}
+    held: list[tuple[str, tuple[str, ...]]] = []  # the lines moved, in order
     found = _Grouped(list(head), [], [], [])
     for deps in sorted(groups, key=lambda d: (len(d), sorted(d))):
         lines = groups[deps]
@@ -970,7 +1069,8 @@ def _grouped(w: _Writer, stored: set[str]) -> _Grouped:
             # signatures at the same dim, and at a new dim its _Prefix narrows a base (BERT-base's two embedding
             # rows, which were two gathers of [s, 768] at each new signature: its shape values ~250 -> ~80 µs at a new
             # s, ~13 at a known s and new b, bench/results/first-call-2026-12-06.md)
-            found.body += [line for line, _, _ in lines]
+            found.body += [line for line, defines, _ in lines if not moved.issuperset(defines)]
+            held += [(line, defines) for line, defines, _ in lines if moved.issuperset(defines)]
             continue
         memo = _Memo()
         name = w.object("_memo", memo)
@@ -989,6 +1089,11 @@ def _grouped(w: _Writer, stored: set[str]) -> _Grouped:
         else:
             found.body += [f"    _m = {call}", f"    {name}.put({key}, _m)", f"{kept} = _m"]
     found.body += rest
+    for var, c in cut.items():  # last: only `var` reads these lines, and they read nothing defined after them
+        found.body.append(f"{var} = {c.cut}({c.key}, {c.extents}) if {c.ranks} else None")
+        found.body.append(f"if {var} is None:")
+        found.body += ["    " + line for line, defines in held if c.only.issuperset(defines)]
+        found.body.append(f"    {c.cut}.keep({c.key}, {var})")
     return found
 
 

@@ -240,12 +240,14 @@ def test_llama_first_calls_past_the_planned_shapes_gather_the_mask_by_the_grids_
     """Past the shapes planned at load (PLANS_AHEAD: here 4, as a profile of more shapes than 128 has), a first call
     computes its shape values, the causal mask among them: its four GatherNDs index by the grids' parts
     (shape_function._GatherGrid), the [b, 1, s, s, 2] grids never made (before: each made by _Grid, ~2 x 10 µs, and
-    each GatherND ~55-95 µs). Outputs against onnxruntime (fp32 logits, 1e-4)."""
+    each GatherND ~55-95 µs). Outputs against onnxruntime (fp32 logits, 1e-4). The mask's corner cut off (CORNERS:
+    the next test), so that its steps run at each such shape."""
     from kiln.runtime import shape_function as sf
 
     exported, path = llama
     monkeypatch.setenv("KILN_PAD_FIRST_CALLS", "0")
     monkeypatch.setattr(first_calls, "PLANS_AHEAD", 4)
+    monkeypatch.setattr(sf, "CORNERS", False)
     context = kiln.load(str(path)).create_execution_context()
     context.warm_up()
     assert first_calls.primitives_made(120)
@@ -266,3 +268,49 @@ def test_llama_first_calls_past_the_planned_shapes_gather_the_mask_by_the_grids_
         np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=1e-4, atol=1e-4)
     assert len(gathers) == 4 * len(shapes), len(gathers)
     assert not grids, grids  # no grid made: each GatherND indexed by its parts
+
+
+def test_llama_first_calls_past_the_planned_shapes_cut_the_mask_from_the_largest(llama, monkeypatch):
+    """Past the shapes planned at load, the causal mask [b, 1, s, s] is proved a corner of itself at larger dims
+    (kiln/runtime/shape_corners.py) and cut from its value at the profile's largest shape, which the load's segments
+    job computes (views_ahead.segments_job): none of its ~20 steps runs at the call (no GatherND among them), and the
+    outputs match onnxruntime (fp32 logits, 1e-4). The previous test (CORNERS off) runs the steps."""
+    from kiln.runtime import shape_corners
+    from kiln.runtime import shape_function as sf
+
+    exported, path = llama
+    monkeypatch.setenv("KILN_PAD_FIRST_CALLS", "0")
+    monkeypatch.setattr(first_calls, "PLANS_AHEAD", 4)
+    context = kiln.load(str(path)).create_execution_context()
+    context.warm_up()
+    assert first_calls.primitives_made(120)
+    program = context.engine.program
+    source = program.shape_function.source
+    gathered = [line for line in source.splitlines() if "_gather_grid" in line]
+    assert "_corner" in source and len(gathered) == 4 and all(line.startswith(" " * 8) for line in gathered), \
+        source  # the mask's gathers only where the cut has no value
+    cut = next(v for k, v in program.shape_function.fn.__globals__.items() if k.startswith("_corner"))
+    assert cut.dims == (4, 16)  # the profile's largest, made at load
+    served = []
+    real = shape_corners.CornerCut.__call__
+
+    def counted(self, dims, extents):
+        found = real(self, dims, extents)
+        if threading.get_ident() == caller:
+            served.append(found is not None)
+        return found
+    caller = threading.get_ident()
+    monkeypatch.setattr(shape_corners.CornerCut, "__call__", counted)
+    gathers = _counted(monkeypatch, sf._GatherGrid, "__call__")
+    session = ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(zlib.crc32(b"llama mask corners"))
+    shapes = [(3, 13), (4, 15), (2, 11), (4, 9), (1, 16), (3, 2), (3, 1)]
+    for b, s in shapes:
+        assert not any(key[0][0] == (b, s) for key in program.shape_plans)  # a shape computed at the call
+        feeds = {"input_ids": rng.integers(0, 100, (b, s), dtype=np.int64),
+                 "attention_mask": np.ones((b, s), np.int64)}
+        feeds = {n: feeds[n] for n in context.engine.input_names}
+        got = next(iter(context.run(feeds).values()))
+        np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=1e-4, atol=1e-4)
+    assert served == [True] * len(shapes), served
+    assert not gathers, gathers  # the mask's steps never ran

@@ -6,6 +6,7 @@ match onnxruntime; the plans made ahead are the values a call computes."""
 
 from __future__ import annotations
 
+import threading
 import zlib
 
 import numpy as np
@@ -131,3 +132,30 @@ def test_the_plans_stop_at_their_byte_budget(saved, monkeypatch):
     monkeypatch.setattr(views_ahead, "PLANS_AHEAD_BYTES", 1)  # the first plan passes it
     plans = _loaded(saved).program.shape_plans
     assert (((1, 1), torch.int64),) in plans and len(plans) <= 2  # the smallest made ahead (and a call's at most)
+
+
+def test_without_the_plans_the_mask_is_cut_from_the_largest_shapes(saved, session, monkeypatch):
+    """Past the plans made ahead (none here), a first call's shape function cuts the causal mask from its value at the
+    profile's largest shape (kiln/runtime/shape_corners.py: made by the segments job at load) instead of running its
+    steps; the outputs match onnxruntime. With CORNERS off the steps run (the cut is absent from the source)."""
+    from kiln.runtime import shape_corners, shape_function
+
+    monkeypatch.setattr(first_calls, "plan_shapes", lambda program, profiles: [])
+    context = _loaded(saved)
+    function = context.program.shape_function
+    cuts = [v for k, v in function.fn.__globals__.items() if k.startswith("_corner")]
+    assert len(cuts) == 1 and cuts[0].dims == (4, 16), function.source
+    served, caller = [], threading.get_ident()
+    real = shape_corners.CornerCut.__call__
+
+    def counted(self, dims, extents):  # this thread's calls only (another engine's background job under xdist is not)
+        found = real(self, dims, extents)
+        if threading.get_ident() == caller:
+            served.append(found)
+        return found
+    monkeypatch.setattr(shape_corners.CornerCut, "__call__", counted)
+    calls = _count_shape_function(context.program, monkeypatch)
+    _check(context, session, NEW_SHAPES[:3] + [(2, 15), (1, 2)])
+    assert calls[0] == 5 and len(served) == 5 and all(v is not None for v in served)
+    monkeypatch.setattr(shape_function, "CORNERS", False)
+    assert "_corner" not in _loaded(saved).program.shape_function.source

@@ -654,3 +654,30 @@ def test_gather_nd_by_a_grid_takes_the_ops_where_indexing_would_differ():
             assert made and calls and torch.equal(got, torch.zeros(1)), parts  # the ops' answer
     with pytest.raises(IndexError):
         gathered(data, ((i + 3, (3, 4)), (j, (3, 4))))
+
+
+@pytest.mark.parametrize("start,end", [(-1, (1 << 63) - 1), (-2, -1), (-(1 << 63), -2), (0, 2), (1, 100), (-9, 2),
+                                       (3, 1), (2, -7), (5, 9), (0, 0)])
+def test_a_slice_of_a_shape_value_is_onnx_slice(start, end):
+    """_slice_dims (a Slice of a 1-D shape value, as Python ints: an exported Llama's repeat_kv shapes) against
+    onnx.reference's Slice, starts and ends past either end and negative."""
+    from onnx.reference import ReferenceEvaluator
+
+    from kiln.runtime.shape_function import _slice_dims
+    dims = (5, 4, 33, 16)
+    names = ["x", "starts", "ends", "axes", "steps"]
+    graph = helper.make_graph([helper.make_node("Slice", names, ["y"])], "g",
+                              [helper.make_tensor_value_info(n, TensorProto.INT64, None) for n in names],
+                              [helper.make_tensor_value_info("y", TensorProto.INT64, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    values = [np.array(v, np.int64) for v in (dims, [start], [end], [0], [1])]
+    want = ReferenceEvaluator(model).run(None, dict(zip(names, values)))[0]
+    assert _slice_dims(dims, start, end) == tuple(int(v) for v in want)
+
+
+def test_an_encoders_mask_parts_kept_per_dim_or_grids_are_not_cut_again(bert):
+    """The corner cut (shape_corners) serves only values a signature's own lines make: an encoder's mask parts that
+    follow the sequence alone are kept per sequence (_Memo) and its index grid is a _Grid's corner already, so its
+    shape function has no cut (a cut of a memo's value once stored None, its lines left in the memo's group)."""
+    _, engine = bert
+    assert "_corner" not in engine.program.shape_function.source
