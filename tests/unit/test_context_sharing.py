@@ -328,3 +328,109 @@ def test_a_lane_given_back_is_readied_again(dynamic_bert_tiny, monkeypatch):
     for shape in ((2, 17), (1, 23)):
         _check(third, session, "again", *shape)
     assert binds.count == 0, f"the reused lane's first calls at the first context's shapes bound {binds.count} views"
+
+
+def _extents_by_native_steps(template, key) -> list[tuple[int, int]]:
+    """The oracle of Segment._extents: each arena value's bytes at `key` from the members' own NativeSteps
+    (Segment._natives_at's forms), at its planned address, merged."""
+    forms = template._natives_at(key).forms
+    base = template.buffers[0].data_ptr()
+    spans = sorted((template._address[s] - base, template._address[s] - base + int(np.prod(forms[s][0]))
+                    * forms[s][2].itemsize) for s, _g in template._arena_slots)
+    merged: list[list[int]] = []
+    for start, stop in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], stop)
+        elif stop > start:
+            merged.append([start, stop])
+    return [tuple(span) for span in merged]
+
+
+def _key(segment, batch: int, seq: int) -> tuple:
+    """The segment's entry key at a batch x seq call, from its planned key's entries (bert_tiny's: each entry's first
+    dims the batch and sequence, or the sequence where the planned entry's first dim is 1)."""
+    planned = segment._planned_key
+    b0, s0 = planned[0][:2]
+    out = []
+    for size in planned:
+        size = list(size)
+        for i, d in enumerate(size[:2]):
+            size[i] = batch if d == b0 and i == 0 and d != 1 else seq if d == s0 else d
+        out.append(tuple(size))
+    return tuple(out)
+
+
+def test_extents_by_rules_are_the_native_steps_sizes(dynamic_bert_tiny):
+    """_PlanRewrite.arena_bytes_at (the rules' walk, no lock: what a new lane's job touches by) gives every arena
+    value's bytes as the members' own NativeSteps at those sizes do, at fresh random shapes of the profile, on the
+    grown template and on the planned segment."""
+    engine, _session = dynamic_bert_tiny
+    segment = _view_segments(engine.program)[0]
+    rng = np.random.default_rng(zlib.crc32(b"extents by rules"))
+    templates = [t for t in (segment._grown, segment) if t is not None and t._rewrite is not None]
+    assert templates and templates[0] is segment._grown, "the load's view job did not grow bert_tiny's template"
+    compared = 0
+    for template in templates:
+        for _ in range(12):
+            key = _key(segment, int(rng.integers(1, 5)), int(rng.integers(1, 49)))
+            if not template.fits(*(lambda at: (at.natives, at.forms))(template._natives_at(key))):
+                continue
+            assert segment._extents(template, key) == _extents_by_native_steps(template, key), key
+            assert template._rewrite.arena_bytes_at(template, key) is not None, key  # the rules answered it
+            compared += 1
+    assert compared >= 12
+
+
+def test_a_second_contexts_job_touches_only_what_its_origin_ran(dynamic_bert_tiny, monkeypatch):
+    """The lane's job leaves its adopted grown template's pages untouched except where a run of the first context's
+    shapes reaches (each view's values at their planned places, as the members' NativeSteps size them), and the
+    planned plan's pages only where the first context ran its planned sizes: a context that runs small shapes does
+    not hold the profile's largest plan (BERT-base: 36 MiB a context, bench/results/first-shape-2026-12-06.md).
+    Before, the adoption zeroed the grown template whole (no _touch: this fails). Its calls answer as onnxruntime
+    does and bind nothing at the seen shapes."""
+    engine, session = dynamic_bert_tiny
+    assert onednn_ahead.AHEAD.wait(timeout=120)  # earlier tests' lanes' jobs done: none touches while this records
+    held = _held_lanes(engine, monkeypatch)
+    monkeypatch.setattr(views_ahead, "TWIN_VIEWS", 2)  # the job binds (and touches for) this test's two shapes only
+    first = engine.create_execution_context(pad_first_calls=False)
+    seen = ((2, 9), (1, 5))
+    for shape in seen:
+        _check(first, session, "touch", *shape)
+    origin = _view_segments(first.program)[0]
+    touched: list[tuple] = []
+    original = native.Segment._touch
+    twin = None
+
+    def recorded(template, extents):
+        if twin is not None and template in (twin, twin._grown):  # (this lane's only)
+            touched.append((template, list(extents)))
+        original(template, extents)
+    monkeypatch.setattr(native.Segment, "_touch", staticmethod(recorded))
+    kept = []  # each round's context lives on: the next one's lane is a new one (not this one's, given back)
+    for ran_planned in (False, True):
+        monkeypatch.setattr(origin, "ran_planned", ran_planned)
+        second = engine.create_execution_context(pad_first_calls=False)
+        kept.append(second)
+        twin = _view_segments(second.program)[0]
+        (job,) = _twin_jobs(held)[-1:]
+        touched.clear()
+        assert job.make()
+        grown = twin._grown
+        assert grown is not None and grown.arena is twin.arena
+        keys = [key for key, view in origin.resized.items() if view is not None][-2:]
+        assert {key[0] for key in keys} == set(seen)
+        wanted = [(grown, _extents_by_native_steps(grown, key)) for key in keys]
+        if ran_planned:
+            wanted.insert(0, (twin, [(0, twin.planned_bytes)]))
+        assert [(id(t), e) for t, e in touched] == [(id(t), e) for t, e in wanted]
+        grown_bytes = sum(b.numel() * b.element_size() for b in grown.buffers)
+        pages = {offset // 4096 for _t, extents in touched[ran_planned:] for start, stop in extents
+                 for offset in range(start, stop, 4096)} | {(stop - 1) // 4096 for _t, extents in touched[ran_planned:]
+                                                            for _start, stop in extents}
+        assert 0 < len(pages) * 4096 < grown_bytes / 2, (len(pages), grown_bytes)
+        binds = _Binds(monkeypatch)
+        for shape in seen:
+            _check(second, session, "touch", *shape)
+        assert binds.count == 0
+        for shape in ((4, 32), (4, 45), (3, 17)):  # the planned sizes, past them (the grown template's far pages), new
+            _check(second, session, f"touch {ran_planned}", *shape)
