@@ -79,6 +79,9 @@ class Segment:
 
     SHARE_VIEWS = True  # twins (on_arena) take their origin's grown template, traced rules and walk (_adopt)
     SHARE_ARENA = True  # a grown view template over its program's arena (_grow_arena), not memory of its own
+    # a twin's adopted grown template touched whole at its adoption (session 26), not only where its origin's runs
+    # reached (adopt_views): the benches' A (bench/ctx_memory.py --whole)
+    TOUCH_ADOPTED_WHOLE = False
 
     def __init__(self, members: list[BoundStep], read_after: set[int], constants: dict[int, Any] | None = None,
                  natives: list[NativeStep] | None = None, arena: SharedArena | None = None):
@@ -385,6 +388,8 @@ class Segment:
             # over this context's arena where it holds it (SharedArena.sibling: one memory and lock for the views and
             # the planned segments), else memory of its own
             self._grown, adopted = origin._grown.on_arena(self._grow_arena()), True
+            if self.TOUCH_ADOPTED_WHOLE:
+                self._touch(self._grown, [(0, self._grown.planned_bytes)])
         template = self._grown or self
         like = template._origin() if template._origin is not None else None
         if template._rewrite is None and like is not None and like._rewrite is not None:

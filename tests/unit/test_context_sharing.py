@@ -19,6 +19,7 @@ import zlib
 
 import numpy as np
 import pytest
+import torch
 
 from kiln.kernels.cpu import onednn, onednn_ahead
 from kiln.kernels.cpu import transformer as kernels
@@ -406,6 +407,12 @@ def test_a_second_contexts_job_touches_only_what_its_origin_ran(dynamic_bert_tin
             touched.append((template, list(extents)))
         original(template, extents)
     monkeypatch.setattr(native.Segment, "_touch", staticmethod(recorded))
+    zeroed: list[tuple[int, int]] = []  # (address, bytes) of every tensor zeroed while the job runs
+    zero = torch.Tensor.zero_
+
+    def zero_recorded(tensor):
+        zeroed.append((tensor.data_ptr(), tensor.numel() * tensor.element_size()))
+        return zero(tensor)
     kept = []  # each round's context lives on: the next one's lane is a new one (not this one's, given back)
     for ran_planned in (False, True):
         monkeypatch.setattr(origin, "ran_planned", ran_planned)
@@ -414,20 +421,28 @@ def test_a_second_contexts_job_touches_only_what_its_origin_ran(dynamic_bert_tin
         twin = _view_segments(second.program)[0]
         (job,) = _twin_jobs(held)[-1:]
         touched.clear()
-        assert job.make()
+        zeroed.clear()
+        with monkeypatch.context() as patched:
+            patched.setattr(torch.Tensor, "zero_", zero_recorded)
+            assert job.make()
         grown = twin._grown
         assert grown is not None and grown.arena is twin.arena
+        grown_bytes = sum(b.numel() * b.element_size() for b in grown.buffers)
+        base = grown.buffers[0].data_ptr()
+        pages = {page for address, nbytes in zeroed for page in range((address - base) // 4096,
+                                                                     (address - base + nbytes - 1) // 4096 + 1)
+                 if 0 <= page * 4096 < grown_bytes}
+        planned_pages = -(-twin.planned_bytes // 4096) if ran_planned else 0
+        assert len(pages - set(range(planned_pages))) * 4096 < grown_bytes / 2, \
+            f"the job touched {len(pages)} pages of the second context's grown template ({grown_bytes} bytes)"
         keys = [key for key, view in origin.resized.items() if view is not None][-2:]
         assert {key[0] for key in keys} == set(seen)
         wanted = [(grown, _extents_by_native_steps(grown, key)) for key in keys]
         if ran_planned:
             wanted.insert(0, (twin, [(0, twin.planned_bytes)]))
         assert [(id(t), e) for t, e in touched] == [(id(t), e) for t, e in wanted]
-        grown_bytes = sum(b.numel() * b.element_size() for b in grown.buffers)
-        pages = {offset // 4096 for _t, extents in touched[ran_planned:] for start, stop in extents
-                 for offset in range(start, stop, 4096)} | {(stop - 1) // 4096 for _t, extents in touched[ran_planned:]
-                                                            for _start, stop in extents}
-        assert 0 < len(pages) * 4096 < grown_bytes / 2, (len(pages), grown_bytes)
+        assert pages >= {page for _t, extents in touched for start, stop in extents
+                         for page in range(start // 4096, (stop - 1) // 4096 + 1)}
         binds = _Binds(monkeypatch)
         for shape in seen:
             _check(second, session, "touch", *shape)
