@@ -17,7 +17,8 @@ Session 27 (h-lanemem): --own-checks gives each context a checked-signatures dic
 context's first call checked its signature again), against the engine's, shared (Engine.checked_signatures);
 --rounds N --a own-checks alternates A = --own-checks and B.
 
-    python bench/ctx_first_calls.py [--no-share] [--no-ahead] [--own-checks] [--label X] [--rounds N [--a no-ahead|own-checks]]
+    python bench/ctx_first_calls.py [--no-share] [--no-ahead] [--own-checks] [--label X]
+                                    [--rounds N [--a no-ahead|own-checks]]
 """
 
 from __future__ import annotations

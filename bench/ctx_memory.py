@@ -79,7 +79,8 @@ def one(path: str, before: bool, whole: bool = False, small: bool = False) -> No
     side = "A (before)" if before else "A (whole)" if whole else "B"
     print(f"# {side}{' small' if small else ''}; load {open('/proc/loadavg').read().split()[:3]}")
     print(f"creation: {made_us:.0f} us; RSS +{rss_made / MIB:.1f} MiB made, +{rss_job / MIB:.1f} MiB with its job, "
-          f"+{rss_called / MIB:.1f} MiB after its calls, +{rss_new / MIB:.1f} MiB after 3x250; arena {twin.arena.nbytes / MIB:.1f} MiB of address space "
+          f"+{rss_called / MIB:.1f} MiB after its calls, +{rss_new / MIB:.1f} MiB after 3x250; "
+          f"arena {twin.arena.nbytes / MIB:.1f} MiB of address space "
           f"(planned {twin.planned_bytes / MIB:.1f}), grown template {grown / MIB:.1f} MiB "
           f"({'its own memory' if own else 'over the arena'}); ctx1's calls: RSS +{rss_c1 / MIB:.1f} MiB")
     for shape, first, rep in rows:

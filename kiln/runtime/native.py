@@ -307,7 +307,11 @@ class Segment:
         this segment's own view at each of the origin's `limit` most recently used sizes (oldest first, as the
         origin's LRU holds them), so that a second context's first call at a shape the first has run finds its view
         bound, as a repeat does (before: its first call assembled it, ~0.15-0.3 ms). Takes the resize lock per view,
-        so a call waits for one view's binding at most. Returns how many views it bound, plus one where it adopted."""
+        so a call waits for one view's binding at most. The pages those runs reach are touched here, and only those
+        (_extents; the planned plan's where the origin ran its planned sizes): the adopted grown template is not
+        touched whole, so a context holds the memory of the shapes run, not the profile's largest plan (BERT-base:
+        ~13 MiB a context that runs small shapes, ~27 with the planned 8 x 128, where each held ~39). Returns how many
+        views it bound, plus one where it adopted."""
         origin = self._origin() if self._origin is not None else None
         if origin is None or not self._views:
             return 0
@@ -316,7 +320,7 @@ class Segment:
             keys = [key for key, view in origin.resized.items() if view is not None][-limit:] if limit > 0 else []
         planned = origin.ran_planned
         del origin
-        if planned:  # the lane's runs at the planned sizes will reach all of its plan's pages, as its origin's did
+        if planned and not self.ran_planned:  # its runs at the planned sizes reach its whole plan, as its origin's
             self._touch(self, [(0, self.planned_bytes)])
         for key in keys:
             with self._resize_lock:
@@ -345,7 +349,8 @@ class Segment:
                 return []
             found = {s: math.prod(forms[s][0]) * forms[s][2].itemsize for s, _g in template._arena_slots if s in forms}
         base = template.buffers[0].data_ptr() if template.buffers else 0
-        spans = sorted((template._address[s] - base, template._address[s] - base + nbytes) for s, nbytes in found.items())
+        spans = sorted((template._address[s] - base, template._address[s] - base + nbytes)
+                       for s, nbytes in found.items())
         merged: list[list[int]] = []
         for start, stop in spans:
             if merged and start <= merged[-1][1]:
@@ -369,17 +374,16 @@ class Segment:
                 buffer[start // 4:-(-stop // 4)].zero_()
 
     def _adopt(self) -> bool:
-        """What this segment (another context's twin: on_arena) may take from its origin's views instead of making
-        it again at its first calls (issue 10/14: a second context's first call at a shape the first had run cost
-        ~5 ms on bert_tiny where its repeat costs 0.1): the origin's grown template (the load's view job grew it to
-        the profile's largest), as a template of its own at the same sizes over memory of its own (no page touched
-        here: only where this lane's runs reach, or adopt_views touches at its origin's sizes; touched whole, every
-        lane held the profile's largest plan, BERT-base's 36 MiB, however small its shapes), and each template's
-        plan rewrite made sharing its origin's traced rules
-        and traced walk (_PlanRewrite's `like`: what is the engine's, read-only once made, and the same for
-        templates of one plan). Views themselves stay this segment's: they point at its memory. The caller holds
-        the resize lock (shared with the origin: what the origin grows or rewrites meanwhile is set under it). True
-        where it took something."""
+        """What this segment (another context's twin: on_arena) may take from its origin's views instead of making it
+        again at its first calls (issue 10/14: a second context's first call at a shape the first had run cost ~5 ms on
+        bert_tiny where its repeat costs 0.1): the origin's grown template (the load's view job grew it to the profile's
+        largest), as a template of its own at the same sizes over memory of its own (no page touched here: only where
+        this lane's runs reach, or adopt_views touches at its origin's sizes; touched whole, every lane held the
+        profile's largest plan, BERT-base's 36 MiB, however small its shapes), and each template's plan rewrite made
+        sharing its origin's traced rules and traced walk (_PlanRewrite's `like`: what is the engine's, read-only once
+        made, and the same for templates of one plan). Views themselves stay this segment's: they point at its memory.
+        The caller holds the resize lock (shared with the origin: what the origin grows or rewrites meanwhile is set
+        under it). True where it took something."""
         origin = self._origin() if self._origin is not None else None
         if origin is None:
             return False
