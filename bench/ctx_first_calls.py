@@ -15,7 +15,10 @@ its grown templates' bytes (touched at adoption). --rounds N alternates processe
 prints the medians.
 Session 27 (h-lanemem): --own-checks gives each context a checked-signatures dict of its own (the tree before: a second
 context's first call checked its signature again), against the engine's, shared (Engine.checked_signatures);
---rounds N --a own-checks alternates A = --own-checks and B.
+--rounds N --a own-checks alternates A = --own-checks and B. --interleaved N: in one process, N rounds of two fresh
+contexts each (A: checks of its own, B: the engine's), their order alternating, each one's first call at 2x7 (a
+shape context 1 ran, its view and record made by the lane's job) and its repeat, a run of context 1 at 3x20 before
+each call (caches as a server's would be); medians.
 
     python bench/ctx_first_calls.py [--no-share] [--no-ahead] [--own-checks] [--label X]
                                     [--rounds N [--a no-ahead|own-checks]]
@@ -75,7 +78,10 @@ def main() -> None:
     ap.add_argument("--label", default="")
     ap.add_argument("--rounds", type=int, default=0)
     ap.add_argument("--a", choices=("no-ahead", "own-checks"), default="no-ahead")
+    ap.add_argument("--interleaved", type=int, default=0)
     args = ap.parse_args()
+    if args.interleaved:
+        return interleaved(args.interleaved)
     if args.rounds:
         return alternate(args.rounds, args.a)
     if args.no_share:
@@ -123,6 +129,43 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for what, shape, first, rep in rows:
         print(f"| {what} | {shape[0]}x{shape[1]} | {first:.0f} | {rep:.0f} | {first - rep:.0f} |")
+
+
+def interleaved(rounds: int) -> None:
+    """A second context's very first call, own checks (A) against the engine's (B), fresh contexts in one process."""
+    torch.set_num_threads(1)
+    exported = zoo.export("bert_tiny", dynamic=True)
+    engine = kiln.build(str(exported.path), profiles=[{"input_ids": "1x1,4x32,4x48"}])
+    assert onednn_ahead.AHEAD.wait(timeout=120)
+    c1 = engine.create_execution_context()
+    for shape in [(2, 7), (3, 20), (1, 11)]:
+        first_and_repeat(c1, engine, shape)
+    between, seen = feeds(engine, 3, 20), feeds(engine, 2, 7)
+    got: dict[str, dict[str, list[float]]] = {"A": {}, "B": {}}
+    kept = []  # every context lives on: each round's are new lanes
+    for r in range(rounds):
+        made = {}
+        for side in ("A", "B") if r % 2 == 0 else ("B", "A"):
+            made[side] = engine.create_execution_context()
+            if side == "A":
+                made[side]._checked = {}
+        kept += made.values()
+        assert onednn_ahead.AHEAD.wait(timeout=120)
+        for side, context in made.items():
+            c1.run(between)
+            first = timed(context, seen)
+            c1.run(between)
+            repeat = timed(context, seen)
+            c1.run(between)
+            ctx1 = timed(c1, seen)
+            for key, value in (("first", first), ("repeat", repeat), ("first - repeat", first - repeat),
+                               ("ctx1's seen call", ctx1)):
+                got[side].setdefault(key, []).append(value)
+    print(f"# bert_tiny, {rounds} rounds, load {open('/proc/loadavg').read().split()[:3]}")
+    print("| µs (median) | A (own checks) | B (the engine's) |")
+    print("|---|---|---|")
+    for key in got["A"]:
+        print(f"| {key} | {statistics.median(got['A'][key]):.1f} | {statistics.median(got['B'][key]):.1f} |")
 
 
 def alternate(rounds: int, a: str = "no-ahead") -> None:
