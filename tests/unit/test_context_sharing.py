@@ -23,7 +23,7 @@ import torch
 
 from kiln.kernels.cpu import onednn, onednn_ahead
 from kiln.kernels.cpu import transformer as kernels
-from kiln.runtime import native, view_trace, views_ahead
+from kiln.runtime import first_calls, native, view_trace, views_ahead
 from kiln.tactics import traced_rules
 
 pytestmark = pytest.mark.skipif(not (kernels.available() and onednn.available()),
@@ -347,34 +347,24 @@ def _extents_by_native_steps(template, key) -> list[tuple[int, int]]:
     return [tuple(span) for span in merged]
 
 
-def _key(segment, batch: int, seq: int) -> tuple:
-    """The segment's entry key at a batch x seq call, from its planned key's entries (bert_tiny's: each entry's first
-    dims the batch and sequence, or the sequence where the planned entry's first dim is 1)."""
-    planned = segment._planned_key
-    b0, s0 = planned[0][:2]
-    out = []
-    for size in planned:
-        size = list(size)
-        for i, d in enumerate(size[:2]):
-            size[i] = batch if d == b0 and i == 0 and d != 1 else seq if d == s0 else d
-        out.append(tuple(size))
-    return tuple(out)
-
-
 def test_extents_by_rules_are_the_native_steps_sizes(dynamic_bert_tiny):
     """_PlanRewrite.arena_bytes_at (the rules' walk, no lock: what a new lane's job touches by) gives every arena
     value's bytes as the members' own NativeSteps at those sizes do, at fresh random shapes of the profile, on the
     grown template and on the planned segment."""
     engine, _session = dynamic_bert_tiny
-    segment = _view_segments(engine.program)[0]
+    program = engine.program
+    (segment,) = _view_segments(program)
+    entries = tuple(program.lean_steps[0].inputs)
     rng = np.random.default_rng(zlib.crc32(b"extents by rules"))
     templates = [t for t in (segment._grown, segment) if t is not None and t._rewrite is not None]
     assert templates and templates[0] is segment._grown, "the load's view job did not grow bert_tiny's template"
     compared = 0
     for template in templates:
         for _ in range(12):
-            key = _key(segment, int(rng.integers(1, 5)), int(rng.integers(1, 49)))
-            if not template.fits(*(lambda at: (at.natives, at.forms))(template._natives_at(key))):
+            batch, seq = int(rng.integers(1, 5)), int(rng.integers(1, 49))
+            key = first_calls.entry_key(program, entries, [(batch, seq)] * len(program.input_slots))
+            at = template._natives_at(key)
+            if not template.fits(at.natives, at.forms):  # past the planned segment's arena: the grown one's only
                 continue
             assert segment._extents(template, key) == _extents_by_native_steps(template, key), key
             assert template._rewrite.arena_bytes_at(template, key) is not None, key  # the rules answered it
@@ -387,8 +377,8 @@ def test_a_second_contexts_job_touches_only_what_its_origin_ran(dynamic_bert_tin
     shapes reaches (each view's values at their planned places, as the members' NativeSteps size them), and the
     planned plan's pages only where the first context ran its planned sizes: a context that runs small shapes does
     not hold the profile's largest plan (BERT-base: 36 MiB a context, bench/results/first-shape-2026-12-06.md).
-    Before, the adoption zeroed the grown template whole (no _touch: this fails). Its calls answer as onnxruntime
-    does and bind nothing at the seen shapes."""
+    Before, the adoption zeroed the grown template whole (every one of its pages: this fails). Its calls answer as
+    onnxruntime does and bind nothing at the seen shapes."""
     engine, session = dynamic_bert_tiny
     assert onednn_ahead.AHEAD.wait(timeout=120)  # earlier tests' lanes' jobs done: none touches while this records
     held = _held_lanes(engine, monkeypatch)
@@ -449,3 +439,4 @@ def test_a_second_contexts_job_touches_only_what_its_origin_ran(dynamic_bert_tin
         assert binds.count == 0
         for shape in ((4, 32), (4, 45), (3, 17)):  # the planned sizes, past them (the grown template's far pages), new
             _check(second, session, f"touch {ran_planned}", *shape)
+        assert twin.ran_planned  # its run at the planned 4x32 (a lane given back touches no planned page again)
