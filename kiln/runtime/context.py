@@ -86,9 +86,10 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
         self._static = _static_signature(engine) if self._token_mask is None else None
         self._whole_segment = _whole_segment(self.program) if self._static is not None else None
         # CPU engines with symbolic dims: the input signatures already checked, so a call of one of them
-        # skips the checks (a BERT at 7 tokens runs in ~0.1 ms of C; the checks were as much again)
-        self._checked: dict[tuple, int] | None = {} if self._static is None and self.runner is None \
-            and not engine.internal_dtype and self.buckets is None else None
+        # skips the checks (a BERT at 7 tokens runs in ~0.1 ms of C; the checks were as much again); the engine's,
+        # shared by its contexts (Engine.checked_signatures: a signature's check is its own, whichever context ran it)
+        self._checked: dict[tuple, int] | None = engine.checked_signatures if self._static is None \
+            and self.runner is None and not engine.internal_dtype and self.buckets is None else None
         self._numpy_check = NumpyCheck.of(engine.inputs, engine.profiles) if self._checked is not None else None
         self._cuda_static = _cuda_static_signature(engine) if self.runner is not None and self.runner.use_graphs \
             and self._token_mask is None else None
@@ -206,8 +207,9 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
             self.profile = self._select_profile(feeds)
 
     def _remember_checked(self, key: tuple) -> None:
-        """A CPU context's numpy signature `key` as checked, at the profile of its last check (CHECKED_SIGNATURES
-        at most: a signature past them is checked at each call)."""
+        """A numpy signature `key` as checked, for every CPU context of the engine (Engine.checked_signatures), at
+        the profile of this context's last check (CHECKED_SIGNATURES at most: a signature past them is checked at each
+        call)."""
         if len(self._checked) < CHECKED_SIGNATURES:
             self._checked[key] = self.profile
 

@@ -109,6 +109,11 @@ class Engine:
         self.outputs: list[Binding] = plan.outputs
         self.profiles: list[Profile] = plan.profiles
         self._make_lanes()
+        # numpy input signatures a CPU context has checked, with the profile each selects: the check follows from the
+        # signature alone (bindings.NumpyCheck), so every context of the engine skips it once one has made it (a
+        # second context's first call at a shape the first ran checked it again: ~12-15 µs of bert_tiny's ~55 over
+        # its repeat, bench/results/first-shape-2026-12-06.md); ExecutionContext._checked
+        self.checked_signatures: dict[tuple, int] = {}
         if self.device.type == "cpu":
             # libgomp's spin count found here (~0.1 s, once a process: omp_governor._check), not in the first call
             omp_governor.governor().locate()

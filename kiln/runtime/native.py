@@ -79,6 +79,11 @@ class Segment:
 
     SHARE_VIEWS = True  # twins (on_arena) take their origin's grown template, traced rules and walk (_adopt)
     SHARE_ARENA = True  # a grown view template over its program's arena (_grow_arena), not memory of its own
+    # a twin's adopted grown template touched whole at its adoption (session 26), not only where its origin's runs
+    # reached (adopt_views). Kept on: off, a context holds ~13-27 MiB on BERT-base instead of ~39 (bench/ctx_memory.py
+    # --whole is on), but its first call at a shape whose pages nobody touched faults them in the loop (3x250 after
+    # small shapes: +93 ms over its repeat on this KVM's huge pages, +11 ms on), a spike the first calls must not pay
+    TOUCH_ADOPTED_WHOLE = True
 
     def __init__(self, members: list[BoundStep], read_after: set[int], constants: dict[int, Any] | None = None,
                  natives: list[NativeStep] | None = None, arena: SharedArena | None = None):
@@ -277,6 +282,9 @@ class Segment:
         self._left_reorders: dict[int, tuple] = {}
         self._per_image: bool | None = None
         self._bound_batches: dict[tuple, BatchPlan] = {}  # batches bound exactly, kept (native_batches.call_batch)
+        # whether a run at the planned sizes has reached this segment's arena (its twins' jobs touch their own
+        # pages there only then: adopt_views)
+        self.ran_planned = False
 
     def on_arena(self, arena: SharedArena | None, adopt: bool = True) -> Segment:
         """These layers bound anew over `arena` (another execution context's: SharedArena.sibling): the same memory
@@ -301,45 +309,93 @@ class Segment:
         this segment's own view at each of the origin's `limit` most recently used sizes (oldest first, as the
         origin's LRU holds them), so that a second context's first call at a shape the first has run finds its view
         bound, as a repeat does (before: its first call assembled it, ~0.15-0.3 ms). Takes the resize lock per view,
-        so a call waits for one view's binding at most. Returns how many views it bound, plus one where it adopted."""
+        so a call waits for one view's binding at most. The pages those runs reach are touched here, and only those
+        (_extents; the planned plan's where the origin ran its planned sizes); with TOUCH_ADOPTED_WHOLE off the adopted
+        grown template is not touched whole, so a context holds the memory of the shapes run, not the profile's largest
+        plan (BERT-base: ~13 MiB a context that runs small shapes, ~27 with the planned 8 x 128, where each held ~39). Returns how many
+        views it bound, plus one where it adopted."""
         origin = self._origin() if self._origin is not None else None
         if origin is None or not self._views:
             return 0
         with self._resize_lock:
             made = int(self._adopt())
             keys = [key for key, view in origin.resized.items() if view is not None][-limit:] if limit > 0 else []
+        planned = origin.ran_planned
         del origin
+        if planned and not self.ran_planned:  # its runs at the planned sizes reach its whole plan, as its origin's
+            self._touch(self, [(0, self.planned_bytes)])
         for key in keys:
             with self._resize_lock:
                 if key in self.resized:
                     continue
-                made += self._bind_sizes(key) is not None
+                view = self._bind_sizes(key)
+            made += view is not None
+            if isinstance(view, _Resized):
+                self._touch(view.template, self._extents(view.template, key))
+            del view
             time.sleep(0)  # the GIL to a calling thread, if one waits
         return made
 
+    def _extents(self, template: Segment, key: tuple) -> list[tuple[int, int]]:
+        """[(start, stop)] in bytes from the start of `template`'s arena plan of every value a run of its view at entry
+        sizes `key` writes there: the pages that run reaches (each value at its planned place, as large as it is at
+        `key`), merged. By the plan rewrite's rules where they size every member (no lock: _PlanRewrite.arena_bytes_at),
+        else by the members' NativeSteps at `key` (made one at a time, under the resize lock); empty where neither."""
+        rewrite = template._rewrite
+        found = rewrite.arena_bytes_at(template, key) if rewrite is not None else None
+        if found is None:
+            try:
+                with self._resize_lock:
+                    forms = template._natives_at(key).forms
+            except ValueError:
+                return []
+            found = {s: math.prod(forms[s][0]) * forms[s][2].itemsize for s, _g in template._arena_slots if s in forms}
+        base = template.buffers[0].data_ptr() if template.buffers else 0
+        spans = sorted((template._address[s] - base, template._address[s] - base + nbytes)
+                       for s, nbytes in found.items())
+        merged: list[list[int]] = []
+        for start, stop in spans:
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], stop)
+            elif stop > start:
+                merged.append([start, stop])
+        return [(start, stop) for start, stop in merged]
+
+    @staticmethod
+    def _touch(template: Segment, extents: list[tuple[int, int]]) -> None:
+        """The pages of `template`'s arena plan within `extents` (bytes from its start) faulted in now, zeroed under the
+        lock its runs take (a run of the lane's other segments, over the same arena, may be using it meanwhile; the
+        values there die with each run): a lane's first call there then finds them, where a huge page's first
+        touch inside the loop may wait on the kernel's compaction (+35-75 ms on BERT-base,
+        bench/results/first-shape-2026-12-06.md)."""
+        if not template.buffers:
+            return
+        buffer = template.buffers[0]
+        with template._lock:
+            for start, stop in extents:
+                buffer[start // 4:-(-stop // 4)].zero_()
+
     def _adopt(self) -> bool:
-        """What this segment (another context's twin: on_arena) may take from its origin's views instead of making
-        it again at its first calls (issue 10/14: a second context's first call at a shape the first had run cost
-        ~5 ms on bert_tiny where its repeat costs 0.1): the origin's grown template (the load's view job grew it to
-        the profile's largest), as a template of its own at the same sizes over memory of its own (its pages touched
-        here, as grow_ahead touches them), and each template's plan rewrite made sharing its origin's traced rules
-        and traced walk (_PlanRewrite's `like`: what is the engine's, read-only once made, and the same for
-        templates of one plan). Views themselves stay this segment's: they point at its memory. The caller holds
-        the resize lock (shared with the origin: what the origin grows or rewrites meanwhile is set under it). True
-        where it took something."""
+        """What this segment (another context's twin: on_arena) may take from its origin's views instead of making it
+        again at its first calls (issue 10/14: a second context's first call at a shape the first had run cost ~5 ms on
+        bert_tiny where its repeat costs 0.1): the origin's grown template (the load's view job grew it to the profile's
+        largest), as a template of its own at the same sizes over memory of its own (no page touched here: only where
+        this lane's runs reach, or adopt_views touches at its origin's sizes; touched whole, every lane held the
+        profile's largest plan, BERT-base's 36 MiB, however small its shapes), and each template's plan rewrite made
+        sharing its origin's traced rules and traced walk (_PlanRewrite's `like`: what is the engine's, read-only once
+        made, and the same for templates of one plan). Views themselves stay this segment's: they point at its memory.
+        The caller holds the resize lock (shared with the origin: what the origin grows or rewrites meanwhile is set
+        under it). True where it took something."""
         origin = self._origin() if self._origin is not None else None
         if origin is None:
             return False
         adopted = False
         if self._grown is None and origin._grown is not None:
             # over this context's arena where it holds it (SharedArena.sibling: one memory and lock for the views and
-            # the planned segments), else memory of its own; its pages touched under the lock its runs take: a run of
-            # this lane's other segments may be using the arena meanwhile (a background job adopts)
-            grown = origin._grown.on_arena(self._grow_arena())
-            with grown._lock:
-                for buffer in grown.buffers:
-                    buffer.zero_()
-            self._grown, adopted = grown, True
+            # the planned segments), else memory of its own
+            self._grown, adopted = origin._grown.on_arena(self._grow_arena()), True
+            if self.TOUCH_ADOPTED_WHOLE:
+                self._touch(self._grown, [(0, self._grown.planned_bytes)])
         template = self._grown or self
         like = template._origin() if template._origin is not None else None
         if template._rewrite is None and like is not None and like._rewrite is not None:
@@ -362,6 +418,7 @@ class Segment:
         """Point the run's inputs and outputs, run every layer in the form the chooser picks, timed for it
         (the caller holds the lock)."""
         sources = {"entry": entry_addresses, "exit": exit_addresses}
+        self.ran_planned = True
         chooser = self.chooser
         if chooser is None:
             self._run_form(sources, staged, PARALLEL)

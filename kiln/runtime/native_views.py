@@ -181,6 +181,7 @@ class _PlanRewrite:
         forms = _forms(template.members, template._natives)
         arena = [(s, forms[s][2].itemsize, template._capacity[g]) for s, g in template._arena_slots]
         self._arena = _arena_checks(arena, self._schedule)
+        self._itemsizes = {s: itemsize for s, itemsize, _capacity in arena}  # each arena slot's (arena_bytes_at)
         # each exit's dtype and strides rule (a NativeStep's output_strides: NHWC for a 4-D output of oneDNN's
         # layers or a channels-last kernel, row-major otherwise and for outputs past the first)
         nhwc = {m.outputs[0]: native.reads is None or native.channels_last
@@ -287,12 +288,25 @@ class _PlanRewrite:
         walked = self._walk(template, key, rules_only=True)
         return walked is not None and self._whole.learn(self, key, walked[0], walked[1])
 
-    def _walk(self, template: Any, key: tuple, rules_only: bool = False
+    def arena_bytes_at(self, template: Any, key: tuple) -> dict[int, int] | None:
+        """Each of the template's arena slots' bytes at entry sizes `key` (what a view there writes at its planned
+        place: Segment._extents, for the pages a new context's lane touches ahead), by learn_at's walk of the rules
+        alone: nothing made or bound, no lock of the template's. None where a member has no rule's answer, a rule
+        refuses `key` or the arena cannot hold it."""
+        if tuple(map(len, key)) != self._whole.ranks:
+            return None
+        sizes: dict[int, tuple] = {}
+        if self._walk(template, key, rules_only=True, into=sizes) is None:
+            return None
+        return {s: math.prod(sizes[s]) * itemsize for s, itemsize in self._itemsizes.items()}
+
+    def _walk(self, template: Any, key: tuple, rules_only: bool = False, into: dict[int, tuple] | None = None
               ) -> tuple[list[int], list[tuple], dict[int, NativeStep], dict[int, SizedPrimitive]] | None:
         """view()'s walk at `key`: (the values the rules write, in member order; the exits' sizes; the members
         without a rule at these sizes, as NativeSteps; the oneDNN members whose arguments a view writes), or None
         where a rule or layer refuses them or the template's arena cannot hold them. `rules_only`: None at the
-        first member without a rule's answer (nothing is made: learn_at)."""
+        first member without a rule's answer (nothing is made: learn_at). `into`: given every value's size (slot ->
+        size) where the walk answers."""
         sizes = dict(zip(template.entries, key))
         values: list[int] = []  # what the rules write, in member order
         natives: dict[int, NativeStep] = {}  # the members without a rule, at the new sizes
@@ -362,6 +376,8 @@ class _PlanRewrite:
         for s, itemsize, capacity in self._arena:
             if math.prod(sizes[s]) * itemsize > capacity:
                 return None
+        if into is not None:
+            into.update(sizes)
         return values, [sizes[s] for s, _dtype, _nhwc in self._exits], natives, bound
 
     def _bound_view(self, template: Any, key: tuple, values: list[int], exits: list[tuple],

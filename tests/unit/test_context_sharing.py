@@ -19,10 +19,11 @@ import zlib
 
 import numpy as np
 import pytest
+import torch
 
 from kiln.kernels.cpu import onednn, onednn_ahead
 from kiln.kernels.cpu import transformer as kernels
-from kiln.runtime import native, view_trace, views_ahead
+from kiln.runtime import first_calls, native, view_trace, views_ahead
 from kiln.tactics import traced_rules
 
 pytestmark = pytest.mark.skipif(not (kernels.available() and onednn.available()),
@@ -336,3 +337,115 @@ def test_a_lane_given_back_is_readied_again(dynamic_bert_tiny, monkeypatch):
         _check(third, session, "again", *shape)
     assert binds.count == 0, \
         f"the reused lane's first calls at the first context's shapes bound {binds.count} views: {binds.keys}"
+
+
+def _extents_by_native_steps(template, key) -> list[tuple[int, int]]:
+    """The oracle of Segment._extents: each arena value's bytes at `key` from the members' own NativeSteps
+    (Segment._natives_at's forms), at its planned address, merged."""
+    forms = template._natives_at(key).forms
+    base = template.buffers[0].data_ptr()
+    spans = sorted((template._address[s] - base, template._address[s] - base + int(np.prod(forms[s][0]))
+                    * forms[s][2].itemsize) for s, _g in template._arena_slots)
+    merged: list[list[int]] = []
+    for start, stop in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], stop)
+        elif stop > start:
+            merged.append([start, stop])
+    return [tuple(span) for span in merged]
+
+
+def test_extents_by_rules_are_the_native_steps_sizes(dynamic_bert_tiny):
+    """_PlanRewrite.arena_bytes_at (the rules' walk, no lock: what a new lane's job touches by) gives every arena
+    value's bytes as the members' own NativeSteps at those sizes do, at fresh random shapes of the profile, on the
+    grown template and on the planned segment."""
+    engine, _session = dynamic_bert_tiny
+    program = engine.program
+    (segment,) = _view_segments(program)
+    entries = tuple(program.lean_steps[0].inputs)
+    rng = np.random.default_rng(zlib.crc32(b"extents by rules"))
+    templates = [t for t in (segment._grown, segment) if t is not None and t._rewrite is not None]
+    assert templates and templates[0] is segment._grown, "the load's view job did not grow bert_tiny's template"
+    compared = 0
+    for template in templates:
+        for _ in range(12):
+            batch, seq = int(rng.integers(1, 5)), int(rng.integers(1, 49))
+            key = first_calls.entry_key(program, entries, [(batch, seq)] * len(program.input_slots))
+            at = template._natives_at(key)
+            if not template.fits(at.natives, at.forms):  # past the planned segment's arena: the grown one's only
+                continue
+            assert segment._extents(template, key) == _extents_by_native_steps(template, key), key
+            assert template._rewrite.arena_bytes_at(template, key) is not None, key  # the rules answered it
+            compared += 1
+    assert compared >= 12
+
+
+def test_a_second_contexts_job_touches_only_what_its_origin_ran(dynamic_bert_tiny, monkeypatch):
+    """The lane's job leaves its adopted grown template's pages untouched except where a run of the first context's
+    shapes reaches (each view's values at their planned places, as the members' NativeSteps size them), and the
+    planned plan's pages only where the first context ran its planned sizes: a context that runs small shapes does
+    not hold the profile's largest plan (BERT-base: 36 MiB a context, bench/results/first-shape-2026-12-06.md).
+    Before, the adoption zeroed the grown template whole (every one of its pages: this fails). Its calls answer as
+    onnxruntime does and bind nothing at the seen shapes."""
+    engine, session = dynamic_bert_tiny
+    assert onednn_ahead.AHEAD.wait(timeout=120)  # earlier tests' lanes' jobs done: none touches while this records
+    held = _held_lanes(engine, monkeypatch)
+    monkeypatch.setattr(native.Segment, "TOUCH_ADOPTED_WHOLE", False)  # the lean touch (off by default: see native.py)
+    monkeypatch.setattr(views_ahead, "TWIN_VIEWS", 2)  # the job binds (and touches for) this test's two shapes only
+    first = engine.create_execution_context(pad_first_calls=False)
+    seen = ((2, 9), (1, 5))
+    for shape in seen:
+        _check(first, session, "touch", *shape)
+    origin = _view_segments(first.program)[0]
+    touched: list[tuple] = []
+    original = native.Segment._touch
+    twin = None
+
+    def recorded(template, extents):
+        if twin is not None and template in (twin, twin._grown):  # (this lane's only)
+            touched.append((template, list(extents)))
+        original(template, extents)
+    monkeypatch.setattr(native.Segment, "_touch", staticmethod(recorded))
+    zeroed: list[tuple[int, int]] = []  # (address, bytes) of every tensor zeroed while the job runs
+    zero = torch.Tensor.zero_
+
+    def zero_recorded(tensor):
+        zeroed.append((tensor.data_ptr(), tensor.numel() * tensor.element_size()))
+        return zero(tensor)
+    kept = []  # each round's context lives on: the next one's lane is a new one (not this one's, given back)
+    for ran_planned in (False, True):
+        monkeypatch.setattr(origin, "ran_planned", ran_planned)
+        second = engine.create_execution_context(pad_first_calls=False)
+        kept.append(second)
+        twin = _view_segments(second.program)[0]
+        (job,) = _twin_jobs(held)[-1:]
+        touched.clear()
+        zeroed.clear()
+        with monkeypatch.context() as patched:
+            patched.setattr(torch.Tensor, "zero_", zero_recorded)
+            assert job.make()
+        grown = twin._grown
+        assert grown is not None and grown.arena is twin.arena
+        grown_bytes = sum(b.numel() * b.element_size() for b in grown.buffers)
+        base = grown.buffers[0].data_ptr()
+        pages = {page for address, nbytes in zeroed for page in range((address - base) // 4096,
+                                                                     (address - base + nbytes - 1) // 4096 + 1)
+                 if 0 <= page * 4096 < grown_bytes}
+        planned_pages = -(-twin.planned_bytes // 4096) if ran_planned else 0
+        assert len(pages - set(range(planned_pages))) * 4096 < grown_bytes / 2, \
+            f"the job touched {len(pages)} pages of the second context's grown template ({grown_bytes} bytes)"
+        keys = [key for key, view in origin.resized.items() if view is not None][-2:]
+        assert {key[0] for key in keys} == set(seen)
+        wanted = [(grown, _extents_by_native_steps(grown, key)) for key in keys]
+        if ran_planned:
+            wanted.insert(0, (twin, [(0, twin.planned_bytes)]))
+        assert [(id(t), e) for t, e in touched] == [(id(t), e) for t, e in wanted]
+        assert pages >= {page for _t, extents in touched for start, stop in extents
+                         for page in range(start // 4096, (stop - 1) // 4096 + 1)}
+        binds = _Binds(monkeypatch)
+        for shape in seen:
+            _check(second, session, "touch", *shape)
+        assert binds.count == 0
+        for shape in ((4, 32), (4, 45), (3, 17)):  # the planned sizes, past them (the grown template's far pages), new
+            _check(second, session, f"touch {ran_planned}", *shape)
+        assert twin.ran_planned  # its run at the planned 4x32 (a lane given back touches no planned page again)
