@@ -34,6 +34,11 @@ typedef struct {
     int inputs, lines;
     int code[EW_LINES][3];              /* op, operand a, operand b: k < EW_INPUTS input k, else line k - EW_INPUTS */
     long grain;                         /* elements past which the chunks are shared among the threads */
+    /* An explicitly quantized graph's chain (kiln/passes/fusion/elementwise_dequantize.py, int8 rules): input k of
+       in_type 1 (uint8) or 2 (int8) is read as DequantizeLinear's (x - z)·s; out_type 1/2: y stored as
+       QuantizeLinear's saturate(round(r / s) + z) (quantize_row, attention.c) of the last line r. */
+    int in_type[EW_INPUTS], out_type;   /* 0 float32, 1 uint8, 2 int8 */
+    const float *quant;                 /* [EW_INPUTS][2] inputs' {s, z}, then the output's {s, z, qmin, qmax} */
 } elementwise_plan;
 
 static inline float ew_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
@@ -100,13 +105,25 @@ static void ew_line(int op, const float *restrict a, const float *restrict b, fl
 }
 
 /* One chunk: y[0:n] for the output row starting at flat element `base`, input k's first element at off[k]. */
-static void ew_chunk(const elementwise_plan *p, const float *const *in, const long *off, float *y, long n) {
+static void ew_chunk(const elementwise_plan *p, const void *const *in, const long *off, void *y, long n) {
     float buffers[EW_INPUTS][EW_CHUNK] __attribute__((aligned(64)));
     float temps[EW_LINES][EW_CHUNK] __attribute__((aligned(64)));
     const float *operand[EW_INPUTS + EW_LINES];
     for (int k = 0; k < p->inputs; ++k) {
         const long s = p->strides[k][MAXD - 1];
-        const float *x = in[k] + off[k];
+        if (p->in_type[k] != 0) {  /* 8-bit: dequantized into the chunk's buffer */
+            const float sc = p->quant[2 * k], z = p->quant[2 * k + 1];
+            if (p->in_type[k] == 1) {
+                const unsigned char *x = (const unsigned char *)in[k] + off[k];
+                for (long j = 0; j < n; ++j) buffers[k][j] = ((float)x[j * s] - z) * sc;
+            } else {
+                const signed char *x = (const signed char *)in[k] + off[k];
+                for (long j = 0; j < n; ++j) buffers[k][j] = ((float)x[j * s] - z) * sc;
+            }
+            operand[k] = buffers[k];
+            continue;
+        }
+        const float *x = (const float *)in[k] + off[k];
         if (s == 1) {
             operand[k] = x;
         } else {
@@ -115,16 +132,27 @@ static void ew_chunk(const elementwise_plan *p, const float *const *in, const lo
         }
     }
     for (int l = 0; l < p->lines; ++l) {
-        float *r = l == p->lines - 1 ? y : temps[l];
+        float *r = l == p->lines - 1 && p->out_type == 0 ? (float *)y : temps[l];
         ew_line(p->code[l][0], operand[p->code[l][1]], operand[p->code[l][2]], r, n);
         operand[EW_INPUTS + l] = r;
+    }
+    if (p->out_type != 0) {  /* the last line quantized: integral values in [qmin, qmax], stored as 8 bits */
+        float *r = temps[p->lines - 1];
+        quantize_row(r, r, n, p->quant + 2 * EW_INPUTS, 0);
+        if (p->out_type == 1) {
+            unsigned char *q = (unsigned char *)y;
+            for (long j = 0; j < n; ++j) q[j] = (unsigned char)(int)r[j];
+        } else {
+            signed char *q = (signed char *)y;
+            for (long j = 0; j < n; ++j) q[j] = (signed char)(int)r[j];
+        }
     }
 }
 
 typedef struct {
     const elementwise_plan *p;
-    const float *const *in;
-    float *y;
+    const void *const *in;
+    char *y;                            /* bytes: float32 or 8-bit elements (out_type) */
     long n, per_row, chunks;
 } elementwise_loop;
 
@@ -141,19 +169,20 @@ static void elementwise_item(void *loop, long item) {
             for (int k = 0; k < p->inputs; ++k) off[k] += i * p->strides[k][d];
         }
         for (int k = 0; k < p->inputs; ++k) off[k] += j0 * p->strides[k][MAXD - 1];
-        ew_chunk(p, l->in, off, l->y + o * l->n + j0, l->n - j0 < EW_CHUNK ? l->n - j0 : EW_CHUNK);
+        const long bytes = p->out_type != 0 ? 1 : (long)sizeof(float);
+        ew_chunk(p, l->in, off, l->y + (o * l->n + j0) * bytes, l->n - j0 < EW_CHUNK ? l->n - j0 : EW_CHUNK);
     }
 }
 
 int kiln_elementwise(void *object, void *stream, int nargs, const void *args) {
     (void)stream; (void)nargs; (void)args;
     const elementwise_plan *p = (const elementwise_plan *)object;
-    const float *in[EW_INPUTS] = {NULL};
+    const void *in[EW_INPUTS] = {NULL};
     for (int k = 0; k < p->inputs; ++k) {
-        in[k] = p->constant[k] != NULL ? p->constant[k] : (const float *)handle_of(p->get_handle, p->in_[k]);
+        in[k] = p->constant[k] != NULL ? (const void *)p->constant[k] : handle_of(p->get_handle, p->in_[k]);
         if (in[k] == NULL) return 2;
     }
-    float *y = (float *)handle_of(p->get_handle, p->out);
+    char *y = (char *)handle_of(p->get_handle, p->out);
     if (y == NULL || p->lines < 1) return 2;
     const long n = p->dims[MAXD - 1];
     long outer = 1;

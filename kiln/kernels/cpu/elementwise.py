@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,7 +32,8 @@ class _ElementwisePlan(ctypes.Structure):  # elementwise_plan
     _fields_ = [("get_handle", ctypes.c_void_p), ("in_", ctypes.c_void_p * EW_INPUTS),
                 ("constant", ctypes.c_void_p * EW_INPUTS), ("out", ctypes.c_void_p), ("dims", _LONGD),
                 ("strides", _LONGD * EW_INPUTS), ("inputs", ctypes.c_int), ("lines", ctypes.c_int),
-                ("code", (ctypes.c_int * 3) * EW_LINES), ("grain", ctypes.c_long)]
+                ("code", (ctypes.c_int * 3) * EW_LINES), ("grain", ctypes.c_long),
+                ("in_type", ctypes.c_int * EW_INPUTS), ("out_type", ctypes.c_int), ("quant", ctypes.c_void_p)]
 
 
 class _ConcatPlan(ctypes.Structure):  # concat_plan
@@ -63,6 +65,89 @@ def parse(code: list[str], inputs: int) -> list[tuple[int, int, int]] | str:
     return lines
 
 
+EIGHT_BIT = {torch.uint8: 1, torch.int8: 2}  # elementwise.c's in_type / out_type
+
+
+@dataclass
+class Quantization:
+    """A program's Dequantize / Quantize lines (int8/uint8, kiln/passes/fusion/elementwise_dequantize.py) as
+    elementwise.c runs them: the float32 program left, each dequantized input's 8-bit dtype, scale and zero point
+    (read as (x - z)·s), and the output's (stored as saturate(round(r / s) + z)); `output` None: float32."""
+
+    code: list[str]
+    inputs: dict[int, tuple[torch.dtype, float, float]] = field(default_factory=dict)
+    output: tuple[torch.dtype, float, float] | None = None
+
+    def quant(self) -> list[float]:
+        """elementwise_plan.quant: [EW_INPUTS][2] {s, z}, then the output's {s, z, qmin, qmax}."""
+        values = [0.0] * (2 * EW_INPUTS + 4)
+        for k, (_, scale, zero) in self.inputs.items():
+            values[2 * k:2 * k + 2] = [scale, zero]
+        if self.output is not None:
+            dtype, scale, zero = self.output
+            values[2 * EW_INPUTS:] = [scale, zero, torch.iinfo(dtype).min, torch.iinfo(dtype).max]
+        return values
+
+
+def quantization(code: list[str], dtypes: dict[int, torch.dtype],
+                 constants: dict[int, torch.Tensor]) -> Quantization | str:
+    """The program without its int8/uint8 Dequantize and Quantize lines (`Dequantize i<q> i<s> i<z>`, the first
+    lines; `Quantize t<last> i<s> i<z>`, the last), or why elementwise.c cannot run them. `dtypes`: every input's
+    dtype by index; `constants`: the constant inputs (the scales and zero points must be)."""
+    result = Quantization(code=[])
+    renamed: dict[int, str] = {}  # the old line's result -> its operand in the new program
+    if not any(line.split()[0] in ("Dequantize", "Quantize") for line in code):
+        result.code = list(code)
+        return result
+
+    def scalar(operand: str, what: str) -> float | str:
+        k = int(operand[1:])
+        if operand[0] != "i" or k not in constants or constants[k].numel() != 1:
+            return f"the {what} {operand} is not a constant scalar"
+        return float(constants[k].reshape(()).to(torch.float64))
+
+    def operand_of(a: str) -> str:
+        return renamed[int(a[1:])] if a[0] == "t" else a
+
+    for number, line in enumerate(code):
+        op, *args = line.split()
+        if op == "Dequantize":
+            if len(args) != 3:
+                return f"line {number} {line!r}: an E4M3 Dequantize (no zero point): CUDA's kernels run it"
+            q = args[0]
+            k = int(q[1:])
+            if q[0] != "i" or k in constants or dtypes.get(k) not in EIGHT_BIT:
+                return f"line {number} {line!r}: {q} is not an 8-bit activation"
+            if sum(other.split()[1:].count(q) for other in code) != 1:
+                return f"line {number} {line!r}: {q} is read by other lines too"
+            scale, zero = scalar(args[1], "scale"), scalar(args[2], "zero point")
+            if isinstance(scale, str) or isinstance(zero, str):
+                return f"line {number} {line!r}: " + (scale if isinstance(scale, str) else zero)
+            result.inputs[k] = (dtypes[k], scale, zero)
+            renamed[number] = q
+        elif op == "Quantize":
+            if len(args) != 3:
+                return f"line {number} {line!r}: an E4M3 Quantize (no zero point): CUDA's kernels run it"
+            if number != len(code) - 1 or not operand_of(args[0]).startswith("t"):
+                return f"line {number} {line!r}: a Quantize only as the last line, of a computed line"
+            zero_index = int(args[2][1:])
+            scale, zero = scalar(args[1], "scale"), scalar(args[2], "zero point")
+            if isinstance(scale, str) or isinstance(zero, str):
+                return f"line {number} {line!r}: " + (scale if isinstance(scale, str) else zero)
+            dtype = constants[zero_index].dtype
+            if dtype not in EIGHT_BIT:
+                return f"line {number} {line!r}: the zero point is {dtype}, not int8/uint8"
+            result.output = (dtype, scale, zero)
+            if operand_of(args[0]) != f"t{len(result.code) - 1}":
+                return f"line {number} {line!r}: a Quantize of the line before it only"
+        else:
+            renamed[number] = f"t{len(result.code)}"
+            result.code.append(" ".join([op, *(operand_of(a) for a in args)]))
+    if not result.code:
+        return "no float32 line between the Dequantize and the Quantize"
+    return result
+
+
 def merged_dims(out: tuple[int, ...], strides: list[tuple[int, ...]]) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
     """out's dims (and each operand's strides over them) merged where every operand walks them as one
     (merge_walked_dims); MAX_DIMS long again, 1s in front."""
@@ -78,12 +163,19 @@ class Elementwise(NativeKernel):
 
     PLAN, FUNCTION = _ElementwisePlan, "kiln_elementwise"
 
-    def __init__(self, code: list[str], sizes: dict[int, tuple[int, ...]], constants: dict[int, torch.Tensor]):
+    def __init__(self, code: list[str], sizes: dict[int, tuple[int, ...]], constants: dict[int, torch.Tensor],
+                 dtypes: dict[int, torch.dtype] | None = None):
         count = max([*sizes, *constants]) + 1
         super().__init__(f"elementwise {code} of {count} inputs")
-        lines = parse(code, count)
+        quantized = quantization(code, dtypes or {}, constants)
+        if isinstance(quantized, str):
+            raise ValueError(f"{self.what}: {quantized}")
+        lines = parse(quantized.code, count)
         if isinstance(lines, str):
             raise ValueError(f"{self.what}: {lines}")
+        if quantized.output is not None:
+            self.output_dtype = quantized.output[0]
+        self._quant = torch.tensor(quantized.quant(), dtype=torch.float32)
         self._constants = {k: c.detach().to(torch.float32).contiguous() for k, c in constants.items()}
         all_sizes = [tuple(sizes[k]) if k in sizes else tuple(self._constants[k].shape) for k in range(count)]
         out = broadcast_sizes(*all_sizes)
@@ -99,7 +191,11 @@ class Elementwise(NativeKernel):
             constant=(ctypes.c_void_p * EW_INPUTS)(*[self._constants[k].data_ptr() if k in self._constants else None
                                                      for k in range(EW_INPUTS)]),
             dims=_LONGD(*dims), strides=(_LONGD * EW_INPUTS)(*[_LONGD(*s) for s in strides]), inputs=count,
-            lines=len(lines), code=code_array, grain=PARALLEL_ELEMENTS)
+            lines=len(lines), code=code_array, grain=PARALLEL_ELEMENTS,
+            in_type=(ctypes.c_int * EW_INPUTS)(*[EIGHT_BIT[quantized.inputs[k][0]] if k in quantized.inputs else 0
+                                                 for k in range(EW_INPUTS)]),
+            out_type=EIGHT_BIT[quantized.output[0]] if quantized.output is not None else 0,
+            quant=self._quant.data_ptr())
 
 
 class _QuantizePlan(ctypes.Structure):  # quantize_plan
