@@ -37,7 +37,8 @@ typedef struct {
     /* An explicitly quantized graph's chain (kiln/passes/fusion/elementwise_dequantize.py, int8 rules): input k of
        in_type 1 (uint8) or 2 (int8) is read as DequantizeLinear's (x - z)·s; out_type 1/2: y stored as
        QuantizeLinear's saturate(round(r / s) + z) (quantize_row, attention.c) of the last line r. */
-    int in_type[EW_INPUTS], out_type;   /* 0 float32, 1 uint8, 2 int8 */
+    int in_type[EW_INPUTS], out_type;   /* 0 float32, 1 uint8, 2 int8; an input of in_type 3 no line reads (a
+                                           Dequantize's or Quantize's scale or zero point: in `quant`) */
     const float *quant;                 /* [EW_INPUTS][2] inputs' {s, z}, then the output's {s, z, qmin, qmax} */
 } elementwise_plan;
 
@@ -104,6 +105,48 @@ static void ew_line(int op, const float *restrict a, const float *restrict b, fl
     }
 }
 
+/* r[j] = (x[j·s] - z)·sc for j < n, x uint8 (is_signed 0) or int8: DequantizeLinear as it reads the chunk */
+static void ew_dequantize(const void *x, long s, int is_signed, float sc, float z, float *restrict r, long n) {
+    long j = 0;
+    if (s == 1) {
+#ifdef __AVX512F__
+        const __m512 vs = _mm512_set1_ps(sc), vz = _mm512_set1_ps(z);
+        for (; j + 16 <= n; j += 16) {
+            const __m128i b = _mm_loadu_si128((const __m128i *)((const char *)x + j));
+            const __m512i w = is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+            _mm512_storeu_ps(r + j, _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(w), vz), vs));
+        }
+#endif
+        if (is_signed) for (; j < n; ++j) r[j] = ((float)((const signed char *)x)[j] - z) * sc;
+        else for (; j < n; ++j) r[j] = ((float)((const unsigned char *)x)[j] - z) * sc;
+        return;
+    }
+    if (is_signed) for (; j < n; ++j) r[j] = ((float)((const signed char *)x)[j * s] - z) * sc;
+    else for (; j < n; ++j) r[j] = ((float)((const unsigned char *)x)[j * s] - z) * sc;
+}
+
+/* y[j] = saturate(round_half_even(r[j] / q[0]) + q[1]) into [q[2], q[3]] as 8 bits, j < n: QuantizeLinear as it
+   stores the chunk (quantize_row's rounding, attention.c; 16 lanes where the CPU has them) */
+static void ew_quantize(const float *restrict r, const float *q, int is_signed, void *y, long n) {
+    long j = 0;
+#ifdef __AVX512F__
+    const __m512 s = _mm512_set1_ps(q[0]), z = _mm512_set1_ps(q[1]), lo = _mm512_set1_ps(q[2]),
+                 hi = _mm512_set1_ps(q[3]);
+    for (; j + 16 <= n; j += 16) {
+        __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(r + j), s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(v, z), lo), hi);  /* NaN: max gives lo, as quantize_row */
+        const __m512i w = _mm512_cvtps_epi32(v);
+        _mm_storeu_si128((__m128i *)((char *)y + j), is_signed ? _mm512_cvtsepi32_epi8(w) : _mm512_cvtusepi32_epi8(w));
+    }
+#endif
+    if (j < n) {
+        float t[EW_CHUNK];
+        quantize_row(r + j, t, n - j, q, 0);  /* integral values in [qmin, qmax] */
+        if (is_signed) for (long i = 0; i < n - j; ++i) ((signed char *)y)[j + i] = (signed char)(int)t[i];
+        else for (long i = 0; i < n - j; ++i) ((unsigned char *)y)[j + i] = (unsigned char)(int)t[i];
+    }
+}
+
 /* One chunk: y[0:n] for the output row starting at flat element `base`, input k's first element at off[k]. */
 static void ew_chunk(const elementwise_plan *p, const void *const *in, const long *off, void *y, long n) {
     float buffers[EW_INPUTS][EW_CHUNK] __attribute__((aligned(64)));
@@ -111,15 +154,10 @@ static void ew_chunk(const elementwise_plan *p, const void *const *in, const lon
     const float *operand[EW_INPUTS + EW_LINES];
     for (int k = 0; k < p->inputs; ++k) {
         const long s = p->strides[k][MAXD - 1];
+        if (p->in_type[k] == 3) continue;
         if (p->in_type[k] != 0) {  /* 8-bit: dequantized into the chunk's buffer */
-            const float sc = p->quant[2 * k], z = p->quant[2 * k + 1];
-            if (p->in_type[k] == 1) {
-                const unsigned char *x = (const unsigned char *)in[k] + off[k];
-                for (long j = 0; j < n; ++j) buffers[k][j] = ((float)x[j * s] - z) * sc;
-            } else {
-                const signed char *x = (const signed char *)in[k] + off[k];
-                for (long j = 0; j < n; ++j) buffers[k][j] = ((float)x[j * s] - z) * sc;
-            }
+            ew_dequantize((const char *)in[k] + off[k], s, p->in_type[k] == 2, p->quant[2 * k], p->quant[2 * k + 1],
+                          buffers[k], n);
             operand[k] = buffers[k];
             continue;
         }
@@ -136,17 +174,7 @@ static void ew_chunk(const elementwise_plan *p, const void *const *in, const lon
         ew_line(p->code[l][0], operand[p->code[l][1]], operand[p->code[l][2]], r, n);
         operand[EW_INPUTS + l] = r;
     }
-    if (p->out_type != 0) {  /* the last line quantized: integral values in [qmin, qmax], stored as 8 bits */
-        float *r = temps[p->lines - 1];
-        quantize_row(r, r, n, p->quant + 2 * EW_INPUTS, 0);
-        if (p->out_type == 1) {
-            unsigned char *q = (unsigned char *)y;
-            for (long j = 0; j < n; ++j) q[j] = (unsigned char)(int)r[j];
-        } else {
-            signed char *q = (signed char *)y;
-            for (long j = 0; j < n; ++j) q[j] = (signed char)(int)r[j];
-        }
-    }
+    if (p->out_type != 0) ew_quantize(temps[p->lines - 1], p->quant + 2 * EW_INPUTS, p->out_type == 2, y, n);
 }
 
 typedef struct {

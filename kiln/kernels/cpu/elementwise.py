@@ -66,6 +66,7 @@ def parse(code: list[str], inputs: int) -> list[tuple[int, int, int]] | str:
 
 
 EIGHT_BIT = {torch.uint8: 1, torch.int8: 2}  # elementwise.c's in_type / out_type
+UNREAD = 3  # elementwise.c's in_type of an input no line reads (a scale or zero point, in `quant`)
 
 
 @dataclass
@@ -77,6 +78,12 @@ class Quantization:
     code: list[str]
     inputs: dict[int, tuple[torch.dtype, float, float]] = field(default_factory=dict)
     output: tuple[torch.dtype, float, float] | None = None
+    parameters: set[int] = field(default_factory=set)  # the scales' and zero points' inputs: no line reads them
+
+    def in_types(self) -> list[int]:
+        """elementwise_plan.in_type: each input as the kernel reads it."""
+        return [EIGHT_BIT[self.inputs[k][0]] if k in self.inputs else UNREAD if k in self.parameters else 0
+                for k in range(EW_INPUTS)]
 
     def quant(self) -> list[float]:
         """elementwise_plan.quant: [EW_INPUTS][2] {s, z}, then the output's {s, z, qmin, qmax}."""
@@ -102,6 +109,7 @@ def quantization(code: list[str], dtypes: dict[int, torch.dtype],
 
     def scalar(operand: str, what: str) -> float | str:
         k = int(operand[1:])
+        result.parameters.add(k)
         if operand[0] != "i" or k not in constants or constants[k].numel() != 1:
             return f"the {what} {operand} is not a constant scalar"
         return float(constants[k].reshape(()).to(torch.float64))
@@ -145,6 +153,7 @@ def quantization(code: list[str], dtypes: dict[int, torch.dtype],
             result.code.append(" ".join([op, *(operand_of(a) for a in args)]))
     if not result.code:
         return "no float32 line between the Dequantize and the Quantize"
+    result.parameters -= {int(a[1:]) for line in result.code for a in line.split()[1:] if a[0] == "i"}
     return result
 
 
@@ -192,8 +201,7 @@ class Elementwise(NativeKernel):
                                                      for k in range(EW_INPUTS)]),
             dims=_LONGD(*dims), strides=(_LONGD * EW_INPUTS)(*[_LONGD(*s) for s in strides]), inputs=count,
             lines=len(lines), code=code_array, grain=PARALLEL_ELEMENTS,
-            in_type=(ctypes.c_int * EW_INPUTS)(*[EIGHT_BIT[quantized.inputs[k][0]] if k in quantized.inputs else 0
-                                                 for k in range(EW_INPUTS)]),
+            in_type=(ctypes.c_int * EW_INPUTS)(*quantized.in_types()),
             out_type=EIGHT_BIT[quantized.output[0]] if quantized.output is not None else 0,
             quant=self._quant.data_ptr())
 
