@@ -210,10 +210,11 @@ static void elementwise_item(void *loop, long item) {
     for (long it = item * 16; it < (item + 1) * 16 && it < l->chunks; ++it) {
         const long o = it / l->per_row, j0 = (it % l->per_row) * EW_CHUNK;
         long rem = o, off[EW_INPUTS] = {0};
-        for (int d = MAXD - 2; d >= 0; --d) {
+        for (int d = MAXD - 2; d >= 0 && rem > 0; --d) {  /* (the leading dims of 1 and index 0 add nothing) */
             const long i = rem % p->dims[d];
             rem /= p->dims[d];
-            for (int k = 0; k < p->inputs; ++k) off[k] += i * p->strides[k][d];
+            if (i != 0)
+                for (int k = 0; k < p->inputs; ++k) off[k] += i * p->strides[k][d];
         }
         for (int k = 0; k < p->inputs; ++k) off[k] += j0 * p->strides[k][MAXD - 1];
         const long bytes = p->out_type != 0 ? 1 : (long)sizeof(float);
