@@ -174,3 +174,27 @@ def test_a_qdq_model_runs_the_same_fused_and_within_a_step_of_onnxruntime(tmp_pa
         # one step of y, plus one flipped step of the Gelu's quantization (kiln's erf against libm's) passed on by the add
         bound = scales["s_y"] + scales["s_g"] + 1e-6
         assert np.abs(got - want).max() <= bound
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8], ids=["uint8", "int8"])
+@pytest.mark.parametrize("name,size", [("bias_gelu", (1, 128, 512)), ("bias_scale", (2, 64, 128)),
+                                       ("bias_gelu", (1, 96, 40))], ids=["gelu", "scale", "gelu_40_columns"])
+def test_a_lookup_table_is_the_evaluation_bit_for_bit(name, size, dtype):
+    """One 8-bit activation and per-column constants, 8-bit out: the kernel looks each byte up in a [columns][256]
+    table made by evaluating its own program on every byte value, exactly what evaluating it per element gives."""
+    code, activations, constants = _case(name, dtype, size)
+    sizes, dtypes = {k: tuple(v.shape) for k, v in activations.items()}, {k: v.dtype for k, v in activations.items()}
+    table = kernels.Elementwise(code, sizes, constants, dtypes)
+    evaluated = kernels.Elementwise(code, sizes, constants, dtypes, lookup=False)
+    assert table._table is not None and evaluated._table is None
+    assert torch.equal(table(activations), evaluated(activations))
+
+
+@needs_kernels
+def test_no_table_where_a_chunk_would_end_in_libms_gelu():
+    """A Gelu over rows of 37: each row's last 5 elements take libm's erff, not the vector loop's (the table, made on
+    [256, 37], would hold them too, but only a row length of a multiple of 8 is taken: no element's path to depend on)."""
+    code, activations, constants = _case("bias_gelu", torch.uint8, (1, 128, 37))
+    kernel = kernels.Elementwise(code, {1: (1, 128, 37)}, constants, {1: torch.uint8})
+    assert kernel._table is None

@@ -40,6 +40,11 @@ typedef struct {
     int in_type[EW_INPUTS], out_type;   /* 0 float32, 1 uint8, 2 int8; an input of in_type 3 no line reads (a
                                            Dequantize's or Quantize's scale or zero point: in `quant`) */
     const float *quant;                 /* [EW_INPUTS][2] inputs' {s, z}, then the output's {s, z, qmin, qmax} */
+    /* A program of one 8-bit activation (input table_input, y's shape) and constants that vary along y's last axis
+       at most, stored 8-bit: y[o][j] = table[j·256 + byte x[o][j]], the program evaluated by this kernel on every
+       byte value of each column once, at build (kiln/kernels/cpu/elementwise.py lookup_table). NULL: evaluated. */
+    const unsigned char *table;         /* [dims[MAXD-1]][256] + 3 bytes (a 4-byte gather reads past the last) */
+    int table_input;
 } elementwise_plan;
 
 static inline float ew_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
@@ -222,6 +227,36 @@ static void elementwise_item(void *loop, long item) {
     }
 }
 
+typedef struct {
+    const elementwise_plan *p;
+    const unsigned char *x;
+    unsigned char *y;
+    long n, rows;
+} table_loop;
+
+/* Rows [16 item, 16 item + 16) of y through the table: one gather a byte. */
+static void table_item(void *loop, long item) {
+    const table_loop *l = (const table_loop *)loop;
+    const unsigned char *table = l->p->table;
+    for (long o = item * 16; o < (item + 1) * 16 && o < l->rows; ++o) {
+        const unsigned char *x = l->x + o * l->n;
+        unsigned char *y = l->y + o * l->n;
+        long j = 0;
+#ifdef __AVX512F__
+        const __m512i column_step = _mm512_set1_epi32(16 * 256);
+        __m512i base = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(256));
+        for (; j + 16 <= l->n; j += 16) {
+            const __m512i at = _mm512_add_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(x + j))), base);
+            const __m512i g = _mm512_i32gather_epi32(at, (const void *)table, 1);  /* the byte at `at`, and 3 more */
+            _mm_storeu_si128((__m128i *)(y + j), _mm512_cvtepi32_epi8(g));        /* (the low byte of each) */
+            base = _mm512_add_epi32(base, column_step);
+        }
+#endif
+        for (; j < l->n; ++j) y[j] = table[j * 256 + x[j]];
+    }
+}
+
 int kiln_elementwise(void *object, void *stream, int nargs, const void *args) {
     (void)stream; (void)nargs; (void)args;
     const elementwise_plan *p = (const elementwise_plan *)object;
@@ -236,6 +271,11 @@ int kiln_elementwise(void *object, void *stream, int nargs, const void *args) {
     long outer = 1;
     for (int d = 0; d < MAXD - 1; ++d) outer *= p->dims[d];
     if (n <= 0 || outer <= 0) return 0;
+    if (p->table != NULL) {
+        table_loop t = {p, (const unsigned char *)in[p->table_input], (unsigned char *)y, n, outer};
+        parallel_items((outer + 15) / 16, outer * n > p->grain ? max_threads() : 1, table_item, &t);
+        return 0;
+    }
     const long per_row = (n + EW_CHUNK - 1) / EW_CHUNK;
     /* items of 16 chunks: a few hundred of them at most past the grain, each ~4k elements */
     elementwise_loop l = {p, in, y, n, per_row, outer * per_row};

@@ -33,7 +33,8 @@ class _ElementwisePlan(ctypes.Structure):  # elementwise_plan
                 ("constant", ctypes.c_void_p * EW_INPUTS), ("out", ctypes.c_void_p), ("dims", _LONGD),
                 ("strides", _LONGD * EW_INPUTS), ("inputs", ctypes.c_int), ("lines", ctypes.c_int),
                 ("code", (ctypes.c_int * 3) * EW_LINES), ("grain", ctypes.c_long),
-                ("in_type", ctypes.c_int * EW_INPUTS), ("out_type", ctypes.c_int), ("quant", ctypes.c_void_p)]
+                ("in_type", ctypes.c_int * EW_INPUTS), ("out_type", ctypes.c_int), ("quant", ctypes.c_void_p),
+                ("table", ctypes.c_void_p), ("table_input", ctypes.c_int)]
 
 
 class _ConcatPlan(ctypes.Structure):  # concat_plan
@@ -173,7 +174,7 @@ class Elementwise(NativeKernel):
     PLAN, FUNCTION = _ElementwisePlan, "kiln_elementwise"
 
     def __init__(self, code: list[str], sizes: dict[int, tuple[int, ...]], constants: dict[int, torch.Tensor],
-                 dtypes: dict[int, torch.dtype] | None = None):
+                 dtypes: dict[int, torch.dtype] | None = None, lookup: bool = True):
         count = max([*sizes, *constants]) + 1
         super().__init__(f"elementwise {code} of {count} inputs")
         quantized = quantization(code, dtypes or {}, constants)
@@ -204,6 +205,50 @@ class Elementwise(NativeKernel):
             in_type=(ctypes.c_int * EW_INPUTS)(*quantized.in_types()),
             out_type=EIGHT_BIT[quantized.output[0]] if quantized.output is not None else 0,
             quant=self._quant.data_ptr())
+        self._table = lookup_table(code, sizes, constants, dtypes or {}, quantized, dims, strides) if lookup else None
+        if self._table is not None:
+            self.fields.update(table=self._table.data_ptr(), table_input=next(iter(quantized.inputs)))
+
+
+TABLE_MIN_ROWS = 64  # rows of y below which a program is evaluated (the table is 256 rows' worth of work at build)
+TABLE_MAX_COLUMNS = 1024  # a table of at most 256 KB, an L2's share
+# the ops whose C form (ew_line) may round by where an element sits in its chunk (ew_gelu: the vector loops or
+# libm's erff for a chunk's last n % 8): a table of them is exact only where every chunk is a multiple of 8 long
+POSITIONAL = {"Gelu"}
+
+
+def lookup_table(code: list[str], sizes: dict[int, tuple[int, ...]], constants: dict[int, torch.Tensor],
+                 dtypes: dict[int, torch.dtype], quantized: Quantization, dims: tuple[int, ...],
+                 strides: list[tuple[int, ...]]) -> torch.Tensor | None:
+    """y[o][j] = table[j][x[o][j]] for a program of one 8-bit activation x of y's shape, its other operands constants
+    that vary along y's last (merged) axis at most, and an 8-bit output; None where that is not the program or a
+    table would not pay. The table is this kernel's own program on every byte value of every column (a [256, n]
+    input through the same C loop), so it holds exactly what the evaluation computes. Why: onnxruntime's QDQ
+    transformers end every quantized GEMM in DQ -> bias -> Gelu / scale -> Q, one 8-bit value in and out per element;
+    the Gelu's polynomial and exp cost ~40 vector instructions per 16 elements, a gather one."""
+    if quantized.output is None or len(quantized.inputs) != 1 or len(sizes) != 1:
+        return None
+    (k,) = quantized.inputs
+    n, rows = dims[-1], math.prod(dims[:-1])
+    contiguous = tuple(math.prod(dims[d + 1:]) if dims[d] > 1 else 0 for d in range(len(dims)))
+    if k not in sizes or rows < TABLE_MIN_ROWS or n > TABLE_MAX_COLUMNS:
+        return None
+    if tuple(s if dims[d] > 1 else 0 for d, s in enumerate(strides[k])) != contiguous:
+        return None  # x broadcasts or is not y's layout
+    used = {int(a[1:]) for line in quantized.code for a in line.split()[1:] if a[0] == "i"} - {k}
+    if any(any(strides[c][d] for d in range(len(dims) - 1)) for c in used):
+        return None  # an operand varies along y's rows
+    if n % 8 and any(line.split()[0] in POSITIONAL for line in code):
+        return None
+    out = broadcast_sizes(*[tuple(sizes[j]) if j in sizes else tuple(constants[j].shape) for j in range(len(strides))
+                            if j in sizes or j in constants])
+    rowed = {}
+    for j, c in constants.items():  # each constant as one row of y's last axis, [n] (or as it is when unread)
+        rowed[j] = c.broadcast_to(out).reshape(rows, n)[0].contiguous() if j in used else c
+    values = torch.arange(256, dtype=torch.uint8).view(dtypes[k])  # every byte, read as x's type
+    inner = Elementwise(code, {k: (256, n)}, rowed, {k: dtypes[k]}, lookup=False)
+    y = inner({k: values[:, None].expand(256, n).contiguous()})  # [256 byte values, n columns]
+    return torch.cat([y.view(torch.uint8).t().reshape(-1), torch.zeros(3, dtype=torch.uint8)])
 
 
 class _QuantizePlan(ctypes.Structure):  # quantize_plan
