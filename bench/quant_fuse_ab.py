@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget", type=float, default=1.5)
     parser.add_argument("--clock", choices=("wall", "thread"), default="wall",
                         help="--base at 1 thread: wall clock, or the calling thread's CPU time (loaded machines)")
-    parser.add_argument("--base", help="a checkout of the base commit: its engines against this tree's (worker processes)")
+    parser.add_argument("--base", help="a checkout of the base commit: its engines against this tree's "
+                        "(worker processes)")
     args = parser.parse_args(argv)
     label, seq = quant.MODELS[args.model]
     exported = zoo.export(args.model, batch=1, seq=seq) if seq else zoo.export(args.model, batch=1)
@@ -119,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
             return f"**{np.median(per):.2f}** ({', '.join(f'{v:.2f}' for v in per)})"
 
         tables.append(
-            f"| {threads} | {min(loads):.1f}-{max(loads):.1f} | {steps['kiln QDQ, before']} -> {steps['kiln QDQ, after']} | "
+            f"| {threads} | {min(loads):.1f}-{max(loads):.1f} | "
+            f"{steps['kiln QDQ, before']} -> {steps['kiln QDQ, after']} | "
             + " | ".join(f"{np.median(medians[p]):.3f}" for p in PEERS) + " | "
             + " | ".join(ratio(a, b) for a, b in (("kiln QDQ, after", "kiln QDQ, before"),
                                                   ("kiln QDQ, before", "kiln fp32"),

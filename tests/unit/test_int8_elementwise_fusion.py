@@ -171,7 +171,7 @@ def test_a_qdq_model_runs_the_same_fused_and_within_a_step_of_onnxruntime(tmp_pa
         got, plain = np.asarray(fused.run(feed)["y"]), np.asarray(separate.run(feed)["y"])
         np.testing.assert_array_equal(got, plain)  # the fused steps compute what the separate ones did
         want = session.run(None, feed)[0]
-        # one step of y, plus one flipped step of the Gelu's quantization (kiln's erf against libm's) passed on by the add
+        # one step of y, plus one flipped step of the Gelu's quantization (kiln's erf against libm's), through the add
         bound = scales["s_y"] + scales["s_g"] + 1e-6
         assert np.abs(got - want).max() <= bound
 
@@ -194,7 +194,7 @@ def test_a_lookup_table_is_the_evaluation_bit_for_bit(name, size, dtype):
 @needs_kernels
 def test_no_table_where_a_chunk_would_end_in_libms_gelu():
     """A Gelu over rows of 37: each row's last 5 elements take libm's erff, not the vector loop's (the table, made on
-    [256, 37], would hold them too, but only a row length of a multiple of 8 is taken: no element's path to depend on)."""
+    [256, 37], would hold them too, but only rows of a multiple of 8 are taken: no element's path to depend on)."""
     code, activations, constants = _case("bias_gelu", torch.uint8, (1, 128, 37))
     kernel = kernels.Elementwise(code, {1: (1, 128, 37)}, constants, {1: torch.uint8})
     assert kernel._table is None

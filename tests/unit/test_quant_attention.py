@@ -92,7 +92,8 @@ def test_the_quantized_attention_becomes_one_attention(mask):
                      PassOptions(unsigned_activations=True, cpu_rules=True), report)
     steps = [n.op_type for n in graph.graph]
     assert steps.count("Attention") == 1 and "MatMul" not in steps and "Softmax" not in steps, steps
-    # q, k, v quantized: q's and k's Q in the chain of their Mul by the scale share (fuse_int8_quantize_into_elementwise)
+    # q, k, v quantized: q's and k's Q in the chains of their Mul by the scale share
+    # (fuse_int8_quantize_into_elementwise)
     chains = [n for n in graph.graph if n.op_type == "Elementwise"]
     assert steps.count("QuantizeLinear") == 1 and len(chains) == 2, steps
     assert all(list(n.attributes["code"].value)[-1].startswith("Quantize") for n in chains)

@@ -486,7 +486,8 @@ static void attention_head(const attention_plan *p, const float *q, const float 
                 long d = 0;
 #ifdef __AVX512F__
                 for (; d + 16 <= Dv; d += 16)  /* integral values in [qmin, qmax]: exact as int32, then bytes */
-                    _mm_storeu_si128((__m128i *)(dst + d), _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(_mm512_loadu_ps(row + d))));
+                    _mm_storeu_si128((__m128i *)(dst + d),
+                                     _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(_mm512_loadu_ps(row + d))));
 #endif
                 for (; d < Dv; ++d) dst[d] = (unsigned char)row[d];
             }

@@ -157,7 +157,8 @@ static void ew_quantize(const float *restrict r, const float *q, int is_signed, 
     const __m512 s = _mm512_set1_ps(q[0]), z = _mm512_set1_ps(q[1]), lo = _mm512_set1_ps(q[2]),
                  hi = _mm512_set1_ps(q[3]);
     for (; j + 16 <= n; j += 16) {
-        __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(r + j), s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(r + j), s),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         v = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(v, z), lo), hi);  /* NaN: max gives lo, as quantize_row */
         const __m512i w = _mm512_cvtps_epi32(v);
         _mm_storeu_si128((__m128i *)((char *)y + j), is_signed ? _mm512_cvtsepi32_epi8(w) : _mm512_cvtusepi32_epi8(w));

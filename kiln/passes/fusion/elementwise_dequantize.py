@@ -26,7 +26,8 @@ import re
 import numpy as np
 import onnx_ir as ir
 
-from kiln.passes._rewrite import KILN_DOMAIN, PassReport, attr, const, consumers, dtype_of, new_initializer, replace_with
+from kiln.passes._rewrite import (KILN_DOMAIN, PassReport, attr, const, consumers, dtype_of, new_initializer,
+                                  replace_with)
 from kiln.passes.fusion.elementwise import _op_name
 from kiln.passes.fusion.qdq_propagate import dequantized, qparams
 
@@ -142,7 +143,7 @@ def fuse_int8_dequantize_into_elementwise(node: ir.Node, report: PassReport) -> 
     """An int8/uint8 DequantizeLinear into the elementwise chain that reads it (CPU builds: the native Elementwise
     dequantizes an 8-bit input as it reads it):
 
-        q (uint8) ─ DequantizeLinear(s, z) ─ Add(bias) ─ ...   =>   Elementwise["Dequantize i0 i1 i2", "Add t0 i3", ...]
+        q (uint8) ─ DequantizeLinear(s, z) ─ Add(bias) ─ ...  =>  Elementwise["Dequantize i0 i1 i2", "Add t0 i3", ...]
 
     Why: onnxruntime's QDQ transformers (quantize_static) dequantize every quantized GEMM's output before its bias
     Add, Gelu or residual Add and quantize the result again for the next GEMM: BERT-tiny's CPU engine ran 16
