@@ -3,7 +3,9 @@ at fixed sizes for native segments, and callable on tensors outside one.
 
 The C kernel evaluates the program chunk by chunk along y's last axis; before that, the dims are merged
 wherever every operand walks them contiguously, so same-shaped operands are one long row and a bias
-broadcast over rows is a row of its own length (fewer, longer chunks).
+broadcast over rows is a row of its own length (fewer, longer chunks). An explicitly quantized graph's chain
+reads int8/uint8 inputs and writes an int8/uint8 output (`quantization`), and a chain of one 8-bit activation and
+per-column constants runs as a lookup table (`lookup_table`).
 """
 
 from __future__ import annotations

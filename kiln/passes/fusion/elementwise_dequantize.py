@@ -8,7 +8,8 @@ DequantizeLinear (y = DQ(Q(x·W)) + b), so a CUDA build of BERT-base kept 72 sta
 and 48 single bias Adds on torch's kernel (bench/results/gpu-s21-2026-12-06.md section 5): two passes over the
 tensor and a float intermediate where one pass reading 8 bits does. Exact: DQ(q) = float32(q)·s for E4M3 (zero
 point 0), which is what the kernel computes before the chain's first op, in fp32 as the chain's other lines.
-CUDA only (fusion.CUDA_RULES): the CPU's native Elementwise reads float32 inputs only.
+CUDA only (fusion.CUDA_RULES); int8/uint8 Q/DQ (a zero point) have CPU rules of their own below
+(fuse_int8_*: the CPU's native Elementwise reads and writes 8 bits, kiln/kernels/cpu/elementwise.c).
 
     chain ─ QuantizeLinear(s, E4M3 0)     =>     Elementwise[..., "Quantize t<last> i<s>"]   (output E4M3)
 

@@ -2,7 +2,8 @@
 native-segment members:
 
     cpu.elementwise.native  a fused chain of float32 elementwise ops (kiln/passes/fusion/elementwise.py),
-                            inputs broadcast, constants baked into the plan
+                            inputs broadcast, constants baked into the plan; int8/uint8 inputs dequantized and
+                            the output quantized in the loop (kiln/passes/fusion/elementwise_dequantize.py fuse_int8_*)
     cpu.concat.native       Concat of float32 tensors along any axis
     cpu.embedding_concat.native  a recommender's per-field embedding lookups and their Concat (kiln::EmbeddingConcat)
     cpu.add.nhwc            Add of two 4-D images of one size as a segment lays them out (ConvNeXt's residual)
