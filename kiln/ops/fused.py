@@ -310,11 +310,26 @@ _ELEMENTWISE = {
     "Erf": torch.erf, "Sin": torch.sin, "Cos": torch.cos, "Floor": torch.floor, "Ceil": torch.ceil,
     "Gelu": F.gelu, "GeluTanh": lambda x: F.gelu(x, approximate="tanh"),
     # an E4M3 tensor and its per-tensor scale (kiln/passes/fusion/elementwise_dequantize.py): DequantizeLinear
-    "Dequantize": lambda q, scale: q.to(torch.float32) * scale.to(torch.float32),
+    # (int8/uint8 with its zero point, CPU builds: (q - z)·s)
+    "Dequantize": lambda q, scale, zero=None: _dequantize(q, scale, zero),
     # ... and the chain's result to E4M3 (the program's last line): QuantizeLinear, saturating at ±448, nearest-even
-    "Quantize": lambda v, scale: (v.to(torch.float32) / scale.to(torch.float32)).clamp(-448.0, 448.0).to(
-        torch.float8_e4m3fn),
+    # (int8/uint8 with its zero point: saturate(round_half_even(v / s) + z))
+    "Quantize": lambda v, scale, zero=None: _quantize(v, scale, zero),
 }
+
+
+def _dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+    if zero is None:  # E4M3, zero point 0
+        return q.to(torch.float32) * scale.to(torch.float32)
+    return (q.to(torch.float32) - zero.to(torch.float32)) * scale.to(torch.float32)
+
+
+def _quantize(v: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+    if zero is None:  # E4M3: saturate at ±448, round to nearest even on E4M3's grid
+        return (v.to(torch.float32) / scale.to(torch.float32)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    info = torch.iinfo(zero.dtype)
+    r = torch.round(v.to(torch.float32) / scale.to(torch.float32)) + zero.to(torch.float32)  # round half to even
+    return r.clamp(info.min, info.max).to(zero.dtype)
 
 
 def dequantized_inputs(code) -> set[int]:

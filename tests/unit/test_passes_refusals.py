@@ -452,6 +452,21 @@ def fp8_quantize_of_a_chain_read_twice():
                  [value("y", [2, 4], TensorProto.FLOAT8E4M3FN), value("r", [2, 4])], inits)
 
 
+def uint8_dequantize_read_twice():
+    """DQ(q uint8) -> Add(bias), the dequantized tensor also a graph output: it stays a tensor of its own."""
+    inits = [("s", np.array(0.05, np.float32)), ("z", np.array(128, np.uint8)), ("bias", np.ones(4, np.float32))]
+    nodes = [node("DequantizeLinear", ["q", "s", "z"], ["x"]), node("Add", ["x", "bias"], ["y"])]
+    return model(nodes, [value("q", [2, 4], TensorProto.UINT8)], [value("y", [2, 4]), value("x", [2, 4])], inits)
+
+
+def uint8_quantize_of_a_chain_read_twice():
+    """Add -> Relu -> Q(uint8), the Relu's float result also a graph output."""
+    inits = [("s", np.array(0.05, np.float32)), ("z", np.array(3, np.uint8))]
+    nodes = [node("Add", ["a", "b"], ["t"]), node("Relu", ["t"], ["r"]), node("QuantizeLinear", ["r", "s", "z"], ["y"])]
+    return model(nodes, [value("a", [2, 4]), value("b", [2, 4])],
+                 [value("y", [2, 4], TensorProto.UINT8), value("r", [2, 4])], inits)
+
+
 def _fp8_gemm_inputs(product: bool):
     """A kiln::QGemm's inputs on E4M3 x [2, 8] and w [4, 8] (its product quantized when `product`: float out)."""
     import ml_dtypes
@@ -664,6 +679,11 @@ CASES = {
                                                    "other readers"),
     "quantize_into_elementwise/read_twice": Case("fuse_quantize_into_elementwise", fp8_quantize_of_a_chain_read_twice,
                                                  "other readers", before=["fuse_elementwise"]),
+    "int8_dequantize_into_elementwise/read_twice": Case("fuse_int8_dequantize_into_elementwise",
+                                                        uint8_dequantize_read_twice, "other readers"),
+    "int8_quantize_into_elementwise/read_twice": Case("fuse_int8_quantize_into_elementwise",
+                                                      uint8_quantize_of_a_chain_read_twice, "other readers",
+                                                      before=["fuse_elementwise"]),
     "elementwise_into_qgemm/read_twice": Case("fuse_elementwise_into_qgemm", fp8_gemm_output_read_twice,
                                               "other readers"),
     "quantize_through_layout/read_twice": Case("fuse_quantize_through_layout_into_qgemm",

@@ -34,6 +34,17 @@ typedef struct {
     int inputs, lines;
     int code[EW_LINES][3];              /* op, operand a, operand b: k < EW_INPUTS input k, else line k - EW_INPUTS */
     long grain;                         /* elements past which the chunks are shared among the threads */
+    /* An explicitly quantized graph's chain (kiln/passes/fusion/elementwise_dequantize.py, int8 rules): input k of
+       in_type 1 (uint8) or 2 (int8) is read as DequantizeLinear's (x - z)·s; out_type 1/2: y stored as
+       QuantizeLinear's saturate(round(r / s) + z) (quantize_row, attention.c) of the last line r. */
+    int in_type[EW_INPUTS], out_type;   /* 0 float32, 1 uint8, 2 int8; an input of in_type 3 no line reads (a
+                                           Dequantize's or Quantize's scale or zero point: in `quant`) */
+    const float *quant;                 /* [EW_INPUTS][2] inputs' {s, z}, then the output's {s, z, qmin, qmax} */
+    /* A program of one 8-bit activation (input table_input, y's shape) and constants that vary along y's last axis
+       at most, stored 8-bit: y[o][j] = table[j·256 + byte x[o][j]], the program evaluated by this kernel on every
+       byte value of each column once, at build (kiln/kernels/cpu/elementwise.py lookup_table). NULL: evaluated. */
+    const unsigned char *table;         /* [dims[MAXD-1]][256] + 3 bytes (a 4-byte gather reads past the last) */
+    int table_input;
 } elementwise_plan;
 
 static inline float ew_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
@@ -47,6 +58,25 @@ static void ew_gelu(const float *restrict a, float *restrict r, long n) {
 #ifdef KILN_AVX2
     static const float c[10] = {-1.26551223f, 1.00002368f, 0.37409196f, 0.09678418f, -0.18628806f,
                                 0.27886807f, -1.13520398f, 1.48851587f, -0.82215223f, 0.17087277f};
+#ifdef __AVX512F__
+    {  /* the same steps on 16 lanes (each lane's result is the 8-lane loop's): QDQ BERT-tiny's FFN chains
+          (uint8 -> bias -> Gelu -> uint8) spent most of their time here */
+        const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
+        for (; j + 16 <= n; j += 16) {
+            const __m512 x = _mm512_loadu_ps(a + j);
+            const __m512 z = _mm512_mul_ps(_mm512_andnot_ps(sign, x), _mm512_set1_ps(0.70710678118654752f));
+            const __m512 t = _mm512_div_ps(one, _mm512_fmadd_ps(half, z, one));
+            __m512 p = _mm512_set1_ps(c[9]);
+            for (int k = 8; k >= 0; --k) p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(c[k]));
+            const __m512 erfc = _mm512_mul_ps(t, exp_le0_16(_mm512_fnmadd_ps(z, z, p)));
+            const __m512 h = _mm512_mul_ps(_mm512_mul_ps(half, x), erfc);  /* x·erfc(|x|/√2)/2 */
+            const __mmask16 positive = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);
+            __m512 g = _mm512_mask_blend_ps(positive, h, _mm512_sub_ps(x, h));
+            g = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), g, x);  /* NaN stays NaN */
+            _mm512_storeu_ps(r + j, g);
+        }
+    }
+#endif
     const __m256 half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
     for (; j + 8 <= n; j += 8) {
         const __m256 x = _mm256_loadu_ps(a + j);
@@ -99,14 +129,64 @@ static void ew_line(int op, const float *restrict a, const float *restrict b, fl
     }
 }
 
+/* r[j] = (x[j·s] - z)·sc for j < n, x uint8 (is_signed 0) or int8: DequantizeLinear as it reads the chunk */
+static void ew_dequantize(const void *x, long s, int is_signed, float sc, float z, float *restrict r, long n) {
+    long j = 0;
+    if (s == 1) {
+#ifdef __AVX512F__
+        const __m512 vs = _mm512_set1_ps(sc), vz = _mm512_set1_ps(z);
+        for (; j + 16 <= n; j += 16) {
+            const __m128i b = _mm_loadu_si128((const __m128i *)((const char *)x + j));
+            const __m512i w = is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+            _mm512_storeu_ps(r + j, _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(w), vz), vs));
+        }
+#endif
+        if (is_signed) for (; j < n; ++j) r[j] = ((float)((const signed char *)x)[j] - z) * sc;
+        else for (; j < n; ++j) r[j] = ((float)((const unsigned char *)x)[j] - z) * sc;
+        return;
+    }
+    if (is_signed) for (; j < n; ++j) r[j] = ((float)((const signed char *)x)[j * s] - z) * sc;
+    else for (; j < n; ++j) r[j] = ((float)((const unsigned char *)x)[j * s] - z) * sc;
+}
+
+/* y[j] = saturate(round_half_even(r[j] / q[0]) + q[1]) into [q[2], q[3]] as 8 bits, j < n: QuantizeLinear as it
+   stores the chunk (quantize_row's rounding, attention.c; 16 lanes where the CPU has them) */
+static void ew_quantize(const float *restrict r, const float *q, int is_signed, void *y, long n) {
+    long j = 0;
+#ifdef __AVX512F__
+    const __m512 s = _mm512_set1_ps(q[0]), z = _mm512_set1_ps(q[1]), lo = _mm512_set1_ps(q[2]),
+                 hi = _mm512_set1_ps(q[3]);
+    for (; j + 16 <= n; j += 16) {
+        __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(r + j), s),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(v, z), lo), hi);  /* NaN: max gives lo, as quantize_row */
+        const __m512i w = _mm512_cvtps_epi32(v);
+        _mm_storeu_si128((__m128i *)((char *)y + j), is_signed ? _mm512_cvtsepi32_epi8(w) : _mm512_cvtusepi32_epi8(w));
+    }
+#endif
+    if (j < n) {
+        float t[EW_CHUNK];
+        quantize_row(r + j, t, n - j, q, 0);  /* integral values in [qmin, qmax] */
+        if (is_signed) for (long i = 0; i < n - j; ++i) ((signed char *)y)[j + i] = (signed char)(int)t[i];
+        else for (long i = 0; i < n - j; ++i) ((unsigned char *)y)[j + i] = (unsigned char)(int)t[i];
+    }
+}
+
 /* One chunk: y[0:n] for the output row starting at flat element `base`, input k's first element at off[k]. */
-static void ew_chunk(const elementwise_plan *p, const float *const *in, const long *off, float *y, long n) {
+static void ew_chunk(const elementwise_plan *p, const void *const *in, const long *off, void *y, long n) {
     float buffers[EW_INPUTS][EW_CHUNK] __attribute__((aligned(64)));
     float temps[EW_LINES][EW_CHUNK] __attribute__((aligned(64)));
     const float *operand[EW_INPUTS + EW_LINES];
     for (int k = 0; k < p->inputs; ++k) {
         const long s = p->strides[k][MAXD - 1];
-        const float *x = in[k] + off[k];
+        if (p->in_type[k] == 3) continue;
+        if (p->in_type[k] != 0) {  /* 8-bit: dequantized into the chunk's buffer */
+            ew_dequantize((const char *)in[k] + off[k], s, p->in_type[k] == 2, p->quant[2 * k], p->quant[2 * k + 1],
+                          buffers[k], n);
+            operand[k] = buffers[k];
+            continue;
+        }
+        const float *x = (const float *)in[k] + off[k];
         if (s == 1) {
             operand[k] = x;
         } else {
@@ -115,16 +195,17 @@ static void ew_chunk(const elementwise_plan *p, const float *const *in, const lo
         }
     }
     for (int l = 0; l < p->lines; ++l) {
-        float *r = l == p->lines - 1 ? y : temps[l];
+        float *r = l == p->lines - 1 && p->out_type == 0 ? (float *)y : temps[l];
         ew_line(p->code[l][0], operand[p->code[l][1]], operand[p->code[l][2]], r, n);
         operand[EW_INPUTS + l] = r;
     }
+    if (p->out_type != 0) ew_quantize(temps[p->lines - 1], p->quant + 2 * EW_INPUTS, p->out_type == 2, y, n);
 }
 
 typedef struct {
     const elementwise_plan *p;
-    const float *const *in;
-    float *y;
+    const void *const *in;
+    char *y;                            /* bytes: float32 or 8-bit elements (out_type) */
     long n, per_row, chunks;
 } elementwise_loop;
 
@@ -135,30 +216,67 @@ static void elementwise_item(void *loop, long item) {
     for (long it = item * 16; it < (item + 1) * 16 && it < l->chunks; ++it) {
         const long o = it / l->per_row, j0 = (it % l->per_row) * EW_CHUNK;
         long rem = o, off[EW_INPUTS] = {0};
-        for (int d = MAXD - 2; d >= 0; --d) {
+        for (int d = MAXD - 2; d >= 0 && rem > 0; --d) {  /* (the leading dims of 1 and index 0 add nothing) */
             const long i = rem % p->dims[d];
             rem /= p->dims[d];
-            for (int k = 0; k < p->inputs; ++k) off[k] += i * p->strides[k][d];
+            if (i != 0)
+                for (int k = 0; k < p->inputs; ++k) off[k] += i * p->strides[k][d];
         }
         for (int k = 0; k < p->inputs; ++k) off[k] += j0 * p->strides[k][MAXD - 1];
-        ew_chunk(p, l->in, off, l->y + o * l->n + j0, l->n - j0 < EW_CHUNK ? l->n - j0 : EW_CHUNK);
+        const long bytes = p->out_type != 0 ? 1 : (long)sizeof(float);
+        ew_chunk(p, l->in, off, l->y + (o * l->n + j0) * bytes, l->n - j0 < EW_CHUNK ? l->n - j0 : EW_CHUNK);
+    }
+}
+
+typedef struct {
+    const elementwise_plan *p;
+    const unsigned char *x;
+    unsigned char *y;
+    long n, rows;
+} table_loop;
+
+/* Rows [16 item, 16 item + 16) of y through the table: one gather a byte. */
+static void table_item(void *loop, long item) {
+    const table_loop *l = (const table_loop *)loop;
+    const unsigned char *table = l->p->table;
+    for (long o = item * 16; o < (item + 1) * 16 && o < l->rows; ++o) {
+        const unsigned char *x = l->x + o * l->n;
+        unsigned char *y = l->y + o * l->n;
+        long j = 0;
+#ifdef __AVX512F__
+        const __m512i column_step = _mm512_set1_epi32(16 * 256);
+        __m512i base = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(256));
+        for (; j + 16 <= l->n; j += 16) {
+            const __m512i at = _mm512_add_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(x + j))), base);
+            const __m512i g = _mm512_i32gather_epi32(at, (const void *)table, 1);  /* the byte at `at`, and 3 more */
+            _mm_storeu_si128((__m128i *)(y + j), _mm512_cvtepi32_epi8(g));        /* (the low byte of each) */
+            base = _mm512_add_epi32(base, column_step);
+        }
+#endif
+        for (; j < l->n; ++j) y[j] = table[j * 256 + x[j]];
     }
 }
 
 int kiln_elementwise(void *object, void *stream, int nargs, const void *args) {
     (void)stream; (void)nargs; (void)args;
     const elementwise_plan *p = (const elementwise_plan *)object;
-    const float *in[EW_INPUTS] = {NULL};
+    const void *in[EW_INPUTS] = {NULL};
     for (int k = 0; k < p->inputs; ++k) {
-        in[k] = p->constant[k] != NULL ? p->constant[k] : (const float *)handle_of(p->get_handle, p->in_[k]);
+        in[k] = p->constant[k] != NULL ? (const void *)p->constant[k] : handle_of(p->get_handle, p->in_[k]);
         if (in[k] == NULL) return 2;
     }
-    float *y = (float *)handle_of(p->get_handle, p->out);
+    char *y = (char *)handle_of(p->get_handle, p->out);
     if (y == NULL || p->lines < 1) return 2;
     const long n = p->dims[MAXD - 1];
     long outer = 1;
     for (int d = 0; d < MAXD - 1; ++d) outer *= p->dims[d];
     if (n <= 0 || outer <= 0) return 0;
+    if (p->table != NULL) {
+        table_loop t = {p, (const unsigned char *)in[p->table_input], (unsigned char *)y, n, outer};
+        parallel_items((outer + 15) / 16, outer * n > p->grain ? max_threads() : 1, table_item, &t);
+        return 0;
+    }
     const long per_row = (n + EW_CHUNK - 1) / EW_CHUNK;
     /* items of 16 chunks: a few hundred of them at most past the grain, each ~4k elements */
     elementwise_loop l = {p, in, y, n, per_row, outer * per_row};

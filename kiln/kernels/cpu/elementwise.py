@@ -3,13 +3,16 @@ at fixed sizes for native segments, and callable on tensors outside one.
 
 The C kernel evaluates the program chunk by chunk along y's last axis; before that, the dims are merged
 wherever every operand walks them contiguously, so same-shaped operands are one long row and a bias
-broadcast over rows is a row of its own length (fewer, longer chunks).
+broadcast over rows is a row of its own length (fewer, longer chunks). An explicitly quantized graph's chain
+reads int8/uint8 inputs and writes an int8/uint8 output (`quantization`), and a chain of one 8-bit activation and
+per-column constants runs as a lookup table (`lookup_table`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,7 +34,9 @@ class _ElementwisePlan(ctypes.Structure):  # elementwise_plan
     _fields_ = [("get_handle", ctypes.c_void_p), ("in_", ctypes.c_void_p * EW_INPUTS),
                 ("constant", ctypes.c_void_p * EW_INPUTS), ("out", ctypes.c_void_p), ("dims", _LONGD),
                 ("strides", _LONGD * EW_INPUTS), ("inputs", ctypes.c_int), ("lines", ctypes.c_int),
-                ("code", (ctypes.c_int * 3) * EW_LINES), ("grain", ctypes.c_long)]
+                ("code", (ctypes.c_int * 3) * EW_LINES), ("grain", ctypes.c_long),
+                ("in_type", ctypes.c_int * EW_INPUTS), ("out_type", ctypes.c_int), ("quant", ctypes.c_void_p),
+                ("table", ctypes.c_void_p), ("table_input", ctypes.c_int)]
 
 
 class _ConcatPlan(ctypes.Structure):  # concat_plan
@@ -63,6 +68,98 @@ def parse(code: list[str], inputs: int) -> list[tuple[int, int, int]] | str:
     return lines
 
 
+EIGHT_BIT = {torch.uint8: 1, torch.int8: 2}  # elementwise.c's in_type / out_type
+UNREAD = 3  # elementwise.c's in_type of an input no line reads (a scale or zero point, in `quant`)
+
+
+@dataclass
+class Quantization:
+    """A program's Dequantize / Quantize lines (int8/uint8, kiln/passes/fusion/elementwise_dequantize.py) as
+    elementwise.c runs them: the float32 program left, each dequantized input's 8-bit dtype, scale and zero point
+    (read as (x - z)·s), and the output's (stored as saturate(round(r / s) + z)); `output` None: float32."""
+
+    code: list[str]
+    inputs: dict[int, tuple[torch.dtype, float, float]] = field(default_factory=dict)
+    output: tuple[torch.dtype, float, float] | None = None
+    parameters: set[int] = field(default_factory=set)  # the scales' and zero points' inputs: no line reads them
+
+    def in_types(self) -> list[int]:
+        """elementwise_plan.in_type: each input as the kernel reads it."""
+        return [EIGHT_BIT[self.inputs[k][0]] if k in self.inputs else UNREAD if k in self.parameters else 0
+                for k in range(EW_INPUTS)]
+
+    def quant(self) -> list[float]:
+        """elementwise_plan.quant: [EW_INPUTS][2] {s, z}, then the output's {s, z, qmin, qmax}."""
+        values = [0.0] * (2 * EW_INPUTS + 4)
+        for k, (_, scale, zero) in self.inputs.items():
+            values[2 * k:2 * k + 2] = [scale, zero]
+        if self.output is not None:
+            dtype, scale, zero = self.output
+            values[2 * EW_INPUTS:] = [scale, zero, torch.iinfo(dtype).min, torch.iinfo(dtype).max]
+        return values
+
+
+def quantization(code: list[str], dtypes: dict[int, torch.dtype],
+                 constants: dict[int, torch.Tensor]) -> Quantization | str:
+    """The program without its int8/uint8 Dequantize and Quantize lines (`Dequantize i<q> i<s> i<z>`, the first
+    lines; `Quantize t<last> i<s> i<z>`, the last), or why elementwise.c cannot run them. `dtypes`: every input's
+    dtype by index; `constants`: the constant inputs (the scales and zero points must be)."""
+    result = Quantization(code=[])
+    renamed: dict[int, str] = {}  # the old line's result -> its operand in the new program
+    if not any(line.split()[0] in ("Dequantize", "Quantize") for line in code):
+        result.code = list(code)
+        return result
+
+    def scalar(operand: str, what: str) -> float | str:
+        k = int(operand[1:])
+        result.parameters.add(k)
+        if operand[0] != "i" or k not in constants or constants[k].numel() != 1:
+            return f"the {what} {operand} is not a constant scalar"
+        return float(constants[k].reshape(()).to(torch.float64))
+
+    def operand_of(a: str) -> str:
+        return renamed[int(a[1:])] if a[0] == "t" else a
+
+    for number, line in enumerate(code):
+        op, *args = line.split()
+        if op == "Dequantize":
+            if len(args) != 3:
+                return f"line {number} {line!r}: an E4M3 Dequantize (no zero point): CUDA's kernels run it"
+            q = args[0]
+            k = int(q[1:])
+            if q[0] != "i" or k in constants or dtypes.get(k) not in EIGHT_BIT:
+                return f"line {number} {line!r}: {q} is not an 8-bit activation"
+            if sum(other.split()[1:].count(q) for other in code) != 1:
+                return f"line {number} {line!r}: {q} is read by other lines too"
+            scale, zero = scalar(args[1], "scale"), scalar(args[2], "zero point")
+            if isinstance(scale, str) or isinstance(zero, str):
+                return f"line {number} {line!r}: " + (scale if isinstance(scale, str) else zero)
+            result.inputs[k] = (dtypes[k], scale, zero)
+            renamed[number] = q
+        elif op == "Quantize":
+            if len(args) != 3:
+                return f"line {number} {line!r}: an E4M3 Quantize (no zero point): CUDA's kernels run it"
+            if number != len(code) - 1 or not operand_of(args[0]).startswith("t"):
+                return f"line {number} {line!r}: a Quantize only as the last line, of a computed line"
+            zero_index = int(args[2][1:])
+            scale, zero = scalar(args[1], "scale"), scalar(args[2], "zero point")
+            if isinstance(scale, str) or isinstance(zero, str):
+                return f"line {number} {line!r}: " + (scale if isinstance(scale, str) else zero)
+            dtype = constants[zero_index].dtype
+            if dtype not in EIGHT_BIT:
+                return f"line {number} {line!r}: the zero point is {dtype}, not int8/uint8"
+            result.output = (dtype, scale, zero)
+            if operand_of(args[0]) != f"t{len(result.code) - 1}":
+                return f"line {number} {line!r}: a Quantize of the line before it only"
+        else:
+            renamed[number] = f"t{len(result.code)}"
+            result.code.append(" ".join([op, *(operand_of(a) for a in args)]))
+    if not result.code:
+        return "no float32 line between the Dequantize and the Quantize"
+    result.parameters -= {int(a[1:]) for line in result.code for a in line.split()[1:] if a[0] == "i"}
+    return result
+
+
 def merged_dims(out: tuple[int, ...], strides: list[tuple[int, ...]]) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
     """out's dims (and each operand's strides over them) merged where every operand walks them as one
     (merge_walked_dims); MAX_DIMS long again, 1s in front."""
@@ -78,12 +175,19 @@ class Elementwise(NativeKernel):
 
     PLAN, FUNCTION = _ElementwisePlan, "kiln_elementwise"
 
-    def __init__(self, code: list[str], sizes: dict[int, tuple[int, ...]], constants: dict[int, torch.Tensor]):
+    def __init__(self, code: list[str], sizes: dict[int, tuple[int, ...]], constants: dict[int, torch.Tensor],
+                 dtypes: dict[int, torch.dtype] | None = None, lookup: bool = True):
         count = max([*sizes, *constants]) + 1
         super().__init__(f"elementwise {code} of {count} inputs")
-        lines = parse(code, count)
+        quantized = quantization(code, dtypes or {}, constants)
+        if isinstance(quantized, str):
+            raise ValueError(f"{self.what}: {quantized}")
+        lines = parse(quantized.code, count)
         if isinstance(lines, str):
             raise ValueError(f"{self.what}: {lines}")
+        if quantized.output is not None:
+            self.output_dtype = quantized.output[0]
+        self._quant = torch.tensor(quantized.quant(), dtype=torch.float32)
         self._constants = {k: c.detach().to(torch.float32).contiguous() for k, c in constants.items()}
         all_sizes = [tuple(sizes[k]) if k in sizes else tuple(self._constants[k].shape) for k in range(count)]
         out = broadcast_sizes(*all_sizes)
@@ -99,7 +203,54 @@ class Elementwise(NativeKernel):
             constant=(ctypes.c_void_p * EW_INPUTS)(*[self._constants[k].data_ptr() if k in self._constants else None
                                                      for k in range(EW_INPUTS)]),
             dims=_LONGD(*dims), strides=(_LONGD * EW_INPUTS)(*[_LONGD(*s) for s in strides]), inputs=count,
-            lines=len(lines), code=code_array, grain=PARALLEL_ELEMENTS)
+            lines=len(lines), code=code_array, grain=PARALLEL_ELEMENTS,
+            in_type=(ctypes.c_int * EW_INPUTS)(*quantized.in_types()),
+            out_type=EIGHT_BIT[quantized.output[0]] if quantized.output is not None else 0,
+            quant=self._quant.data_ptr())
+        self._table = lookup_table(code, sizes, constants, dtypes or {}, quantized, dims, strides) if lookup else None
+        if self._table is not None:
+            self.fields.update(table=self._table.data_ptr(), table_input=next(iter(quantized.inputs)))
+
+
+TABLE_MIN_ROWS = 64  # rows of y below which a program is evaluated (the table is 256 rows' worth of work at build)
+TABLE_MAX_COLUMNS = 1024  # a table of at most 256 KB, an L2's share
+# the ops whose C form (ew_line) may round by where an element sits in its chunk (ew_gelu: the vector loops or
+# libm's erff for a chunk's last n % 8): a table of them is exact only where every chunk is a multiple of 8 long
+POSITIONAL = {"Gelu"}
+
+
+def lookup_table(code: list[str], sizes: dict[int, tuple[int, ...]], constants: dict[int, torch.Tensor],
+                 dtypes: dict[int, torch.dtype], quantized: Quantization, dims: tuple[int, ...],
+                 strides: list[tuple[int, ...]]) -> torch.Tensor | None:
+    """y[o][j] = table[j][x[o][j]] for a program of one 8-bit activation x of y's shape, its other operands constants
+    that vary along y's last (merged) axis at most, and an 8-bit output; None where that is not the program or a
+    table would not pay. The table is this kernel's own program on every byte value of every column (a [256, n]
+    input through the same C loop), so it holds exactly what the evaluation computes. Why: onnxruntime's QDQ
+    transformers end every quantized GEMM in DQ -> bias -> Gelu / scale -> Q, one 8-bit value in and out per element;
+    the Gelu's polynomial and exp cost ~40 vector instructions per 16 elements, a gather one."""
+    if quantized.output is None or len(quantized.inputs) != 1 or len(sizes) != 1:
+        return None
+    (k,) = quantized.inputs
+    n, rows = dims[-1], math.prod(dims[:-1])
+    contiguous = tuple(math.prod(dims[d + 1:]) if dims[d] > 1 else 0 for d in range(len(dims)))
+    if k not in sizes or rows < TABLE_MIN_ROWS or n > TABLE_MAX_COLUMNS:
+        return None
+    if tuple(s if dims[d] > 1 else 0 for d, s in enumerate(strides[k])) != contiguous:
+        return None  # x broadcasts or is not y's layout
+    used = {int(a[1:]) for line in quantized.code for a in line.split()[1:] if a[0] == "i"} - {k}
+    if any(any(strides[c][d] for d in range(len(dims) - 1)) for c in used):
+        return None  # an operand varies along y's rows
+    if n % 8 and any(line.split()[0] in POSITIONAL for line in code):
+        return None
+    out = broadcast_sizes(*[tuple(sizes[j]) if j in sizes else tuple(constants[j].shape) for j in range(len(strides))
+                            if j in sizes or j in constants])
+    rowed = {}
+    for j, c in constants.items():  # each constant as one row of y's last axis, [n] (or as it is when unread)
+        rowed[j] = c.broadcast_to(out).reshape(rows, n)[0].contiguous() if j in used else c
+    values = torch.arange(256, dtype=torch.uint8).view(dtypes[k])  # every byte, read as x's type
+    inner = Elementwise(code, {k: (256, n)}, rowed, {k: dtypes[k]}, lookup=False)
+    y = inner({k: values[:, None].expand(256, n).contiguous()})  # [256 byte values, n columns]
+    return torch.cat([y.view(torch.uint8).t().reshape(-1), torch.zeros(3, dtype=torch.uint8)])
 
 
 class _QuantizePlan(ctypes.Structure):  # quantize_plan

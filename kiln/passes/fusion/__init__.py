@@ -13,7 +13,10 @@ from kiln.passes.fusion.causal_conv import trim_conv_padding
 from kiln.passes.fusion.conv import fuse_conv, fuse_conv_final_activation
 from kiln.passes.fusion.conv1d import conv1d_as_conv2d, conv1d_mean_as_global_pool
 from kiln.passes.fusion.elementwise import fuse_elementwise
-from kiln.passes.fusion.elementwise_dequantize import fuse_dequantize_into_elementwise, fuse_quantize_into_elementwise
+from kiln.passes.fusion.elementwise_dequantize import (fuse_dequantize_into_elementwise,
+                                                       fuse_int8_dequantize_into_elementwise,
+                                                       fuse_int8_quantize_into_elementwise,
+                                                       fuse_quantize_into_elementwise)
 from kiln.passes.fusion.embedding_concat import fuse_embedding_concat
 from kiln.passes.fusion.gelu import fuse_gelu
 from kiln.passes.fusion.gemm import fuse_gemm
@@ -77,6 +80,8 @@ RULES = [
     ("fuse_elementwise", fuse_elementwise),
     ("fuse_dequantize_into_elementwise", fuse_dequantize_into_elementwise),  # an E4M3 tensor read by the chain
     ("fuse_quantize_into_elementwise", fuse_quantize_into_elementwise),  # ... and its result stored as E4M3
+    ("fuse_int8_dequantize_into_elementwise", fuse_int8_dequantize_into_elementwise),  # CPU: a uint8 tensor read
+    ("fuse_int8_quantize_into_elementwise", fuse_int8_quantize_into_elementwise),  # ... and the result stored uint8
     ("fuse_elementwise_into_qgemm", fuse_elementwise_into_qgemm),  # a chain reading an FP8 QGemm: its epilogue
     ("fuse_quantize_through_layout_into_qgemm", fuse_quantize_through_layout_into_qgemm),  # k's, past its transpose
     ("absorb_attention_reshapes_after_epilogue", absorb_attention_reshapes),  # ... which the attention then takes
@@ -90,7 +95,8 @@ RULES = [
 # unfused layers are what was measured.
 CPU_RULES = {"fuse_squeeze_excite", "fuse_conv_final_activation", "conv1d_as_conv2d", "conv1d_mean_as_global_pool",
              "drop_zero_initial_states", "constant_reshape_target", "split_as_slices", "fuse_relayout",
-             "flatten_channels_last_runs", "fold_wide_quantize_into_layer"}
+             "flatten_channels_last_runs", "fold_wide_quantize_into_layer", "fuse_int8_dequantize_into_elementwise",
+             "fuse_int8_quantize_into_elementwise"}
 # (fuse_packed_rotary and fuse_split_swiglu run for both: CUDA has cuda.rotary.triton over a packed q|k|v,
 # the Triton attention's qkv_split, and kiln/tactics/cuda/swiglu.py for the gated GEMM)
 # Rules only a build for CUDA asks for (PassOptions.cuda_rules): every CUDA tactic of their fused op takes

@@ -2,7 +2,8 @@
 native-segment members:
 
     cpu.elementwise.native  a fused chain of float32 elementwise ops (kiln/passes/fusion/elementwise.py),
-                            inputs broadcast, constants baked into the plan
+                            inputs broadcast, constants baked into the plan; int8/uint8 inputs dequantized and
+                            the output quantized in the loop (kiln/passes/fusion/elementwise_dequantize.py fuse_int8_*)
     cpu.concat.native       Concat of float32 tensors along any axis
     cpu.embedding_concat.native  a recommender's per-field embedding lookups and their Concat (kiln::EmbeddingConcat)
     cpu.add.nhwc            Add of two 4-D images of one size as a segment lays them out (ConvNeXt's residual)
@@ -45,10 +46,26 @@ def _float_inputs(inputs: list[InputMeta]) -> str | None:
 
 # ---- kiln::Elementwise -------------------------------------------------------------------------------
 
+def _quantization(step: StepSpec, inputs: list[InputMeta]) -> kernels.Quantization | str:
+    """The step's int8/uint8 Dequantize / Quantize lines as elementwise.c runs them (kernels.quantization; the
+    constants' values are not needed to judge, their dtypes and sizes are)."""
+    dtypes = {k: m.dtype for k, m in enumerate(inputs)}
+    constants = {k: torch.zeros(m.shape, dtype=m.dtype) for k, m in enumerate(inputs)
+                 if m.constant and m.shape is not None}
+    return kernels.quantization(list(_attr(step, "code", [])), dtypes, constants)
+
+
 def _elementwise_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
-    if (why := _float_inputs(inputs)) is not None:
+    quantized = _quantization(step, inputs)
+    if isinstance(quantized, str):
+        return quantized
+    zero_points = {int(line.split()[3][1:]) for line in _attr(step, "code", []) if len(line.split()) == 4}
+    float_inputs = [m for k, m in enumerate(inputs) if k not in quantized.inputs and k not in zero_points]
+    if (why := _float_inputs(float_inputs)) is not None:
         return why
-    lines = kernels.parse(list(_attr(step, "code", [])), len(inputs))
+    if any(inputs[k].shape is None for k in quantized.inputs):
+        return "only tensors of known shapes"
+    lines = kernels.parse(quantized.code, len(inputs))
     if isinstance(lines, str):
         return lines
     shapes = broadcast_input_shapes(inputs)
@@ -62,15 +79,20 @@ def _elementwise_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str
 def _elementwise_prepare(step: StepSpec, constants: list[Any], device: torch.device):
     code = list(_attr(step, "code", []))
     baked = {k: c for k, c in enumerate(constants) if isinstance(c, torch.Tensor)}
+    # the 8-bit activations a Dequantize line reads (the others float32): from the program and its zero points
+    eight_bit = {int(line.split()[1][1:]): baked[int(line.split()[3][1:])].dtype for line in code
+                 if line.split()[0] == "Dequantize" and len(line.split()) == 4 and int(line.split()[3][1:]) in baked}
 
     def reads(sizes: dict[int, tuple[int, ...]]) -> dict[int, torch.dtype]:
-        return {k: _F32 for k in sizes if k not in baked}
+        return {k: eight_bit.get(k, _F32) for k in sizes if k not in baked}
 
-    return prepared_native(step, reads, lambda sizes: kernels.Elementwise(code, sizes, baked), max_rank=3)
+    return prepared_native(step, reads, lambda sizes: kernels.Elementwise(code, sizes, baked, eight_bit),
+                           max_rank=3)
 
 
 register(Tactic(
-    name="cpu.elementwise.native", op_type="Elementwise", domain="kiln", device="cpu", dtypes=(_F32,),
+    name="cpu.elementwise.native", op_type="Elementwise", domain="kiln", device="cpu",
+    dtypes=(_F32, torch.uint8, torch.int8),
     supports=_elementwise_supports, configure=sizes_config, prepare=_elementwise_prepare,
     available=transformer_kernels.available, native=True,
     description="a chain of float32 elementwise ops, broadcast, in kiln's C, a native-segment member",
