@@ -263,7 +263,7 @@ typedef float kiln_v16 __attribute__((vector_size(64)));
    last interval's constant is ½ exactly, so past it the result is ½v + ½|v|, ReLU, exactly). k is the low bits of
    y + 1.5·2²³, and each coefficient one vpermps of a register of n floats by them. Why: Eigen's rational form
    (erf_rational: a clamp, 11 FMAs, the divide or rcp + a Newton step, a clamp of erf, ~23 operations a vector, ~18
-   of them on the two FMA pipes) cost BERT-base's FFN up 4-5 points of the FMA peak; this is 12 / 16 operations, 7 /
+   of them on the two FMA pipes) cost BERT-base's FFN up 4-5 points of the FMA peak; this is 17 / 21 operations, 7 /
    9 of them on the FMA pipes, the permutes and adds on the others, and is closer to float64 (over -10..10 step
    1e-4: |error| <= 1.6e-7·max(1, |v|) / 9.1e-8·max(1, |v|) and 1.9e-7 / 1.6e-7 relative to max(1, |GELU|),
    where the rational form was at 1.8e-7 and 9.3e-7). NaN passes through (min(NaN, c) is c, then |NaN|·p + ½NaN),
