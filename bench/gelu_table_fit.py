@@ -102,7 +102,9 @@ def main() -> None:
             print(f"#define KILN_GELU_S{n} {str(np.float32(s))}f")
             print(f"static const float KILN_GELU_{name}[{degree + 1}][{n}] = {{")
             for j in range(degree + 1):
-                print("    {" + ", ".join(f"{str(np.float32(c))}f" for c in table[:, j]) + "},")
+                values = [f"{str(np.float32(c))}f" for c in table[:, j]]
+                lines = [", ".join(values[i:i + 6]) for i in range(0, n, 6)]
+                print("    {" + ",\n     ".join(lines) + "},")
             print("};")
 
 
