@@ -228,6 +228,52 @@ def test_silu_and_swiglu_epilogues_at_large_values_and_specials(kernel):
     assert not errors, f"{len(errors)} cases off, e.g. {errors[:6]}"
 
 
+# GELU over a dense sweep against torch's gelu in float64: |error| <= GELU_SWEEP_BOUND·max(1, |v|). The bound is what
+# gemm.c's former form (Eigen's rational erf) measured on this sweep, 1.79e-7 (bench/gelu_table_fit.py); its tables
+# measure 1.56e-7 (AVX-512, degree 4) and 9.1e-8 (AVX2, degree 6), the `any` ISA's tiles keep the rational form.
+GELU_SWEEP_BOUND = 1.8e-7
+GELU_EXTREMES = [-1e30, 1e30, -1e5, 1e5, -20.0, 20.0, -5.6, 5.6, 3.95 * 2**0.5, -1e-30, 1e-30, 1e-40, -1e-40]
+
+
+def gelu_sweep_errors(kernel=None) -> list[str]:
+    """The GELU epilogue of `kernel` (None: kiln's pick) over v = -10..10 step 1e-4 and GELU_EXTREMES (past the
+    tables' clamp: exactly 0 and v), through x Iᵀ (exact) on the tiles' path (KILN_TILE_GELU) and, with a zero
+    residual, the epilogue pass (gelu_avx512 / gelu_avx2, a masked tail: rows of 40); and +inf -> +inf, NaN -> NaN,
+    -inf -> NaN (as torch's erf form) through the bias at every lane of a 16-wide row."""
+    errors = []
+    sweep = (torch.arange(-100000, 100000, dtype=torch.float64) * 1e-4).float()
+    v = torch.cat([torch.tensor(GELU_EXTREMES), sweep])
+    v = v[: v.numel() // 40 * 40]
+    want = torch.nn.functional.gelu(v.double())
+    for residual in (False, True):
+        layer = gemm_native.PackedLinear(torch.eye(40), None, "Gelu", kernel=kernel, residual=residual)
+        got = layer(v.reshape(-1, 40), torch.zeros(v.numel() // 40, 40) if residual else None).reshape(-1).double()
+        error = (got - want).abs() / v.double().abs().clamp_min(1.0)
+        if not error.max().item() <= GELU_SWEEP_BOUND:
+            at = int(error.argmax())
+            errors.append(f"residual {residual}: v = {v[at].item()!r}: {got[at].item()!r}, want {want[at].item()!r}")
+        extremes = got[: len(GELU_EXTREMES)]
+        exact = torch.where(v[: len(GELU_EXTREMES)].abs() > 5.59, v[: len(GELU_EXTREMES)].clamp_min(0.0), extremes)
+        if not torch.equal(extremes, exact.double()):
+            errors.append(f"residual {residual}: extremes {extremes.tolist()}, want {exact.tolist()}")
+    specials = torch.tensor([float("inf"), float("-inf"), float("nan"), 1.0])
+    for shift in range(4):
+        b = specials[(torch.arange(16) + shift) % 4]
+        for residual in (False, True):
+            layer = gemm_native.PackedLinear(torch.zeros(16, 3), b, "Gelu", kernel=kernel, residual=residual)
+            y = layer(torch.ones(5, 3), torch.zeros(5, 16) if residual else None)[2]
+            want = torch.where(b == float("inf"), b, torch.nn.functional.gelu(b))  # torch: gelu(inf) is NaN
+            if not torch.allclose(y, want, rtol=1e-6, atol=0.0, equal_nan=True):
+                errors.append(f"specials residual {residual}: {y.tolist()}, want {want.tolist()}")
+    return errors
+
+
+@pytest.mark.parametrize("kernel", runnable() + runnable(test_kernels=True), ids=lambda k: k.name.replace(" ", "-"))
+def test_gelu_over_a_dense_sweep_and_its_specials(kernel):
+    errors = gelu_sweep_errors(kernel)
+    assert not errors, errors
+
+
 @pytest.mark.parametrize("kernel", runnable() + runnable(test_kernels=True), ids=lambda k: k.name.replace(" ", "-"))
 @pytest.mark.parametrize("path", ["whole K in place", "K blocks in place", "K blocks packed"])
 def test_gelu_in_the_tiles_matches_float64(kernel, path):
@@ -484,11 +530,12 @@ def test_engine_on_kiln_gemm_matches_onnxruntime(monkeypatch):
         np.testing.assert_allclose(engine.run({"x": x})["y"], session.run(None, {"x": x})[0], rtol=1e-4, atol=1e-4)
 
 
-# Run in a process under KILN_CPU_ISA=avx2 (gemm.c built for x86-64-v3, the 6x16 tile and its 8-lane GELU: vmaxps /
-# vminps clamps and rcpps + a Newton step for the divide), one and two threads, every path: M, N, K off the tile and
+# Run in a process under KILN_CPU_ISA=avx2 (gemm.c built for x86-64-v3, the 6x16 tile and its 8-lane GELU: the
+# table of 8 intervals of degree 6), one and two threads, every path: M, N, K off the tile and
 # the K block (6 rows, 16 columns, 256), each epilogue and a residual before or after it (GELU at every shape and
 # path), and the GELU grid of
-# test_rational_activations_are_within_1e6_of_float64 through W = I, SiLU and SwiGLU at silu_special_cases. Prints
+# test_rational_activations_are_within_1e6_of_float64 through W = I, gelu_sweep_errors, SiLU and SwiGLU at
+# silu_special_cases. Prints
 # one JSON line of (case, error, bound).
 _AVX2_TILE_CASES = r"""
 import json, sys, zlib
@@ -536,7 +583,10 @@ x = torch.ones(7, 32)
 x[3, 5] = float("nan")  # NaN passes through the tiles' GELU clamps (row 3 only), as through the other ISAs' masks
 y = gemm_native.PackedLinear(torch.eye(32)[:20], None, "Gelu")(x)
 rows.append(("Gelu of NaN", float(not (y[3].isnan().all() and y[torch.arange(7) != 3].isfinite().all())), 0.0))
-from tests.unit.test_gemm_native import silu_special_cases  # SiLU and SwiGLU at large values and specials
+from tests.unit.test_gemm_native import gelu_sweep_errors, silu_special_cases
+errors = gelu_sweep_errors()  # the 8-lane tables over the dense sweep, the extremes and the specials
+rows.append(("Gelu sweep: " + "; ".join(errors[:3]), float(len(errors)), 0.0))
+# SiLU and SwiGLU at large values and specials
 errors = silu_special_cases()
 rows.append(("SiLU / SwiGLU specials: " + "; ".join(errors[:3]), float(len(errors)), 0.0))
 print(json.dumps(rows))
@@ -554,6 +604,6 @@ def test_the_avx2_tile_under_the_cap_matches_float64():
                           capture_output=True, text=True, timeout=600, cwd=root)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(rows) == 6 * 3 * 2 + 6 * 3 + len(ACTIVATION_ORACLE) * 3 + 3
+    assert len(rows) == 6 * 3 * 2 + 6 * 3 + len(ACTIVATION_ORACLE) * 3 + 4
     bad = [row for row in rows if not row[1] <= row[2]]
     assert not bad, f"{len(bad)} of {len(rows)} cases off, e.g. {bad[:3]}"

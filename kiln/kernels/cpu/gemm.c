@@ -18,7 +18,8 @@
  * The epilogue is kiln::FusedGemm's (kiln/ops/fused.py): + bias, the activation, the residual before or
  * after it. The bias is where a tile's sums start (its first K block); erf-GELU without a residual is applied
  * by the tile to its sums before the store (KILN_TILE_GELU, its last K block); the rest to each C tile right
- * after its last K block, while the tile is in L1 (erf-GELU in AVX-512 / AVX2 registers by cpuid). The
+ * after its last K block, while the tile is in L1 (erf-GELU in AVX-512 / AVX2 registers by cpuid, a table of
+ * polynomials: kiln_gelu_avx512). The
  * 8x48 tile has edge tiles for a last panel of 16 or 32 columns (tile_for).
  * Threads: kiln_parallel_for (pool.c, compiled in front of this file) over work items (row group, panel
  * chunk) claimed dynamically, so a core slowed by other work takes fewer of them, and a worker descheduled
@@ -66,7 +67,7 @@ typedef void (*tile_fn)(int m, long k, const float *a, long lda, const float *b,
                         int flags, const float *bias);
 enum { KILN_TILE_LOAD_C = 1, KILN_TILE_GELU = 2 };
 
-/* erf(x) ≈ x·P(x²)/Q(x²) on [-4, 4], Eigen's / XLA's float32 coefficients (erf_rational, gelu_avx512, the tiles) */
+/* erf(x) ≈ x·P(x²)/Q(x²) on [-4, 4], Eigen's / XLA's float32 coefficients (erf_rational, the `any` ISA's tiles) */
 static const float KILN_ERF_P[7] = {-2.72614225801306e-10f, 2.77068142495902e-08f, -2.10102402082508e-06f,
                                     -5.69250639462346e-05f, -7.34990630326855e-04f, -2.95459980854025e-03f,
                                     -1.60960333262415e-02f};
@@ -115,24 +116,16 @@ typedef struct {
         __builtin_prefetch(c + i * ldc + (W) * (NV) - 1, 1, 3);                                              \
     }
 
-/* erf-GELU of a vector of sums, gelu_avx512's arithmetic (the same coefficients and order) in GCC vector code, so
-   that every ISA's tiles apply it in registers: ½v(1 + erf(v/√2)) as h + h·erf, h = ½v. Its two clamps and its
-   divide by the kernel's ISA (KILN_CLAMP_ISA, KILN_RECIP_ISA): on AVX2 and AVX-512, vmaxps / vminps and rcpps /
-   vrcp14ps with one Newton step (Q <= -0.014: never near 0; relative error ~1e-7 / ~1e-8), where GCC made each clamp
-   two compares and two blends (and constant broadcasts) and kept the divide. One tile with GELU, all in L1/L2, on a
-   Zen 4 core (bench/gemm_tile.py; bench/results/packed-2026-12-06.md, section 8): the AVX2 6x16 at K = 256 / 768
-   86.3 -> 89.4% / 92.9 -> 94.6% of the FMA peak (98-99% without the GELU), the AVX-512 8x48 at K = 128 / 768 ~79.6 ->
-   ~84.4% / ~93.5 -> ~94.4%. `any`: compare-and-select clamps and the divide (the generic kernel, the tests' 16-lane
-   tiles built for AVX2). maxps(lo, v) returns v where v is NaN: NaN passes through, as with the masks. */
-#define KILN_CLAMP_avx2(NAME, v, lo, hi) kiln_clamp_avx2(v, lo, hi)
-#define KILN_RECIP_avx2(q) kiln_recip_avx2(q)
-#define KILN_CLAMP_avx512(NAME, v, lo, hi) kiln_clamp_avx512(v, lo, hi)
-#define KILN_RECIP_avx512(q) kiln_recip_avx512(q)
-#define KILN_CLAMP_any(NAME, v, lo, hi) NAME##_clamp(v, lo, hi)
-#define KILN_RECIP_any(q) (1.0f / (q))
+/* erf-GELU of a vector of sums before the tile stores them, by the kernel's ISA (KILN_GELU_ISA): on AVX2 and
+   AVX-512 kiln_gelu_avx2 / kiln_gelu_avx512 (a table of polynomials, below), `any` (the generic kernel, the tests'
+   16-lane tiles built for AVX2) erf_rational's x·P(x²)/Q(x²) in GCC vector code: ½v(1 + erf(v/√2)) as h + h·erf,
+   h = ½v, its clamps as compares and selects. */
+#define KILN_GELU_avx2(NAME, v) kiln_gelu_avx2(v)
+#define KILN_GELU_avx512(NAME, v) kiln_gelu_avx512(v)
+#define KILN_GELU_any(NAME, v) NAME##_gelu_rational(v)
 #define KILN_DEFINE_GELU(NAME, TARGET, W, ISA)                                                               \
     typedef int NAME##_ivec __attribute__((vector_size((W) * 4)));                                           \
-    static inline __attribute__((always_inline)) TARGET NAME##_vec NAME##_clamp(NAME##_vec v, float lo,      \
+    static inline __attribute__((always_inline, unused)) TARGET NAME##_vec NAME##_clamp(NAME##_vec v, float lo, \
                                                                                float hi) {                   \
         const NAME##_vec low = (NAME##_vec){0} + lo, high = (NAME##_vec){0} + hi;                            \
         NAME##_ivec m = v < low;                                                                             \
@@ -140,13 +133,16 @@ typedef struct {
         m = v > high;                                                                                        \
         return (NAME##_vec)(((NAME##_ivec)v & ~m) | ((NAME##_ivec)high & m));                                \
     }                                                                                                        \
-    static inline __attribute__((always_inline)) TARGET NAME##_vec NAME##_gelu(NAME##_vec v) {               \
-        const NAME##_vec x = KILN_CLAMP_##ISA(NAME, v * 0.70710678118654752f, -4.0f, 4.0f), x2 = x * x;      \
+    static inline __attribute__((always_inline, unused)) TARGET NAME##_vec NAME##_gelu_rational(NAME##_vec v) { \
+        const NAME##_vec x = NAME##_clamp(v * 0.70710678118654752f, -4.0f, 4.0f), x2 = x * x;                \
         NAME##_vec p = (NAME##_vec){0} + KILN_ERF_P[0], q = (NAME##_vec){0} + KILN_ERF_Q[0];                 \
         KILN_UNROLL for (int t = 1; t < 7; ++t) p = p * x2 + KILN_ERF_P[t];                                  \
         KILN_UNROLL for (int t = 1; t < 5; ++t) q = q * x2 + KILN_ERF_Q[t];                                  \
-        const NAME##_vec r = KILN_CLAMP_##ISA(NAME, x * p * KILN_RECIP_##ISA(q), -1.0f, 1.0f), h = v * 0.5f; \
+        const NAME##_vec r = NAME##_clamp(x * p / q, -1.0f, 1.0f), h = v * 0.5f;                             \
         return h * r + h;                                                                                    \
+    }                                                                                                        \
+    static inline __attribute__((always_inline)) TARGET NAME##_vec NAME##_gelu(NAME##_vec v) {               \
+        return KILN_GELU_##ISA(NAME, v);                                                                     \
     }
 
 #define KILN_DEFINE_KERNEL(NAME, TARGET, ISA, W, NV, MR, BS)                                                 \
@@ -258,23 +254,78 @@ static int always(void) { return 1; }
 #include <immintrin.h>
 #define KILN_AVX2 __attribute__((target("avx2,fma")))
 #define KILN_AVX512 __attribute__((target("avx512f,avx2,fma")))
-/* The GELU's clamps and 1/Q in AVX2 / AVX-512 registers (KILN_CLAMP_ISA, KILN_RECIP_ISA): 1/q as rcp and one
-   Newton step, r(2 - qr). */
 typedef float kiln_v8 __attribute__((vector_size(32)));
 typedef float kiln_v16 __attribute__((vector_size(64)));
-static inline __attribute__((always_inline)) KILN_AVX2 kiln_v8 kiln_clamp_avx2(kiln_v8 v, float lo, float hi) {
-    return (kiln_v8)_mm256_min_ps(_mm256_set1_ps(hi), _mm256_max_ps(_mm256_set1_ps(lo), (__m256)v));
+/* erf-GELU on AVX-512 / AVX2 registers (the tiles' KILN_TILE_GELU, gelu_avx512 / gelu_avx2): GELU(v) = ½v + |v|·E,
+   E = ½erf(|v|/√2) (v·erf(v/√2) is even), E a polynomial of degree 4 (AVX-512) / 6 (AVX2) in w = y - k on the
+   interval k = rint(y) of y = min(|v|·S, n - 1), n = 16 / 8 intervals of width 1 (bench/gelu_table_fit.py fits and
+   prints the tables: minimax per interval; the clamp is at |v|/√2 = 3.95, where erf is within 1.2e-8 of 1, and the
+   last interval's constant is ½ exactly, so past it the result is ½v + ½|v|, ReLU, exactly). k is the low bits of
+   y + 1.5·2²³, and each coefficient one vpermps of a register of n floats by them. Why: Eigen's rational form
+   (erf_rational: a clamp, 11 FMAs, the divide or rcp + a Newton step, a clamp of erf, ~23 operations a vector, ~18
+   of them on the two FMA pipes) cost BERT-base's FFN up 4-5 points of the FMA peak; this is 17 / 21 operations, 7 /
+   9 of them on the FMA pipes, the permutes and adds on the others, and is closer to float64 (over -10..10 step
+   1e-4: |error| <= 1.6e-7·max(1, |v|) / 9.1e-8·max(1, |v|) and 1.9e-7 / 1.6e-7 relative to max(1, |GELU|),
+   where the rational form was at 1.8e-7 and 9.3e-7). NaN passes through (min(NaN, c) is c, then |NaN|·p + ½NaN),
+   +inf -> +inf, -inf -> NaN (inf - inf; torch's gelu gives NaN for both). A/B: bench/results/packed-2026-12-06.md,
+   section 11. */
+#define KILN_GELU_S16 2.6852157f
+static const float KILN_GELU_T16[5][16] __attribute__((aligned(64))) = {
+    {-1.120798e-15f, 0.14520603f, 0.27180946f, 0.3680517f, 0.43184033f, 0.46870184f,
+     0.4872735f, 0.49543124f, 0.49855536f, 0.49959838f, 0.49990198f, 0.49997902f,
+     0.49999607f, 0.49999934f, 0.4999999f, 0.5f},
+    {0.14856854f, 0.13861558f, 0.112581566f, 0.07959608f, 0.048987314f, 0.026244663f,
+     0.012239422f, 0.0049686693f, 0.0017557961f, 0.0005400802f, 0.00014460621f, 3.370187e-05f,
+     6.836789e-06f, 1.2071846e-06f, 1.8552815e-07f, 8.255391e-07f},
+    {6.4706514e-16f, -0.009611866f, -0.015613517f, -0.016558269f, -0.013587862f, -0.009099667f,
+     -0.005092547f, -0.0024119627f, -0.0009741089f, -0.00033709803f, -0.00010028949f, -2.571159e-05f,
+     -5.690234e-06f, -1.0885004e-06f, -1.8016247e-07f, 8.325e-06f},
+    {-0.003411946f, -0.0027446032f, -0.0011587386f, 0.00044503607f, 0.0013671411f, 0.0014890968f,
+     0.0011283496f, 0.00066773023f, 0.00032217967f, 0.00012945394f, 4.3844742e-05f, 1.2613398e-05f,
+     3.0982033e-06f, 6.521564e-07f, 1.17961626e-07f, 2.7454467e-05f},
+    {1.1039829e-15f, 0.00031455958f, 0.0004381648f, 0.00033353386f, 0.00012341679f, -4.737532e-05f,
+     -0.00011599354f, -0.00010539067f, -6.627684e-05f, -3.2327927e-05f, -1.2775854e-05f, -4.1814783e-06f,
+     -1.1480829e-06f, -2.6663037e-07f, -5.2675517e-08f, 2.792734e-05f},
+};
+#define KILN_GELU_S8 1.2531006f
+static const float KILN_GELU_T8[7][8] __attribute__((aligned(32))) = {
+    {-1.5564429e-14f, 0.28757071f, 0.44476017f, 0.49166852f, 0.49929374f, 0.49996698f,
+     0.49999917f, 0.5f},
+    {0.31836373f, 0.23154588f, 0.08907903f, 0.018127412f, 0.0019513018f, 0.000111115776f,
+     3.3479803e-06f, 1.8133541e-06f},
+    {1.12913846e-14f, -0.0737281f, -0.05672893f, -0.017316388f, -0.002485297f, -0.00017689665f,
+     -6.39542e-06f, 4.2483247e-05f},
+    {-0.03377799f, -0.00892997f, 0.014625179f, 0.009106714f, 0.001903549f, 0.0001756715f,
+     7.737917e-06f, 0.00037336207f},
+    {-8.045544e-14f, 0.009241517f, 0.0013662322f, -0.0025102936f, -0.0009488321f, -0.00012122754f,
+     -6.7288456e-06f, 0.0014677086f},
+    {0.0031230333f, -0.0002858724f, -0.0017072796f, 6.499352e-05f, 0.00029872402f, 6.27496e-05f,
+     4.8197858e-06f, 0.0026495215f},
+    {1.4637e-13f, -0.00072479213f, 0.00023643121f, 0.00018511251f, -4.438927e-05f, -2.2138101e-05f,
+     -2.4074827e-06f, 0.0017875567f},
+};
+
+static inline __attribute__((always_inline)) KILN_AVX512 kiln_v16 kiln_gelu_avx512(kiln_v16 v) {
+    const __m512 x = (__m512)v, a = _mm512_abs_ps(x);
+    const __m512 y = _mm512_min_ps(_mm512_mul_ps(a, _mm512_set1_ps(KILN_GELU_S16)), _mm512_set1_ps(15.0f));
+    const __m512 t = _mm512_add_ps(y, _mm512_set1_ps(12582912.0f));  /* its low 4 bits: k */
+    const __m512 w = _mm512_sub_ps(y, _mm512_sub_ps(t, _mm512_set1_ps(12582912.0f)));
+    const __m512i k = _mm512_castps_si512(t);
+    __m512 p = _mm512_permutexvar_ps(k, _mm512_load_ps(KILN_GELU_T16[4]));
+    KILN_UNROLL for (int j = 3; j >= 0; --j)
+        p = _mm512_fmadd_ps(p, w, _mm512_permutexvar_ps(k, _mm512_load_ps(KILN_GELU_T16[j])));
+    return (kiln_v16)_mm512_fmadd_ps(a, p, _mm512_mul_ps(x, _mm512_set1_ps(0.5f)));
 }
-static inline __attribute__((always_inline)) KILN_AVX2 kiln_v8 kiln_recip_avx2(kiln_v8 q) {
-    const kiln_v8 r = (kiln_v8)_mm256_rcp_ps((__m256)q);
-    return r * (2.0f - q * r);
-}
-static inline __attribute__((always_inline)) KILN_AVX512 kiln_v16 kiln_clamp_avx512(kiln_v16 v, float lo, float hi) {
-    return (kiln_v16)_mm512_min_ps(_mm512_set1_ps(hi), _mm512_max_ps(_mm512_set1_ps(lo), (__m512)v));
-}
-static inline __attribute__((always_inline)) KILN_AVX512 kiln_v16 kiln_recip_avx512(kiln_v16 q) {
-    const kiln_v16 r = (kiln_v16)_mm512_rcp14_ps((__m512)q);
-    return r * (2.0f - q * r);
+static inline __attribute__((always_inline)) KILN_AVX2 kiln_v8 kiln_gelu_avx2(kiln_v8 v) {
+    const __m256 x = (__m256)v, a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
+    const __m256 y = _mm256_min_ps(_mm256_mul_ps(a, _mm256_set1_ps(KILN_GELU_S8)), _mm256_set1_ps(7.0f));
+    const __m256 t = _mm256_add_ps(y, _mm256_set1_ps(12582912.0f));  /* its low 3 bits: k */
+    const __m256 w = _mm256_sub_ps(y, _mm256_sub_ps(t, _mm256_set1_ps(12582912.0f)));
+    const __m256i k = _mm256_castps_si256(t);
+    __m256 p = _mm256_permutevar8x32_ps(_mm256_load_ps(KILN_GELU_T8[6]), k);
+    KILN_UNROLL for (int j = 5; j >= 0; --j)
+        p = _mm256_fmadd_ps(p, w, _mm256_permutevar8x32_ps(_mm256_load_ps(KILN_GELU_T8[j]), k));
+    return (kiln_v8)_mm256_fmadd_ps(a, p, _mm256_mul_ps(x, _mm256_set1_ps(0.5f)));
 }
 KILN_DEFINE_KERNEL(avx512, KILN_AVX512, avx512, 16, 2, 14, 32)
 KILN_DEFINE_KERNEL(avx2, KILN_AVX2, avx2, 8, 2, 6, 16)
@@ -410,46 +461,24 @@ static inline float tanh_rational(float x) {
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
-/* GELU (erf_rational's x·P(x²)/Q(x²), the same coefficients) of n floats at c, a register of lanes at a time.
-   Why not activate()'s loop: GCC's auto-vectorised form of it ran 1.35-1.5x slower on a Zen 4 core (32768 outputs
-   in rows of 16 / 32 / 64: 20.5 / 18.0 / 17.3 us against 15.2 / 12.1 / 11.3, thread CPU time): the epilogue of
-   ConvNeXt's 512 x 16 x 64 GELU GEMM was twice its multiply-adds. The tail of a row: masked (AVX-512), scalar
-   (AVX2). ½x(1 + erf) as h + h·erf, h = ½x. */
-#define KILN_GELU_COEFFICIENTS const float *P = KILN_ERF_P, *Q = KILN_ERF_Q;
+/* GELU of n floats at c in place, a register of lanes at a time: the tiles' kiln_gelu_avx512 / kiln_gelu_avx2 (the
+   epilogue pass of a GELU with a residual; the tiles apply it alone). Why not activate()'s loop: GCC's
+   auto-vectorised form of the rational one ran 1.35-1.5x slower on a Zen 4 core (32768 outputs in rows of 16 / 32 /
+   64), and ConvNeXt's 512 x 16 x 64 GELU GEMM's epilogue was twice its multiply-adds. The tail of a row: masked
+   (both ISAs: every element takes the same arithmetic). */
 KILN_AVX512 static void gelu_avx512(float *c, int n) {
-    KILN_GELU_COEFFICIENTS
     for (int j = 0; j < n; j += 16) {
         const __mmask16 mask = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
-        const __m512 v = _mm512_maskz_loadu_ps(mask, c + j);
-        const __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v, _mm512_set1_ps(0.70710678118654752f)),
-                                                     _mm512_set1_ps(-4.0f)), _mm512_set1_ps(4.0f));
-        const __m512 x2 = _mm512_mul_ps(x, x);
-        __m512 p = _mm512_set1_ps(P[0]), q = _mm512_set1_ps(Q[0]);
-        for (int t = 1; t < 7; ++t) p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(P[t]));
-        for (int t = 1; t < 5; ++t) q = _mm512_fmadd_ps(q, x2, _mm512_set1_ps(Q[t]));
-        const __m512 r = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(_mm512_mul_ps(x, p), q), _mm512_set1_ps(-1.0f)),
-                                       _mm512_set1_ps(1.0f));
-        const __m512 h = _mm512_mul_ps(v, _mm512_set1_ps(0.5f));
-        _mm512_mask_storeu_ps(c + j, mask, _mm512_fmadd_ps(h, r, h));
+        _mm512_mask_storeu_ps(c + j, mask, (__m512)kiln_gelu_avx512((kiln_v16)_mm512_maskz_loadu_ps(mask, c + j)));
     }
 }
 KILN_AVX2 static void gelu_avx2(float *c, int n) {
-    KILN_GELU_COEFFICIENTS
     int j = 0;
-    for (; j + 8 <= n; j += 8) {
-        const __m256 v = _mm256_loadu_ps(c + j);
-        const __m256 x = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(v, _mm256_set1_ps(0.70710678118654752f)),
-                                                     _mm256_set1_ps(-4.0f)), _mm256_set1_ps(4.0f));
-        const __m256 x2 = _mm256_mul_ps(x, x);
-        __m256 p = _mm256_set1_ps(P[0]), q = _mm256_set1_ps(Q[0]);
-        for (int t = 1; t < 7; ++t) p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(P[t]));
-        for (int t = 1; t < 5; ++t) q = _mm256_fmadd_ps(q, x2, _mm256_set1_ps(Q[t]));
-        const __m256 r = _mm256_min_ps(_mm256_max_ps(_mm256_div_ps(_mm256_mul_ps(x, p), q), _mm256_set1_ps(-1.0f)),
-                                       _mm256_set1_ps(1.0f));
-        const __m256 h = _mm256_mul_ps(v, _mm256_set1_ps(0.5f));
-        _mm256_storeu_ps(c + j, _mm256_fmadd_ps(h, r, h));
+    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(c + j, (__m256)kiln_gelu_avx2((kiln_v8)_mm256_loadu_ps(c + j)));
+    if (j < n) {
+        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - j), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        _mm256_maskstore_ps(c + j, mask, (__m256)kiln_gelu_avx2((kiln_v8)_mm256_maskload_ps(c + j, mask)));
     }
-    for (; j < n; ++j) c[j] = 0.5f * c[j] * (1.0f + erf_rational(c[j] * 0.70710678118654752f));
 }
 /* 2: AVX-512, 1: AVX2 + FMA, 0: neither (cpuid once; KILN_CPU_ISA=avx2 caps it as it caps the tiles) */
 static int epilogue_isa(void) {
