@@ -18,8 +18,13 @@ import numpy as np
 
 from kiln.serve import datatypes
 from kiln.serve.core import InferRequest, InferResponse
-from kiln.serve.errors import InvalidRequest
+from kiln.serve.errors import InvalidRequest, ServeError
 from kiln.serve.shared_memory import SharedMemoryRegistry, SharedTensor, TensorPlace, output_parameters, tensor_place
+
+try:  # the serve extras' JSON parser (pyproject.toml): 3-4x the standard library's json.loads on an infer body
+    import orjson
+except ImportError:  # kiln serve without its extras: the standard library's parser alone
+    orjson = None
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 
@@ -66,6 +71,27 @@ def parse_json_header(data: bytes | memoryview) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InvalidRequest(f"the request is not valid JSON: {e}") from None
     return _object(header, "the request")
+
+
+class _Reparse(Exception):
+    """A request orjson parsed that the standard library's parse might read otherwise: decode it again with that."""
+
+
+# orjson reads an integer outside int64 and uint64 as the nearest float, where json.loads keeps the int; such a
+# float is at least this large. A float input whose values reach it is decoded again from json.loads' parse.
+_HUGE = float(1 << 63)
+
+
+def _parse_fast(data: bytes | memoryview) -> dict | None:
+    """The request's JSON by orjson, or None where orjson refuses it. json.loads accepts some JSON orjson refuses
+    (NaN, Infinity, 1e400, lone surrogates, a UTF-8 BOM, UTF-16 and UTF-32 bodies) and words the errors the 400s
+    quote: those bodies take json.loads, whose answers they got before. Where orjson accepts, it reads what
+    json.loads reads, but integers past 64 bits (floats, see _HUGE); decode_request handles those."""
+    try:
+        header = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    return header if isinstance(header, dict) else None
 
 
 class _Layout:
@@ -125,7 +151,21 @@ def decode_request(body: bytes, header_length: str | None, model: str, version: 
                    shared_memory: SharedMemoryRegistry,
                    layouts: HeaderLayouts | None = None) -> tuple[InferRequest, OutputOptions]:
     """The request in `body`. `layouts`: headers seen before, decoded (HeaderLayouts), consulted and taught when
-    the body uses the binary tensor extension."""
+    the body uses the binary tensor extension.
+
+    The JSON is parsed by orjson where installed; a body orjson refuses, or whose decode by orjson's parse fails in
+    any way or meets a float orjson may have made of a 65-bit integer, is decoded again from json.loads' parse:
+    the answer (a request, or a ServeError's message) is json.loads' in every case."""
+    if orjson is not None:
+        try:
+            return _decode(body, header_length, model, version, shared_memory, layouts, True)
+        except (ServeError, _Reparse):
+            pass
+    return _decode(body, header_length, model, version, shared_memory, layouts, False)
+
+
+def _decode(body: bytes, header_length: str | None, model: str, version: str, shared_memory: SharedMemoryRegistry,
+            layouts: HeaderLayouts | None, fast: bool) -> tuple[InferRequest, OutputOptions]:
     if header_length is not None:
         try:
             length = int(header_length)
@@ -143,7 +183,10 @@ def decode_request(body: bytes, header_length: str | None, model: str, version: 
         known = layouts.decode(key, binary, model, version)
         if known is not None:
             return known
-    header = parse_json_header(view[:length])
+    header = _parse_fast(view[:length]) if fast else None
+    if header is None:
+        fast = False
+        header = parse_json_header(view[:length])
 
     request_id = header.get("id", "")
     if not isinstance(request_id, str):
@@ -191,7 +234,9 @@ def decode_request(body: bytes, header_length: str | None, model: str, version: 
                 spans.append((name, datatype, list(shape), offset, offset + size))
             offset += size
         elif "data" in item:
-            inputs[name] = datatypes.from_json(item["data"], datatype, shape, name)
+            inputs[name] = array = datatypes.from_json(item["data"], datatype, shape, name)
+            if fast and array.dtype.kind not in "biuO" and array.size and not np.abs(array).max() < _HUGE:
+                raise _Reparse
             spans = None
         else:
             raise InvalidRequest(f"input {name!r} has neither 'data' nor binary_data_size")
