@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+import ml_dtypes
 import numpy as np
 
 from kiln.serve import datatypes
@@ -235,7 +236,7 @@ def _decode(body: bytes, header_length: str | None, model: str, version: str, sh
             offset += size
         elif "data" in item:
             inputs[name] = array = datatypes.from_json(item["data"], datatype, shape, name)
-            if fast and array.dtype.kind not in "biuO" and array.size and not np.abs(array).max() < _HUGE:
+            if fast and array.dtype.kind not in "biuO" and array.size and not float(np.abs(array).max()) < _HUGE:
                 raise _Reparse
             spans = None
         else:
@@ -296,37 +297,125 @@ def encode_response_pieces(response: InferResponse, options: OutputOptions, batc
     """encode_response's body in its pieces, not joined: the JSON header, then each binary output's bytes, large
     ones as views of their arrays (datatypes.raw_view). The infer fast path (kiln/serve/http_fast.py) writes them
     as they are."""
-    key = _binary_key(response, options)
+    key = _header_key(response, options)
     if key is not None:
-        header = _BINARY_HEADERS.get(key)
-        if header is not None:
-            return [header, *[datatypes.raw_view(array) for _, array in response.outputs]], len(header)
-    pieces, header_length = _encode_pieces(response, options, batched, shared_memory)
-    if key is not None:
-        if len(_BINARY_HEADERS) >= MAX_BINARY_HEADERS:
-            _BINARY_HEADERS.clear()
-        _BINARY_HEADERS[key] = pieces[0]
-    return pieces, header_length
+        template = _HEADERS.get(key)
+        if template is None:
+            template = _template(response, options)
+            if template is not None:
+                if len(_HEADERS) >= MAX_HEADERS:
+                    _HEADERS.clear()
+                _HEADERS[key] = template
+        if template is not None:
+            return _from_template(template, response, options)
+    return _encode_pieces(response, options, batched, shared_memory)
 
 
-# The JSON header of an answer whose outputs all leave as binary data is a function of the model, version, id and
-# each output's name, dtype and shape alone (binary_data_size is the array's nbytes): a client at concurrency 1 gets
-# the same header every call, json.dumps'd once and remembered here by that exact key (at most MAX_BINARY_HEADERS).
-_BINARY_HEADERS: dict[tuple, bytes] = {}
-MAX_BINARY_HEADERS = 256
+# The JSON header of an answer whose outputs are plain arrays (none classified or in shared memory) is a function of
+# the model, version, id and each output's name, dtype, shape and form (binary: binary_data_size is the array's
+# nbytes; JSON: its "data" list) alone, but for the JSON outputs' data: a client at concurrency 1 gets the same
+# header every call, with other data. It is json.dumps'd once with a marker for each JSON output's data and kept,
+# cut at the markers (at most MAX_HEADERS): an answer is then its pieces with each output's data json.dumps'd
+# between them (json.dumps of the whole header writes each list as json.dumps of the list alone: the same bytes).
+_HEADERS: dict[tuple, tuple[bytes, ...]] = {}
+MAX_HEADERS = 256
+_ENCODER = json.JSONEncoder(separators=(",", ":"))  # json.dumps(..., separators=(",", ":")) without its set-up
 
 
-def _binary_key(response: InferResponse, options: OutputOptions) -> tuple | None:
-    """The answer's key in _BINARY_HEADERS, or None when an output is not plain binary data (JSON, BYTES,
-    classified, shared memory)."""
+def _header_key(response: InferResponse, options: OutputOptions) -> tuple | None:
+    """The answer's key in _HEADERS, or None when an output is not a plain array (classified, shared memory, a
+    SharedTensor) or is BYTES sent binary (its binary_data_size is its elements' lengths)."""
     if options.classification or options.places:
         return None
     key = [response.model, response.version, response.id]
     for name, array in response.outputs:
-        if type(array) is not np.ndarray or array.dtype == object or not options.is_binary(name):
+        if type(array) is not np.ndarray:
             return None
-        key.append((name, array.dtype, array.shape))
+        binary = options.is_binary(name)
+        if binary and array.dtype == object:
+            return None
+        key.append((name, array.dtype, array.shape, binary))
     return tuple(key)
+
+
+def _marker(k: int) -> str:
+    return f"\0kiln-data-{k}"
+
+
+def _template(response: InferResponse, options: OutputOptions) -> tuple[bytes, ...] | None:
+    """The answer's JSON header cut where each JSON output's data goes (as _encode_pieces writes it, with a
+    marker string as the data); None where a marker's bytes are found more than once (an id or name holding
+    one): no template for that answer."""
+    outputs, markers = [], []
+    for name, array in response.outputs:
+        entry = {"name": name, "datatype": datatypes.of_array(array).v2, "shape": list(array.shape)}
+        if options.is_binary(name):
+            entry["parameters"] = {"binary_data_size": array.nbytes}
+        else:
+            entry["data"] = _marker(len(markers))
+            markers.append(_ENCODER.encode(entry["data"]).encode())
+        outputs.append(entry)
+    body = {"model_name": response.model, "model_version": response.version, "outputs": outputs}
+    if response.id:
+        body["id"] = response.id
+    header = _ENCODER.encode(body).encode()
+    pieces = []
+    for marker in markers:
+        if header.count(marker) != 1:
+            return None
+        before, _, header = header.partition(marker)
+        pieces.append(before)
+    pieces.append(header)
+    return tuple(pieces)
+
+
+# orjson writes a float as json.dumps does (its shortest round-trip digits, positional, ".0" for a whole number)
+# from 1e-4 up to 1e16, where json.dumps writes no exponent; outside it, their exponents differ (1e-05 / 0.00001)
+_POSITIONAL = (1e-4, 1e16)
+_SMALL = 64  # an output of up to this many elements is checked as a list; a larger one by numpy, not made a list
+
+
+def _json_data(array: np.ndarray) -> bytes:
+    """json.dumps(datatypes.to_json(array), separators=(",", ":")): written by orjson where its bytes are the same
+    (integers, booleans, finite floats all of whose magnitudes are 0 or in _POSITIONAL), a large array without
+    making it a list first; else by json.dumps. Python's float repr is slow on the 17 digits a float32's value
+    takes as a double (~1 us each); orjson's is not."""
+    if orjson is None or array.dtype == object:
+        return _ENCODER.encode(datatypes.to_json(array)).encode()
+    if array.size <= _SMALL:
+        values = datatypes.to_json(array)
+        if array.dtype.kind in "biu":
+            return orjson.dumps(values)
+        low, high = _POSITIONAL
+        for v in values:
+            if not (low <= abs(v) < high or v == 0):
+                return _ENCODER.encode(values).encode()
+        return orjson.dumps(values)
+    flat = array.reshape(-1)
+    if flat.dtype.kind not in "biu":
+        flat = flat.astype(np.float32) if flat.dtype == ml_dtypes.bfloat16 else flat
+        flat = flat.astype(np.float64)
+        magnitude = np.abs(flat)
+        if not ((magnitude >= _POSITIONAL[0]) & (magnitude < _POSITIONAL[1]) | (flat == 0)).all():
+            return _ENCODER.encode(datatypes.to_json(array)).encode()
+    return orjson.dumps(np.ascontiguousarray(flat), option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def _from_template(template: tuple[bytes, ...], response: InferResponse,
+                   options: OutputOptions) -> tuple[list[bytes | memoryview], int | None]:
+    if len(template) == 1:  # every output binary
+        header = template[0]
+    else:
+        parts = [template[0]]
+        for name, array in response.outputs:
+            if not options.is_binary(name):
+                parts.append(_json_data(array))
+                parts.append(template[len(parts) // 2])
+        header = b"".join(parts)
+    chunks = [datatypes.raw_view(array) for name, array in response.outputs if options.is_binary(name)]
+    if not chunks:
+        return [header], None
+    return [header, *chunks], len(header)
 
 
 def _encode_pieces(response: InferResponse, options: OutputOptions, batched: bool,
@@ -353,7 +442,7 @@ def _encode_pieces(response: InferResponse, options: OutputOptions, batched: boo
     body = {"model_name": response.model, "model_version": response.version, "outputs": outputs}
     if response.id:
         body["id"] = response.id
-    header = json.dumps(body, separators=(",", ":")).encode()
+    header = _ENCODER.encode(body).encode()
     if not chunks:
         return [header], None
     return [header, *chunks], len(header)
