@@ -12,6 +12,7 @@ sent; every mismatch is an InvalidRequest naming the tensor.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 import ml_dtypes
@@ -97,43 +98,123 @@ def _parse_fast(data: bytes | memoryview) -> dict | None:
 
 class _Layout:
     """What a JSON header decoded to, but the tensors: its request's id, timeout, outputs and output options, and
-    each input's name, datatype, shape and span of the binary data after the header."""
+    each input's name, datatype, shape and span of the binary data after the header (start, stop), or for an input
+    sent as JSON, None and the index of its "data" among the header's (see _cut)."""
 
     __slots__ = ("request_id", "timeout", "outputs", "options", "inputs", "binary_size")
 
     def __init__(self, request_id, timeout, outputs, options, inputs, binary_size):
         self.request_id, self.timeout, self.outputs, self.options = request_id, timeout, outputs, options
-        self.inputs: list[tuple[str, datatypes.Datatype, list[int], int, int]] = inputs
+        self.inputs: list[tuple[str, datatypes.Datatype, list[int], int | None, int]] = inputs
         self.binary_size = binary_size
 
 
+_DATA = re.compile(rb'"data"\s*:\s*\[')
+_BRACKETS = re.compile(rb'[\[\]"]')
+
+
+def _array_end(text: bytes, start: int) -> int | None:
+    """Where the array opening at text[start] ends (past its "]"), or None where it holds a string (a quote: BYTES
+    data) or does not end."""
+    close = text.find(b"]", start)
+    if close < 0:
+        return None
+    if text.find(b"[", start + 1, close) < 0:  # flat: a tensor's usual data
+        return None if text.find(b'"', start, close) >= 0 else close + 1
+    depth = 0
+    for found in _BRACKETS.finditer(text, start):
+        char = text[found.start()]
+        if char == 0x22:
+            return None
+        depth += 1 if char == 0x5B else -1
+        if depth == 0:
+            return found.end()
+    return None
+
+
+def _cut(text: bytes) -> tuple[tuple[bytes, ...], list[tuple[int, int]]] | None:
+    """A JSON header cut around the array after each `"data":` in it: the pieces between, and the arrays' spans;
+    None where one of them holds a string or does not end. In valid JSON each span is an array value (the second
+    quote of `"data"` ends a string, so the colon and "[" after it are outside strings); whether they are the
+    inputs' data is HeaderLayouts.learn_json's check."""
+    pieces, spans, at = [], [], 0
+    while (found := _DATA.search(text, at)) is not None:
+        start = found.end() - 1
+        stop = _array_end(text, start)
+        if stop is None:
+            return None
+        pieces.append(text[at:start])
+        spans.append((start, stop))
+        at = stop
+    pieces.append(text[at:])
+    return tuple(pieces), spans
+
+
+class _Unparsed(Exception):
+    """A JSON tensor's data that its parser refused alone: the whole request takes the full decode."""
+
+
+def _parse_data(text: bytes, fast: bool) -> list:
+    try:
+        return orjson.loads(text) if fast else json.loads(text)
+    except (ValueError, RecursionError):  # orjson's and json's JSONDecodeError are ValueErrors
+        raise _Unparsed from None
+
+
 class HeaderLayouts:
-    """JSON headers of the binary tensor extension that a client repeats byte for byte, remembered decoded.
+    """JSON headers that a client repeats byte for byte but for its tensors, remembered decoded.
 
     A client at concurrency 1 sends the same header every call (tritonclient.http: same names, shapes,
-    datatypes, binary_data_size, outputs); only the tensors' bytes after it differ. A header (under MAX_BYTES) whose
-    inputs all came as binary data and whose outputs name no shared memory region is kept, by its exact bytes,
-    with what decode_request made of it; a later body whose header is the same bytes (a dict lookup: an exact
-    compare, never a guess) and whose binary data is as long is that request with other tensor bytes: its inputs
-    are views of its own body, as decode_request's, with no JSON parse and no checks to repeat. Anything else
-    (JSON tensors, shared memory, another length) takes the full decode. At most MAX_LAYOUTS kept: a client whose
-    every header differs (a fresh id per call) empties them when full, at the cost of a dict store a request.
-    Shared memory is left out because its answer depends on the registry's state, not on the header alone."""
+    datatypes, binary_data_size or JSON tensors, outputs); only the tensors differ: the bytes after the header
+    (binary tensor extension), or the "data" arrays in it (JSON tensors). A header whose outputs name no shared
+    memory region is kept, with what decode_request made of it: by its exact bytes (under MAX_BYTES) where every
+    input came as binary data; else by its pieces around the JSON tensors' "data" arrays (_cut: together under
+    MAX_BYTES, the arrays holding no string, so not BYTES). A later body whose header is the same bytes, or the
+    same pieces around other arrays (a dict lookup: an exact compare, never a guess), and whose binary data is as
+    long, is that request with other tensors: its binary inputs are views of its own body, as decode_request's,
+    its JSON inputs each its array parsed alone and read by datatypes.from_json, with no parse of the rest and no
+    checks to repeat. Since the pieces are the same and the arrays hold no quote, the header parses as the one
+    remembered with those arrays as its data: the same request, and the same error where an array is not what
+    its input needs; an array its parser refuses sends the body to the full decode (its error names a place in
+    the whole body). Anything else (shared memory, another length, BYTES as JSON) takes the full decode. At most
+    MAX_LAYOUTS kept: a client whose every header differs (a fresh id per call) empties them when full, at the cost
+    of a dict store a request. Shared memory is left out because its answer depends on the registry's state, not
+    on the header alone."""
 
     MAX_BYTES = 4096
     MAX_LAYOUTS = 256
 
     def __init__(self):
-        self.known: dict[bytes, _Layout] = {}
+        self.known: dict[bytes | tuple[bytes, ...], _Layout] = {}
 
-    def decode(self, key: bytes, binary: memoryview, model: str,
-               version: str) -> tuple[InferRequest, OutputOptions] | None:
-        layout = self.known.get(key)
-        if layout is None or len(binary) != layout.binary_size:
-            return None
+    def decode(self, text: bytes, binary: memoryview, model: str, version: str,
+               fast: bool = False) -> tuple[InferRequest, OutputOptions] | None:
+        """`text`: the JSON header; `fast`: JSON tensors' arrays parsed by orjson, else by json.loads."""
+        data = None
+        if b'"data"' in text:
+            cut = _cut(text)
+            if cut is None:
+                return None
+            pieces, spans = cut
+            if spans:
+                layout = self.known.get(pieces)
+                if layout is None or len(binary) != layout.binary_size:
+                    return None
+                try:  # every array parsed before any is read, as the full decode parses the whole header first
+                    data = [_parse_data(text[start:stop], fast) for start, stop in spans]
+                except _Unparsed:
+                    return None
+        if data is None:
+            layout = self.known.get(text)
+            if layout is None or len(binary) != layout.binary_size:
+                return None
         inputs = {}
         for name, datatype, shape, start, stop in layout.inputs:
-            if datatype.v2 == "BYTES":
+            if start is None:
+                inputs[name] = array = datatypes.from_json(data[stop], datatype, shape, name)
+                if fast and _huge(array):
+                    return None  # the full decode: it reads the request again from json.loads' parse
+            elif datatype.v2 == "BYTES":
                 inputs[name] = datatypes.from_bytes(binary[start:stop], datatype, shape, name)
             else:
                 inputs[name] = np.frombuffer(binary[start:stop], dtype=datatype.numpy).reshape(shape)
@@ -142,10 +223,35 @@ class HeaderLayouts:
                                outputs=None if outputs is None else list(outputs), timeout_us=layout.timeout)
         return request, layout.options
 
-    def learn(self, key: bytes, layout: _Layout) -> None:
+    def learn(self, key: bytes | tuple[bytes, ...], layout: _Layout) -> None:
         if len(self.known) >= self.MAX_LAYOUTS:
             self.known.clear()
         self.known[key] = layout
+
+    def learn_json(self, text: bytes, header: dict, items: list[dict], layout: _Layout) -> None:
+        """Keeps `layout` by `text`'s pieces around its JSON tensors' arrays, where those arrays are exactly the
+        data of `items` (the JSON inputs, in order; `header`: text parsed, which this spoils): the header with a
+        string in each array's place parses to `header` with those strings as the items' data."""
+        cut = _cut(text)
+        if cut is None:
+            return
+        pieces, spans = cut
+        if len(spans) != len(items) or sum(map(len, pieces)) > self.MAX_BYTES:
+            return
+        marks = [json.dumps(f"\0kiln-data-{k}").encode() for k in range(len(items))]
+        try:
+            probed = json.loads(pieces[0] + b"".join(mark + piece for mark, piece in zip(marks, pieces[1:])))
+        except (ValueError, RecursionError):
+            return
+        for item, mark in zip(items, marks):
+            item["data"] = json.loads(mark)
+        if probed == header:
+            self.learn(pieces, layout)
+
+
+def _huge(array: np.ndarray) -> bool:
+    """Whether a float input's values reach _HUGE (or are not finite): orjson may have read a 65-bit integer."""
+    return array.dtype.kind not in "biuO" and array.size and not float(np.abs(array).max()) < _HUGE
 
 
 def decode_request(body: bytes, header_length: str | None, model: str, version: str,
@@ -178,10 +284,10 @@ def _decode(body: bytes, header_length: str | None, model: str, version: str, sh
         length = len(body)
     view = memoryview(body)
     binary, offset = view[length:], 0
-    key = None
-    if layouts is not None and header_length is not None and length <= HeaderLayouts.MAX_BYTES:
-        key = bytes(view[:length])
-        known = layouts.decode(key, binary, model, version)
+    text = None  # the JSON header's bytes, where layouts are kept
+    if layouts is not None:
+        text = body if length == len(body) and type(body) is bytes else bytes(view[:length])
+        known = layouts.decode(text, binary, model, version, fast)
         if known is not None:
             return known
     header = _parse_fast(view[:length]) if fast else None
@@ -202,7 +308,8 @@ def _decode(body: bytes, header_length: str | None, model: str, version: str, sh
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise InvalidRequest("the request's 'inputs' must be a non-empty list of tensors")
     inputs: dict[str, np.ndarray] = {}
-    spans = []  # each input's (name, datatype, shape, start, stop) in the binary data; none when one is not there
+    spans = []  # each input's (name, datatype, shape, start, stop) (_Layout.inputs); None with shared memory
+    json_items = []  # the inputs sent as JSON tensors
     for k, item in enumerate(raw_inputs):
         item = _object(item, f"inputs[{k}]")
         name = item.get("name")
@@ -236,9 +343,11 @@ def _decode(body: bytes, header_length: str | None, model: str, version: str, sh
             offset += size
         elif "data" in item:
             inputs[name] = array = datatypes.from_json(item["data"], datatype, shape, name)
-            if fast and array.dtype.kind not in "biuO" and array.size and not float(np.abs(array).max()) < _HUGE:
+            if fast and _huge(array):
                 raise _Reparse
-            spans = None
+            if spans is not None:
+                spans.append((name, datatype, list(shape), None, len(json_items)))
+                json_items.append(item)
         else:
             raise InvalidRequest(f"input {name!r} has neither 'data' nor binary_data_size")
     if offset != len(binary):
@@ -268,9 +377,12 @@ def _decode(body: bytes, header_length: str | None, model: str, version: str, sh
             outputs.append(name)
     request = InferRequest(model=model, version=version, id=request_id, inputs=inputs, outputs=outputs,
                            timeout_us=timeout, output_places=options.engine_places())
-    if key is not None and spans is not None and not options.places:
-        layouts.learn(key, _Layout(request_id, timeout, None if outputs is None else list(outputs), options, spans,
-                                   len(binary)))
+    if text is not None and spans is not None and not options.places:
+        layout = _Layout(request_id, timeout, None if outputs is None else list(outputs), options, spans, len(binary))
+        if json_items:
+            layouts.learn_json(text, header, json_items, layout)
+        elif header_length is not None and length <= HeaderLayouts.MAX_BYTES:
+            layouts.learn(text, layout)
     return request, options
 
 

@@ -248,3 +248,99 @@ def test_json_data_at_the_edges(edge, size, dtype):
         values[size // 2] = edge
     expected = json.dumps(datatypes.to_json(values), separators=(",", ":")).encode()
     assert http_codec._json_data(values) == expected
+
+
+def _families() -> list[tuple[str, object, bool]]:
+    """(case, a function of a generator giving one body, whether its header is learned): JSON headers a client
+    repeats with fresh data."""
+    def plain(g):
+        return _body([{"name": "x", "shape": [1, 4], "datatype": "FP32",
+                       "data": g.standard_normal(4).astype(np.float32).tolist()}],
+                     outputs=[{"name": "y", "parameters": {"binary_data": False}}])
+
+    def compact(g):
+        return json.dumps({"id": "c", "inputs": [
+            {"name": "a", "shape": [2, 2], "datatype": "INT64", "data": g.integers(-9, 9, (2, 2)).tolist()},
+            {"name": "b", "shape": [3], "datatype": "BOOL", "data": (g.random(3) < 0.5).tolist()},
+            {"name": "c", "shape": [2], "datatype": "FP16", "data": g.standard_normal(2).tolist()}]},
+            separators=(",", ":")).encode()
+
+    def tricky_id(g):  # an id holding `"data": [`
+        return json.dumps({"id": 'x"data": [1]', "inputs": [
+            {"name": "x", "shape": [2], "datatype": "FP64", "data": g.standard_normal(2).tolist()}]}).encode()
+
+    def tricky_parameters(g):  # request parameters with a "data" list and a key ending in `"data`: not learned
+        return json.dumps({"parameters": {'a"data': [1, 2], "data": [3]}, "inputs": [
+            {"name": "x", "shape": [2], "datatype": "FP64", "data": g.standard_normal(2).tolist()}]}).encode()
+
+    def tensor_parameter(g):  # an input's parameters with a "data" list: not its data
+        return json.dumps({"inputs": [{"name": "x", "shape": [2], "datatype": "FP32", "parameters": {"data": [1]},
+                                       "data": g.standard_normal(2).tolist()}]}).encode()
+
+    def twice(g):  # "data" twice in one input: the last one counts
+        v = g.standard_normal(2).tolist()
+        return (b'{"inputs":[{"name":"x","shape":[2],"datatype":"FP32","data":[9,9],"data":' +
+                json.dumps(v).encode() + b'}]}')
+
+    def bytes_json(g):
+        return _body([{"name": "s", "shape": [2], "datatype": "BYTES", "data": [str(g.integers(9)), "q"]}])
+
+    def mixed(g):  # one binary input, one JSON
+        header = _body([{"name": "a", "shape": [2], "datatype": "FP32", "parameters": {"binary_data_size": 8}},
+                        {"name": "b", "shape": [2], "datatype": "INT32", "data": g.integers(-5, 5, 2).tolist()}])
+        return header, header + g.standard_normal(2).astype(np.float32).tobytes()
+
+    return [("plain", plain, True), ("compact", compact, True), ("tricky id", tricky_id, True),
+            ("tricky parameters", tricky_parameters, False),
+            ("tensor parameter", tensor_parameter, False), ("twice", twice, False), ("BYTES", bytes_json, False),
+            ("mixed", mixed, True)]
+
+
+def _variants(body: bytes) -> list[bytes]:
+    """The same header with data its input cannot take or its parser refuses: each must answer as the full decode."""
+    start = body.index(b'"data"')
+    start = body.index(b"[", start)
+    stop = body.index(b"]", start) + 1
+    return [body[:start] + bad + body[stop:] for bad in
+            (b"[1, 2, 3, 4, 5]", b"[1,,2]", b"[NaN, 1, 2, 3]", b"[1e400, 1, 2, 3]", b"[[1, 2], [3, 4]]",
+             b"[123456789012345678901234567890, 1, 2, 3]", b"[1e19, 1, 2, 3]", b"[true, false, 1, 2.5]", b"[]",
+             b"[1, 2, 3, 4.5e-7]", b"[1, 2, 3, 4] ")]
+
+
+@pytest.mark.parametrize("case,make,learned", _families(), ids=[c for c, _, _ in _families()])
+def test_json_layouts_decode_as_json_loads(case, make, learned, monkeypatch):
+    """decode_request through one HeaderLayouts, body by body (fresh data, then data of every kind of wrong), as
+    decode_request with json.loads alone and no layouts; a learnable header is parsed whole once."""
+    g = _rng(f"layouts {case}")
+    layouts, registry = http_codec.HeaderLayouts(), SharedMemoryRegistry()
+    bodies = []
+    for _ in range(4):
+        made = make(g)
+        bodies.append((made[1], str(len(made[0]))) if isinstance(made, tuple) else (made, None))
+    bodies += [(v, length) for body, length in bodies[1:2] if length is None for v in _variants(body)]
+    parsed = []
+    parse = http_codec._parse_fast
+    monkeypatch.setattr(http_codec, "_parse_fast", lambda data: parsed.append(1) or parse(data))
+
+    def decoded(body, length, layouts):
+        try:
+            request, options = http_codec.decode_request(body, length, "m", "1", registry, layouts)
+        except ServeError as e:
+            return type(e).__name__, str(e)
+        return (request.id, request.outputs, request.timeout_us,
+                [(n, a.dtype, a.shape, a.tolist() if a.dtype == object else a.tobytes())
+                 for n, a in request.inputs.items()], options.binary_default,
+                options.binary)
+
+    got = [decoded(body, length, layouts) for body, length in bodies]
+    full_parses = len(parsed)
+    monkeypatch.setattr(http_codec, "orjson", None)
+    want = [decoded(body, length, None) for body, length in bodies]
+    for k, (a, b) in enumerate(zip(got, want)):
+        assert a == b, (k, bodies[k][0][:200])
+    if learned:
+        first = bodies[0][0][:int(bodies[0][1])] if bodies[0][1] else bodies[0][0]
+        assert http_codec._cut(first)[0] in layouts.known
+        assert full_parses <= len(bodies) - 3  # the 3 repeats of the first header decoded from its layout
+    else:
+        assert len(layouts.known) == 0
