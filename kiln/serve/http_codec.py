@@ -82,6 +82,7 @@ class _Reparse(Exception):
 # orjson reads an integer outside int64 and uint64 as the nearest float, where json.loads keeps the int; such a
 # float is at least this large. A float input whose values reach it is decoded again from json.loads' parse.
 _HUGE = float(1 << 63)
+_SMALL = 64  # a tensor of up to this many elements is checked (_huge, _json_data) as a list; a larger one by numpy
 
 
 def _parse_fast(data: bytes | memoryview) -> dict | None:
@@ -212,7 +213,7 @@ class HeaderLayouts:
         for name, datatype, shape, start, stop in layout.inputs:
             if start is None:
                 inputs[name] = array = datatypes.from_json(data[stop], datatype, shape, name)
-                if fast and _huge(array):
+                if fast and _huge(data[stop], array):
                     return None  # the full decode: it reads the request again from json.loads' parse
             elif datatype.v2 == "BYTES":
                 inputs[name] = datatypes.from_bytes(binary[start:stop], datatype, shape, name)
@@ -249,9 +250,17 @@ class HeaderLayouts:
             self.learn(pieces, layout)
 
 
-def _huge(array: np.ndarray) -> bool:
-    """Whether a float input's values reach _HUGE (or are not finite): orjson may have read a 65-bit integer."""
-    return array.dtype.kind not in "biuO" and array.size and not float(np.abs(array).max()) < _HUGE
+def _huge(values: list, array: np.ndarray) -> bool:
+    """Whether a float input's values (`values` read as `array`) reach _HUGE (or are not finite): orjson may have
+    read a 65-bit integer. A short flat list is looked at as it is (numpy's calls cost more there)."""
+    if array.dtype.kind in "biuO":
+        return False
+    if len(values) <= _SMALL:
+        try:
+            return not (-_HUGE < min(values) and max(values) < _HUGE)
+        except (TypeError, ValueError):  # nested lists (compared with floats), or none
+            pass
+    return bool(array.size) and not float(np.abs(array).max()) < _HUGE
 
 
 def decode_request(body: bytes, header_length: str | None, model: str, version: str,
@@ -343,7 +352,7 @@ def _decode(body: bytes, header_length: str | None, model: str, version: str, sh
             offset += size
         elif "data" in item:
             inputs[name] = array = datatypes.from_json(item["data"], datatype, shape, name)
-            if fast and _huge(array):
+            if fast and _huge(item["data"], array):
                 raise _Reparse
             if spans is not None:
                 spans.append((name, datatype, list(shape), None, len(json_items)))
@@ -484,7 +493,6 @@ def _template(response: InferResponse, options: OutputOptions) -> tuple[bytes, .
 # orjson writes a float as json.dumps does (its shortest round-trip digits, positional, ".0" for a whole number)
 # from 1e-4 up to 1e16, where json.dumps writes no exponent; outside it, their exponents differ (1e-05 / 0.00001)
 _POSITIONAL = (1e-4, 1e16)
-_SMALL = 64  # an output of up to this many elements is checked as a list; a larger one by numpy, not made a list
 
 
 def _json_data(array: np.ndarray) -> bytes:
