@@ -497,9 +497,10 @@ _POSITIONAL = (1e-4, 1e16)
 
 def _json_data(array: np.ndarray) -> bytes:
     """json.dumps(datatypes.to_json(array), separators=(",", ":")): written by orjson where its bytes are the same
-    (integers, booleans, finite floats all of whose magnitudes are 0 or in _POSITIONAL), a large array without
-    making it a list first; else by json.dumps. Python's float repr is slow on the 17 digits a float32's value
-    takes as a double (~1 us each); orjson's is not."""
+    (integers, booleans, finite floats whose magnitudes are 0 or in _POSITIONAL), a large array without making it
+    a list first, its few other values (NaN, infinities, tiny or huge magnitudes) each by json.dumps; else by
+    json.dumps. Python's float repr is slow on the 17 digits a float32's value takes as a double (~1 us each);
+    orjson's is not."""
     if orjson is None or array.dtype == object:
         return _ENCODER.encode(datatypes.to_json(array)).encode()
     if array.size <= _SMALL:
@@ -511,14 +512,26 @@ def _json_data(array: np.ndarray) -> bytes:
             if not (low <= abs(v) < high or v == 0):
                 return _ENCODER.encode(values).encode()
         return orjson.dumps(values)
-    flat = array.reshape(-1)
-    if flat.dtype.kind not in "biu":
-        flat = flat.astype(np.float32) if flat.dtype == ml_dtypes.bfloat16 else flat
-        flat = flat.astype(np.float64)
-        magnitude = np.abs(flat)
-        if not ((magnitude >= _POSITIONAL[0]) & (magnitude < _POSITIONAL[1]) | (flat == 0)).all():
-            return _ENCODER.encode(datatypes.to_json(array)).encode()
-    return orjson.dumps(np.ascontiguousarray(flat), option=orjson.OPT_SERIALIZE_NUMPY)
+    flat = np.ascontiguousarray(array.reshape(-1))
+    if flat.dtype.kind in "biu":
+        return orjson.dumps(flat, option=orjson.OPT_SERIALIZE_NUMPY)
+    flat = flat.astype(np.float32) if flat.dtype == ml_dtypes.bfloat16 else flat
+    flat = flat.astype(np.float64)
+    magnitude = np.abs(flat)
+    others = np.flatnonzero(~((magnitude >= _POSITIONAL[0]) & (magnitude < _POSITIONAL[1]) | (flat == 0)))
+    if len(others) > len(flat) // 8:
+        return _ENCODER.encode(datatypes.to_json(array)).encode()
+    # runs of values orjson writes as json.dumps does, and between them each other value as json.dumps writes it
+    # (a trained model's float outputs hold a few values under 1e-4 among many)
+    parts, at = [], 0
+    for k in others.tolist():
+        if k > at:
+            parts.append(orjson.dumps(flat[at:k], option=orjson.OPT_SERIALIZE_NUMPY)[1:-1])
+        parts.append(_ENCODER.encode(float(flat[k])).encode())
+        at = k + 1
+    if at < len(flat) or not parts:
+        parts.append(orjson.dumps(flat[at:], option=orjson.OPT_SERIALIZE_NUMPY)[1:-1])
+    return b"[" + b",".join(parts) + b"]"
 
 
 def _from_template(template: tuple[bytes, ...], response: InferResponse,

@@ -344,3 +344,22 @@ def test_json_layouts_decode_as_json_loads(case, make, learned, monkeypatch):
         assert full_parses <= len(bodies) - 3  # the 3 repeats of the first header decoded from its layout
     else:
         assert len(layouts.known) == 0
+
+
+@pytest.mark.parametrize("where", ["first", "last", "first two", "last two", "adjacent", "a tenth", "a fifth",
+                                   "all"])
+def test_json_data_with_a_few_other_values(where):
+    """A large float output with values orjson writes otherwise (tiny, huge, NaN, infinite) at its ends, side by
+    side, or spread (under and over the share _json_data splits around): the bytes of json.dumps."""
+    r = _rng(f"others {where}")
+    n = 500
+    values = r.standard_normal(n) * 10
+    at = {"first": [0], "last": [n - 1], "first two": [0, 1], "last two": [n - 2, n - 1], "adjacent": [7, 8, 9],
+          "a tenth": r.choice(n, n // 10, replace=False), "a fifth": r.choice(n, n // 5, replace=False),
+          "all": np.arange(n)}[where]
+    values[at] = r.choice([1e-7, -3e-5, 2.5e17, np.nan, np.inf, -np.inf, 5e-324], len(at))
+    for dtype in (np.float64, np.float32):
+        with np.errstate(over="ignore"):
+            array = values.astype(dtype).reshape(5, 100)
+        expected = json.dumps(datatypes.to_json(array), separators=(",", ":")).encode()
+        assert http_codec._json_data(array) == expected
