@@ -206,7 +206,7 @@ class HeaderLayouts:
                 except _Unparsed:
                     return None
         if data is None:
-            layout = self.known.get(text)
+            layout = self.known.get(text) if len(text) <= self.MAX_BYTES else None
             if layout is None or len(binary) != layout.binary_size:
                 return None
         inputs = {}
