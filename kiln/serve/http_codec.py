@@ -239,7 +239,7 @@ class HeaderLayouts:
         pieces, spans = cut
         if len(spans) != len(items) or sum(map(len, pieces)) > self.MAX_BYTES:
             return
-        marks = [json.dumps(f"\0kiln-data-{k}").encode() for k in range(len(items))]
+        marks = [json.dumps(_marker(k)).encode() for k in range(len(items))]
         try:
             probed = json.loads(pieces[0] + b"".join(mark + piece for mark, piece in zip(marks, pieces[1:])))
         except (ValueError, RecursionError):
