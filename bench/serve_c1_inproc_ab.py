@@ -183,7 +183,8 @@ def main() -> None:
             child = [CHILD, path, str(args.requests)] if args.protocol == "grpc" else \
                 [CHILD_HTTP, path, str(args.requests), args.body]
             done = subprocess.run([sys.executable, "-c", *child], capture_output=True,
-                                  text=True, cwd=path, env={**os.environ, "PYTHONPATH": path})
+                                  text=True, cwd=path, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                      [path, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]).rstrip(os.pathsep)})
             if done.returncode:
                 sys.exit(f"{tree}: {done.stderr[-2000:]}")
             value = float(done.stdout.split()[-1])

@@ -12,6 +12,8 @@ tritonclient.http's gevent clients). Every client has its own connection. The pr
 JSON line: requests, wall seconds, p50 and p99 latency (s), and its own CPU seconds over the window.
 gRPC at concurrency 1 over TLS when KILN_BENCH_GRPC_ROOT_CERT names the CA's certificate, with requests
 compressed (and answers accepted compressed) when KILN_BENCH_GRPC_COMPRESSION names gzip or deflate.
+HTTP with JSON tensors (the input as a JSON list, the output asked for as JSON) when KILN_BENCH_HTTP_JSON=1: the
+raw client's body json.dumps'd as tritonclient.http writes it, tritonclient's tensors with binary_data=False.
 """
 
 from __future__ import annotations
@@ -40,8 +42,17 @@ def grpc_request_bytes(model: str) -> bytes:
     return request.SerializeToString()
 
 
+JSON_TENSORS = os.environ.get("KILN_BENCH_HTTP_JSON") == "1"
+
+
 def http_body(model: str) -> tuple[bytes, dict[str, str]]:
-    """The infer request's body (binary tensor extension: a JSON header, then the tensor's bytes) and headers."""
+    """The infer request's body (binary tensor extension: a JSON header, then the tensor's bytes; or with
+    KILN_BENCH_HTTP_JSON=1 the tensors as JSON lists) and headers."""
+    if JSON_TENSORS:
+        body = json.dumps({"inputs": [{"name": "x", "shape": list(X.shape), "datatype": "FP32",
+                                       "data": X.reshape(-1).tolist()}],
+                           "outputs": [{"name": "y", "parameters": {"binary_data": False}}]}).encode()
+        return body, {"Content-Type": "application/json"}
     header = json.dumps({"inputs": [{"name": "x", "shape": list(X.shape), "datatype": "FP32",
                                      "parameters": {"binary_data_size": X.nbytes}}],
                          "outputs": [{"name": "y", "parameters": {"binary_data": True}}]}).encode()
@@ -191,6 +202,10 @@ def _sync_call(protocol: str, client: str, port: int, model: str):
     else:
         triton_client = triton.InferenceServerClient(address)
     tensor = triton.InferInput("x", list(X.shape), "FP32")
+    if protocol == "http" and JSON_TENSORS:
+        tensor.set_data_from_numpy(X, binary_data=False)
+        outputs = [triton.InferRequestedOutput("y", binary_data=False)]
+        return lambda: triton_client.infer(model, [tensor], outputs=outputs)
     tensor.set_data_from_numpy(X)
     if protocol == "grpc" and compression:
         return lambda: triton_client.infer(model, [tensor], compression_algorithm=compression)
