@@ -10,6 +10,8 @@ quantization; the C kernel against the torch reference on random uint8 tensors, 
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -182,6 +184,64 @@ def test_the_c_kernel_is_the_reference_on_random_uint8(causal, masked):
     steps = (got.int() - want.int()).abs()
     assert steps.max() <= 1 and steps.float().mean() < 0.02, (steps.max(), steps.float().mean())
     assert want.float().std() > 5  # not a constant output
+
+
+@pytest.mark.parametrize("T", [13, 29, 40])  # ragged tails: 8 + 5; 16 + 8 + 5; 32 + 8 (the vector widths' blocks)
+@pytest.mark.parametrize("all_quantized", [True, False], ids=["uint8-out", "scores-only"])
+def test_the_c_kernel_s_one_score_pass_is_its_separate_passes(T, all_quantized):
+    """attention.c's int8 scores in one pass (s·scale, DQ(Q(·)), + the additive mask or the key padding mask, the
+    row max: score_quantize_add_max) against the same kernel's separate passes, which a strided or boolean mask
+    still takes (quantize_row, then s·1 + m or the boolean's -inf): the same masks through both give the same bits,
+    and all are the reference's within one output step (uint8 output) or float32 rounding (scores-only, whose
+    float output shows a rounding the one pass would add: an FMA of the DQ's product and the mask's add). Random
+    uint8 q/k/v, a wholly hidden sequence included."""
+    from kiln.tactics.cpu.attention import attention_plan
+    from kiln.kernels.cpu import transformer as kernels
+
+    if not kernels.available():
+        pytest.skip(kernels.reason())
+    rng = np.random.default_rng(zlib.crc32(f"one score pass {T} {all_quantized}".encode()))
+    B, H, D = 2, 3, 24
+    attrs = {"scale": 0.6, "q_perm": [0, 2, 1, 3], "k_perm": [0, 2, 1, 3], "v_perm": [0, 2, 1, 3],
+             "out_perm": [0, 2, 1, 3], "nan_to_zero": 1,
+             "q_quant": [0.02, 120.0], "k_quant": [0.03, 131.0], "v_quant": [0.05, 127.0],
+             "score_quant": [0.04, 140.0, 0.0, 255.0]}
+    if all_quantized:
+        attrs |= {"prob_quant": [1 / 255, 0.0, 0.0, 255.0], "out_quant": [0.03, 128.0, 0.0, 255.0]}
+    q, k, v = (torch.from_numpy(rng.integers(0, 256, (B, T, H, D)).astype(np.uint8)) for _ in range(3))
+    real = rng.random((B, T)) < 0.75
+    real[1, :] = False  # the second sequence: no key at all (nan_to_zero: a zero row)
+    real[0, 0] = True
+    hidden = np.where(real, 0.0, -np.inf).astype(np.float32)[:, None, None, :]  # [B, 1, 1, T]
+    biased = np.where(real, rng.normal(0, 1.5, (B, T)), -np.inf).astype(np.float32)[:, None, None, :]
+    sizes = {0: tuple(q.shape), 1: tuple(k.shape), 2: tuple(v.shape), 3: (B, 1, 1, T)}
+
+    def run(mask_kind, mask, strides):
+        plan = attention_plan(attrs, sizes, torch.float32)
+        assert not isinstance(plan, str), plan
+        plan["mask"] = (mask_kind, strides)
+        return kernels.Attention(**plan)({0: q, 1: k, 2: v, 3: mask})
+
+    def spaced(m):  # every other float: a key stride of 2, the separate passes
+        out = np.zeros((B, 1, 1, 2 * T), np.float32)
+        out[..., ::2] = m
+        return torch.from_numpy(out)
+
+    pairs = {  # (one pass, separate passes), the mask the reference reads
+        "additive": (run("add", torch.from_numpy(biased), (T, 0, 0, 1)),
+                     run("add", spaced(biased), (2 * T, 0, 0, 2)), biased),
+        "key padding / bool": (run("keys", torch.from_numpy(real.astype(np.int64)), (T, 0, 0, 1)),
+                               run("bool", torch.from_numpy(real[:, None, None, :].copy()), (T, 0, 0, 1)), hidden)}
+    for name, (one, separate, mask) in pairs.items():
+        assert torch.equal(one, separate), (name, (one.double() - separate.double()).abs().max())
+        want = reference_attention(None, q, k, v, torch.from_numpy(mask), **attrs)
+        if all_quantized:
+            steps = (one.int() - want.int()).abs()
+            assert steps.max() <= 1 and steps.float().mean() < 0.02, (name, steps.max(), steps.float().mean())
+            assert want[0].float().std() > 5 and (want[1] == 128).all()  # varied; the hidden sequence: Q(0)
+        else:
+            torch.testing.assert_close(one, want, rtol=1e-4, atol=1e-4)
+            assert want[0].std() > 0.1 and (want[1] == 0).all()
 
 
 def test_a_partly_quantized_attention_is_refused_by_the_c_kernel():

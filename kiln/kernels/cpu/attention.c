@@ -62,16 +62,17 @@ EXP_LE0(exp_le0, __m256, _mm256_max_ps, _mm256_round_ps)
 EXP_LE0(exp_le0_16, __m512, _mm512_max_ps, _mm512_roundscale_ps)
 #endif
 
-/* r[j] = clamp(round(x[j] / s) + z, qmin, qmax) for j < n (round half to even, as ONNX QuantizeLinear), qp =
-   {s, z, qmin, qmax}; dequantized back, (r - z)·s, when `back`: DQ(Q(x)) */
-static void quantize_row(const float *x, float *r, long n, const float *qp, int back) {
+/* r[j] = clamp(round(x[j]·c / s) + z, qmin, qmax) for j < n (round half to even, as ONNX QuantizeLinear), qp =
+   {s, z, qmin, qmax}; dequantized back, (r - z)·s, when `back`: DQ(Q(x·c)). c: the softmax's 1 / sum for the
+   probabilities, taken in this pass rather than one of its own (x·1 is exact: c = 1 is Q(x) itself). */
+static void quantize_row(const float *x, float *r, long n, float c, const float *qp, int back) {
     long j = 0;
 #if defined(__AVX512F__) && defined(KILN_AVX2)
     {  /* 16 lanes: the int8 attention's scores and probabilities spent ~7% of QDQ BERT-tiny here */
         const __m512 s = _mm512_set1_ps(qp[0]), z = _mm512_set1_ps(qp[1]), lo = _mm512_set1_ps(qp[2]),
-                     hi = _mm512_set1_ps(qp[3]);
+                     hi = _mm512_set1_ps(qp[3]), c16 = _mm512_set1_ps(c);
         for (; j + 16 <= n; j += 16) {
-            __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + j), s),
+            __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_mul_ps(_mm512_loadu_ps(x + j), c16), s),
                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             v = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(v, z), lo), hi);
             _mm512_storeu_ps(r + j, back ? _mm512_mul_ps(_mm512_sub_ps(v, z), s) : v);
@@ -80,18 +81,76 @@ static void quantize_row(const float *x, float *r, long n, const float *qp, int 
 #endif
 #ifdef KILN_AVX2
     const __m256 s = _mm256_set1_ps(qp[0]), z = _mm256_set1_ps(qp[1]), lo = _mm256_set1_ps(qp[2]),
-                 hi = _mm256_set1_ps(qp[3]);
+                 hi = _mm256_set1_ps(qp[3]), c8 = _mm256_set1_ps(c);
     for (; j + 8 <= n; j += 8) {
-        __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + j), s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_mul_ps(_mm256_loadu_ps(x + j), c8), s),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         v = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(v, z), lo), hi);
         _mm256_storeu_ps(r + j, back ? _mm256_mul_ps(_mm256_sub_ps(v, z), s) : v);
     }
 #endif
     for (; j < n; ++j) {
-        float v = nearbyintf(x[j] / qp[0]) + qp[1];
+        float v = nearbyintf(x[j] * c / qp[0]) + qp[1];
         v = v < qp[2] ? qp[2] : (v > qp[3] ? qp[3] : v);
         r[j] = back ? (v - qp[1]) * qp[0] : v;
     }
+}
+
+/* The int8 attention's scores in one pass: s[j] = DQ(Q(s[j]·scale)) + m[j] for j < t (m NULL: no mask; else an
+   additive float32 row, contiguous), qp as quantize_row's; returns max_j s[j]. It replaces three passes over the
+   scores (s·scale; quantize_row; scale_add_max with scale 1) with their float32 operations in the same order at
+   the same lane widths (quantize_row's, which clamp a NaN to qmin on the vector lanes and keep it on the scalar
+   ones; scale_add_max's max, whose operand order decides which NaN or zero is the max), so its bits are theirs:
+   x·1 is exact, and the empty asm keeps the product (q - z)·s from contracting with the mask's add into an FMA
+   (one rounding where the passes made two). */
+static float score_quantize_add_max(float *s, long t, float scale, const float *qp, const float *m) {
+    long j = 0;
+    float max = -INFINITY;
+#if defined(__AVX512F__) && defined(KILN_AVX2)
+    {
+        const __m512 c = _mm512_set1_ps(scale), qs = _mm512_set1_ps(qp[0]), z = _mm512_set1_ps(qp[1]),
+                     lo = _mm512_set1_ps(qp[2]), hi = _mm512_set1_ps(qp[3]);
+        __m512 mx16 = _mm512_set1_ps(-INFINITY);
+        for (; j + 16 <= t; j += 16) {
+            __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_mul_ps(_mm512_loadu_ps(s + j), c), qs),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            v = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(v, z), lo), hi);
+            v = _mm512_mul_ps(_mm512_sub_ps(v, z), qs);
+            __asm__("" : "+v"(v));
+            if (m) v = _mm512_add_ps(v, _mm512_loadu_ps(m + j));
+            _mm512_storeu_ps(s + j, v);
+            mx16 = _mm512_max_ps(mx16, v);
+        }
+        max = _mm512_reduce_max_ps(mx16);
+    }
+#endif
+#ifdef KILN_AVX2
+    const __m256 c = _mm256_set1_ps(scale), qs = _mm256_set1_ps(qp[0]), z = _mm256_set1_ps(qp[1]),
+                 lo = _mm256_set1_ps(qp[2]), hi = _mm256_set1_ps(qp[3]);
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    for (; j + 8 <= t; j += 8) {
+        __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_mul_ps(_mm256_loadu_ps(s + j), c), qs),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(v, z), lo), hi);
+        v = _mm256_mul_ps(_mm256_sub_ps(v, z), qs);
+        __asm__("" : "+x"(v));
+        if (m) v = _mm256_add_ps(v, _mm256_loadu_ps(m + j));
+        _mm256_storeu_ps(s + j, v);
+        mx = _mm256_max_ps(mx, v);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, mx);
+    for (int i = 0; i < 8; ++i) max = lanes[i] > max ? lanes[i] : max;
+#endif
+    for (; j < t; ++j) {
+        float v = nearbyintf(s[j] * scale / qp[0]) + qp[1];
+        v = v < qp[2] ? qp[2] : (v > qp[3] ? qp[3] : v);
+        v = (v - qp[1]) * qp[0];
+        __asm__("" : "+x"(v));
+        s[j] = v + (m ? m[j] : 0.0f);
+        max = s[j] > max ? s[j] : max;
+    }
+    return max;
 }
 
 /* rows [first, last) of a uint8 [.., position, dim] head as float (x - z)·s, dst [position][n] */
@@ -440,12 +499,21 @@ static void attention_head(const attention_plan *p, const float *q, const float 
             float *s = scores + r * tp;
             long t = p->causal ? (i + 1 < T ? i + 1 : T) : T;
             float max = -INFINITY, scale = p->scale;
-            if (p->score_quant) {  /* DQ(Q(q kᵀ scale)), then the mask */
-                for (long j = 0; j < t; ++j) s[j] *= scale;
-                quantize_row(s, s, t, p->score_q, 1);
+            const int one_pass = p->score_quant && (p->mask_kind == 0 || p->mask_kind == 3
+                                                    || (p->mask_kind == 1 && p->ms[3] == 1));
+            if (one_pass) {
+                /* DQ(Q(q kᵀ scale)) + the additive mask (or none), max: one pass */
+                const float *m = p->mask_kind == 3 ? keys
+                               : p->mask_kind == 1 ? (const float *)mask + b * p->ms[0] + h * p->ms[1] + i * p->ms[2]
+                                                   : NULL;
+                max = score_quantize_add_max(s, t, scale, p->score_q, m);
+            } else if (p->score_quant) {  /* DQ(Q(q kᵀ scale)), then a strided or boolean mask below */
+                quantize_row(s, s, t, scale, p->score_q, 1);
                 scale = 1.0f;
             }
-            if (p->mask_kind == 1 && p->ms[3] == 1) {
+            if (one_pass) {
+                /* the scores and their max are done */
+            } else if (p->mask_kind == 1 && p->ms[3] == 1) {
                 max = scale_add_max(s, t, scale, (const float *)mask + b * p->ms[0] + h * p->ms[1] + i * p->ms[2]);
             } else if (p->mask_kind == 1) {
                 const float *m = (const float *)mask + b * p->ms[0] + h * p->ms[1] + i * p->ms[2];
@@ -470,8 +538,7 @@ static void attention_head(const attention_plan *p, const float *q, const float 
             }
             const float inv = 1.0f / exp_shifted(s, t, max);
             if (p->prob_quant) {  /* DQ(Q(P)) of the probabilities themselves */
-                for (long j = 0; j < t; ++j) s[j] *= inv;
-                quantize_row(s, s, t, p->prob_q, 1);
+                quantize_row(s, s, t, inv, p->prob_q, 1);  /* P = e·inv, taken in the same pass */
             } else {
                 w[r] = inv;  /* applied to the row's output (pv_tile) */
             }
@@ -482,7 +549,7 @@ static void attention_head(const attention_plan *p, const float *q, const float 
             for (int r = 0; r < QB && i0 + r < S; ++r) {
                 float *row = tile + r * Dv;
                 unsigned char *dst = ob8 + (i0 + r) * p->os[2];
-                quantize_row(row, row, Dv, p->out_q, 0);
+                quantize_row(row, row, Dv, 1.0f, p->out_q, 0);
                 long d = 0;
 #ifdef __AVX512F__
                 for (; d + 16 <= Dv; d += 16)  /* integral values in [qmin, qmax]: exact as int32, then bytes */

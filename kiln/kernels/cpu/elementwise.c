@@ -166,7 +166,7 @@ static void ew_quantize(const float *restrict r, const float *q, int is_signed, 
 #endif
     if (j < n) {
         float t[EW_CHUNK];
-        quantize_row(r + j, t, n - j, q, 0);  /* integral values in [qmin, qmax] */
+        quantize_row(r + j, t, n - j, 1.0f, q, 0);  /* integral values in [qmin, qmax] */
         if (is_signed) for (long i = 0; i < n - j; ++i) ((signed char *)y)[j + i] = (signed char)(int)t[i];
         else for (long i = 0; i < n - j; ++i) ((unsigned char *)y)[j + i] = (unsigned char)(int)t[i];
     }
@@ -401,7 +401,7 @@ static void quantize_item(void *loop, long item) {
         float r[EW_CHUNK] __attribute__((aligned(64)));
         for (long c = first; c < last; c += EW_CHUNK) {
             const long m = last - c < EW_CHUNK ? last - c : EW_CHUNK;
-            quantize_row((const float *)l->x + c, r, m, p->q, 0);  /* integral values in [qmin, qmax] */
+            quantize_row((const float *)l->x + c, r, m, 1.0f, p->q, 0);  /* integral values in [qmin, qmax] */
             if (p->is_signed) {
                 signed char *y = (signed char *)l->y + c;
                 for (long j = 0; j < m; ++j) y[j] = (signed char)(int)r[j];
