@@ -25,12 +25,14 @@ from kiln.kernels.cpu.form_choice import PARALLEL, SERIAL, FormChooser
 from kiln.kernels.cpu.plan_member import PlanMember
 from kiln.runtime.native_members import _bind_member, _entry_forms, _form, _forms, _run_loop, serial_calls, writes_of
 from kiln.runtime.view_arguments import ViewArguments, arguments_layout
+from kiln.runtime.view_pack import PackedPlans
 from kiln.runtime.view_mirrors import _Mirror, _MirrorRun, _arena_checks, _mirror_runs, _mirrors
 from kiln.runtime.view_trace import ViewTrace
 from kiln.tactics.traced_rules import TRACES, TracedRule, untraced
 from kiln.tactics.tactic import NativeStep, SizedPrimitive, native_strides, row_major_strides
 
 
+PACKED = True  # a view's plans and calls written by one struct pack where it can (view_pack.py; False: numpy's stores)
 PENDING_TRACES = 8  # keys a segment's view leaves to the background thread's traces at once (_learn_later)
 _LATER = itertools.count()  # the deferred traces' job keys (each its own: ids are reused)
 
@@ -194,6 +196,12 @@ class _PlanRewrite:
         if self._calls is not None and len(self._calls.plan_calls) == len(self._calls.objects):
             self._image_calls = np.concatenate([self._image, np.zeros(len(self._calls.objects), np.int64)])
             self._plan_words = self._calls.plan_offsets.astype(np.int64)
+        # that buffer written by one struct pack (view_pack.py: a first call's ~8 numpy calls on cold caches)
+        self._packed = None
+        if self._image_calls is not None and PACKED:
+            fields = [(8 * w, 8, int(remap[v])) for w, v in zip(words[0], words[1])] + \
+                [(4 * w, 4, int(remap[v])) for w, v in zip(words[2], words[3])]
+            self._packed = PackedPlans.of(bytes(image), fields, self._calls.plan_offsets.tolist())
         self._binds = {k: member[9] for k, member in enumerate(self._members) if member[9] is not None}
         # members with a plan and arguments (a oneDNN layer's rows on kiln's GEMM, its other rows on oneDNN)
         self._switches = {k for k, member in enumerate(self._members) if member[6] is not None and member[9]}
@@ -430,19 +438,24 @@ class _PlanRewrite:
         rewritten plan, the plans and the calls' objects array are one buffer (_image_calls), its address asked of
         __array_interface__ and the objects array a ctypes view of it by address: numpy's `.ctypes`, a second
         array and ctypes' from_buffer cost ~30 µs of a first call's ~150 for the view, right after a run has cooled
-        the caches (bench/results/first-call-2026-12-06.md). The view owns the buffer (its last `owned`)."""
+        the caches (bench/results/first-call-2026-12-06.md); that buffer is written by one struct pack
+        (view_pack.py: its image copy, stores and addresses were ~8 numpy calls, each slow on cold caches). The view
+        owns the buffer (its last `owned`)."""
         image = self._image_calls
         if image is None:
             buffer = self._plans(values)
             c = self._calls.at(buffer.ctypes.data, None)
         else:
-            buffer = image.copy()
-            if values:
-                where, halves = self._stores
-                buffer.view(np.int32)[where] = np.array(values, np.int64).view(np.int32)[halves]
-            base = buffer.__array_interface__["data"][0]
             plans = len(self._image)
-            np.add(self._plan_words, base, out=buffer[plans:])
+            packed = self._packed  # one struct pack (view_pack.py), else numpy's stores where it refuses the values
+            buffer = np.empty(len(image), np.int64)
+            base = buffer.__array_interface__["data"][0]
+            if packed is None or not packed.into(buffer, base, values):
+                buffer[:] = image
+                if values:
+                    where, halves = self._stores
+                    buffer.view(np.int32)[where] = np.array(values, np.int64).view(np.int32)[halves]
+                np.add(self._plan_words, base, out=buffer[plans:])
             c = self._calls.over(base + plans * 8)
         entry_forms = ([*map(tuple, key)], template.entry_dtypes, template.entry_layouts)
         return _Resized(template, {PARALLEL: c}, template._names, self._exit_shapes(exits), entry_forms, [buffer])
