@@ -438,9 +438,10 @@ class _PlanRewrite:
         rewritten plan, the plans and the calls' objects array are one buffer (_image_calls), its address asked of
         __array_interface__ and the objects array a ctypes view of it by address: numpy's `.ctypes`, a second
         array and ctypes' from_buffer cost ~30 µs of a first call's ~150 for the view, right after a run has cooled
-        the caches (bench/results/first-call-2026-12-06.md); that buffer is written by one struct pack
-        (view_pack.py: its image copy, stores and addresses were ~8 numpy calls, each slow on cold caches). The view
-        owns the buffer (its last `owned`)."""
+        the caches (bench/results/first-call-2026-12-06.md). Where it can, that buffer is a ctypes array written by
+        one struct pack (view_pack.py: the numpy array, its image copy, stores and addresses were ~8 numpy calls,
+        each slow on cold caches: ~10% of llama_tiny's views, bench/results/first-shape-2026-12-06.md, s27 h-views6).
+        The view owns the buffer (its last `owned`)."""
         image = self._image_calls
         if image is None:
             buffer = self._plans(values)
@@ -448,17 +449,28 @@ class _PlanRewrite:
         else:
             plans = len(self._image)
             packed = self._packed  # one struct pack (view_pack.py), else numpy's stores where it refuses the values
-            buffer = np.empty(len(image), np.int64)
-            base = buffer.__array_interface__["data"][0]
-            if packed is None or not packed.into(buffer, base, values):
-                buffer[:] = image
-                if values:
-                    where, halves = self._stores
-                    buffer.view(np.int32)[where] = np.array(values, np.int64).view(np.int32)[halves]
-                np.add(self._plan_words, base, out=buffer[plans:])
+            if packed is not None:
+                buffer = packed.buffer_type()
+                base = ctypes.addressof(buffer)
+                if not packed.into(buffer, base, values):
+                    words = np.frombuffer(buffer, np.int64)
+                    words[:] = image
+                    self._stored(words, base, values)
+            else:
+                buffer = image.copy()
+                base = buffer.__array_interface__["data"][0]
+                self._stored(buffer, base, values)
             c = self._calls.over(base + plans * 8)
         entry_forms = ([*map(tuple, key)], template.entry_dtypes, template.entry_layouts)
         return _Resized(template, {PARALLEL: c}, template._names, self._exit_shapes(exits), entry_forms, [buffer])
+
+    def _stored(self, buffer: np.ndarray, base: int, values: list[int] | tuple[int, ...]) -> None:
+        """_assembled's buffer (`buffer`, at address `base`, the template's plans and calls) by numpy: each rule's
+        values stored over (_int32_stores), each call's plan address."""
+        if values:
+            where, halves = self._stores
+            buffer.view(np.int32)[where] = np.array(values, np.int64).view(np.int32)[halves]
+        np.add(self._plan_words, base, out=buffer[len(self._image):])
 
     def _scheduled(self, sizes: dict[int, tuple], bound: dict[int, SizedPrimitive], natives: dict[int, NativeStep]
                    ) -> Iterator[tuple[int, int, _Mirror | None]]:

@@ -6,13 +6,15 @@ added (image.copy, np.array, two fancy indexings, np.add): ~8 numpy calls, each 
 (llama_tiny's 5 views: ~0.3-0.6 ms of a first call, bench/results/first-shape-2026-12-06.md, s27 h-views6). Here the
 whole buffer is one `struct.Struct.pack_into`: the template's bytes between fields as constant chunks (`Ns`), each
 field (`q` or `i`) and each call's plan address (`Q`); the arguments in buffer order are picked from (chunks...,
-values...) by one `operator.itemgetter`. Byte for byte what the stores write (tests/unit/test_view_pack.py), except a
+values...) by one `operator.itemgetter`; the buffer is a ctypes array (`buffer_type`: numpy's empty array and its
+__array_interface__ cost ~8 µs a view more on a first call's cold caches). Byte for byte what the stores write (tests/unit/test_view_pack.py), except a
 32-bit field whose value does not fit int32 (an int64 -> int32 cast wraps it; struct refuses): `into` then returns
 False and the caller writes the buffer the numpy way.
 """
 
 from __future__ import annotations
 
+import ctypes
 import operator
 import struct
 
@@ -27,6 +29,8 @@ class PackedPlans:
         self._packer, self._pick, self._chunks = packer, pick, chunks
         self._plan_offsets = plan_offsets  # each call's plan, bytes from the buffer's start
         self.words = words  # the buffer's int64 words (plans, then a word per call)
+        # a view's buffer: int64 words; `nbytes` as a numpy array's (what a view holds: Segment.view_ahead)
+        self.buffer_type = type("PlanBuffer", (ctypes.c_int64 * words,), {"nbytes": 8 * words})
 
     @classmethod
     def of(cls, image: bytes, fields: list[tuple[int, int, int]], plan_offsets: list[int]) -> PackedPlans | None:
@@ -62,9 +66,10 @@ class PackedPlans:
         return cls(packer, operator.itemgetter(*indices), tuple(chunks), tuple(plan_offsets),
                    packer.size // 8)
 
-    def into(self, buffer: np.ndarray, base: int, values: list[int] | tuple[int, ...]) -> bool:
-        """Write the buffer (int64 `buffer` of `words` words at address `base`) for a view's `values`: False where a
-        value does not fit its field (nothing the caller may rely on is then written)."""
+    def into(self, buffer: ctypes.Array | np.ndarray, base: int, values: list[int] | tuple[int, ...]) -> bool:
+        """Write the buffer (`words` int64 words at address `base`: a buffer_type, or any writable buffer) for a
+        view's `values`: False where a value does not fit its field (nothing the caller may rely on is then
+        written)."""
         try:
             self._packer.pack_into(buffer, 0, *self._pick(self._chunks + tuple(values)),
                                    *[base + offset for offset in self._plan_offsets])

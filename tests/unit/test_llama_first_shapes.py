@@ -348,11 +348,11 @@ def test_llama_views_past_the_planned_shapes_are_packed_as_the_stores_write_them
                 stored = real_assembled(self, template, key, values, exits)
             finally:
                 self._packed = kept
-            a, b = view._owned[-1], stored._owned[-1]
+            a, b = (np.frombuffer(v._owned[-1], np.int64) for v in (view, stored))
+            assert type(stored._owned[-1]) is np.ndarray and type(view._owned[-1]) is self._packed.buffer_type
             plans = len(self._image)
             assert a.tobytes()[:plans * 8] == b.tobytes()[:plans * 8], key
-            assert (a[plans:] - a.__array_interface__["data"][0]).tolist() == \
-                (b[plans:] - b.__array_interface__["data"][0]).tolist(), key
+            assert (a[plans:] - a.ctypes.data).tolist() == (b[plans:] - b.ctypes.data).tolist(), key
             assert view.exit_shapes == stored.exit_shapes and view.entry_sizes == stored.entry_sizes, key
             compared.append(key)
         return view

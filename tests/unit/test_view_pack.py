@@ -6,6 +6,7 @@ onnxruntime's)."""
 
 from __future__ import annotations
 
+import ctypes
 import zlib
 
 import numpy as np
@@ -60,11 +61,11 @@ def test_the_pack_writes_the_buffer_the_numpy_stores_write(case):
             values[i] = int(rng.integers(-2**31, 2**31))
         packed = _packed(*layout)
         assert packed is not None and packed.words == len(image) + len(offsets)
-        got = np.empty(packed.words, np.int64)
-        base = got.__array_interface__["data"][0]
+        got = packed.buffer_type()  # the view's buffer: a ctypes array, `nbytes` as numpy's
+        base = ctypes.addressof(got)
         assert packed.into(got, base, tuple(values))
         expected = _stored(*layout, values, base)
-        assert got.tobytes() == expected.tobytes()
+        assert bytes(got) == expected.tobytes() and got.nbytes == expected.nbytes
 
 
 def test_the_pack_refuses_a_32_bit_value_past_int32_and_overlapping_fields():
