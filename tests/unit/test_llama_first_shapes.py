@@ -320,8 +320,8 @@ def test_llama_views_past_the_planned_shapes_are_packed_as_the_stores_write_them
     """Past the shapes planned at load, each of the 5 segments' views is assembled at the call; its plans and calls
     buffer is written by one struct pack (kiln/runtime/view_pack.py) rather than numpy's copy and stores. Each view
     made again the numpy way (the rewrite's pack taken away) is the same byte for byte: plans, call words less the
-    buffer's address, exits; outputs match onnxruntime (fp32 logits, 1e-4). Without the pack (PACKED off at load)
-    the count of packed views fails."""
+    buffer's address, exits; so is one whose pack refuses the values (the stores write its ctypes buffer). Outputs
+    match onnxruntime (fp32 logits, 1e-4). Without the pack (PACKED off at load) the count of packed views fails."""
     from kiln.runtime import view_pack
 
     exported, path = llama
@@ -343,17 +343,23 @@ def test_llama_views_past_the_planned_shapes_are_packed_as_the_stores_write_them
     def assembled(self, template, key, values, exits):
         view = real_assembled(self, template, key, values, exits)
         if threading.get_ident() == caller and self._packed is not None:
-            kept, self._packed = self._packed, None
+            kept = self._packed
+            refusing = type("Refusing", (), {"buffer_type": kept.buffer_type, "into": lambda *a: False})()
             try:
+                self._packed = None
                 stored = real_assembled(self, template, key, values, exits)
+                self._packed = refusing  # a value the pack refuses: its buffer written by the stores
+                refused = real_assembled(self, template, key, values, exits)
             finally:
                 self._packed = kept
-            a, b = (np.frombuffer(v._owned[-1], np.int64) for v in (view, stored))
-            assert type(stored._owned[-1]) is np.ndarray and type(view._owned[-1]) is self._packed.buffer_type
+            assert type(stored._owned[-1]) is np.ndarray and type(view._owned[-1]) is kept.buffer_type
+            b = np.frombuffer(stored._owned[-1], np.int64)
             plans = len(self._image)
-            assert a.tobytes()[:plans * 8] == b.tobytes()[:plans * 8], key
-            assert (a[plans:] - a.ctypes.data).tolist() == (b[plans:] - b.ctypes.data).tolist(), key
-            assert view.exit_shapes == stored.exit_shapes and view.entry_sizes == stored.entry_sizes, key
+            for other in (view, refused):
+                a = np.frombuffer(other._owned[-1], np.int64)
+                assert a.tobytes()[:plans * 8] == b.tobytes()[:plans * 8], key
+                assert (a[plans:] - a.ctypes.data).tolist() == (b[plans:] - b.ctypes.data).tolist(), key
+                assert other.exit_shapes == stored.exit_shapes and other.entry_sizes == stored.entry_sizes, key
             compared.append(key)
         return view
     monkeypatch.setattr(view_pack.PackedPlans, "into", into)
