@@ -500,6 +500,8 @@ class _CallImage:
     plan_calls: np.ndarray  # the calls running a rewritten plan ...
     plan_offsets: np.ndarray  # ... and where in a view's plan buffer it is (uintp)
     argument_calls: np.ndarray  # the oneDNN members' calls, in member order
+    addresses_type: type  # a view's run addresses array (nbind words) and its objects array over a buffer: the
+    objects_type: type  # ctypes array types, asked once (a first call's view pays each `c_void_p * n` cold)
 
     @classmethod
     def of(cls, template: Any, members: list[tuple]) -> _CallImage | None:
@@ -532,15 +534,16 @@ class _CallImage:
             loop = (*loop[:1], functions, *loop[2:9], nargs, args, *loop[11:])
         return cls(loop, np.frombuffer(objects, np.uintp).copy(), np.frombuffer(nargs, np.int32).copy(),
                    np.frombuffer(args, np.uintp).copy(), np.array(plan_calls, np.intp),
-                   np.array(plan_offsets, np.uintp), np.array(argument_calls, np.intp))
+                   np.array(plan_offsets, np.uintp), np.array(argument_calls, np.intp),
+                   ctypes.c_void_p * max(loop[3], 1), type(loop[8]))
 
     def over(self, objects: int) -> tuple:
         """The loop's arrays of a view whose every call runs a rewritten plan, its objects array (each call's plan
         address) at address `objects`, kept alive by the view (_PlanRewrite._assembled): the template's nargs and args
         arrays (no oneDNN member)."""
         run, functions, set_handle, nbind, memories, _addresses, moving, count, _objects, nargs, args, _ = self.loop
-        return (run, functions, set_handle, nbind, memories, (ctypes.c_void_p * max(nbind, 1))(), moving, count,
-                type(_objects).from_address(objects), nargs, args, ctypes.c_int(-1))
+        return (run, functions, set_handle, nbind, memories, self.addresses_type(), moving, count,
+                self.objects_type.from_address(objects), nargs, args, ctypes.c_int(-1))
 
     def at(self, base: int, arguments: tuple[np.ndarray, np.ndarray, np.ndarray] | None) -> tuple:
         """The loop's arrays of a view whose plans are at `base` and whose oneDNN members' (primitives, nargs, args)
