@@ -18,7 +18,7 @@ jobs done (first_calls.primitives_made), then first calls at --shapes in order, 
 --no-size-rules: kiln::Rotary, kiln::RMSNorm and the last-axis Slice without their size rules (llama_tiny: its segments walk at the call).
 --no-gather-grids: a GatherND by an index grid (a decoder's causal mask) gathers by the grid made, not its parts.
 --no-corners: a stored tensor proved a corner of itself at larger dims (a decoder's causal mask) made by its steps.
---no-packed-views: a view's plans and calls written by numpy's copy and stores (A of native_views.PACKED: view_pack.py).
+--no-packed-views: a view's plans and calls written by numpy's copy and stores (A of native_views.PACKED).
 --plans-ahead N: first_calls.PLANS_AHEAD (shapes past a profile's N smallest compute their shape values at the call).
 --no-memos: the view job's memo shapes off (first_calls.memo_shapes empty); --no-grid-rows: each grid corner a
 copy. --no-views-ahead: the load's view jobs off (first_calls._trace_job and _segments_job: no template grown, no walk

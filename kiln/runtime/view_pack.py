@@ -7,9 +7,9 @@ added (image.copy, np.array, two fancy indexings, np.add): ~8 numpy calls, each 
 whole buffer is one `struct.Struct.pack_into`: the template's bytes between fields as constant chunks (`Ns`), each
 field (`q` or `i`) and each call's plan address (`Q`); the arguments in buffer order are picked from (chunks...,
 values...) by one `operator.itemgetter`; the buffer is a ctypes array (`buffer_type`: numpy's empty array and its
-__array_interface__ cost ~8 µs a view more on a first call's cold caches). Byte for byte what the stores write (tests/unit/test_view_pack.py), except a
-32-bit field whose value does not fit int32 (an int64 -> int32 cast wraps it; struct refuses): `into` then returns
-False and the caller writes the buffer the numpy way.
+__array_interface__ cost ~8 µs a view more on a first call's cold caches). Byte for byte what the stores write
+(tests/unit/test_view_pack.py), except a 32-bit field whose value does not fit int32 (an int64 -> int32 cast wraps
+it; struct refuses): `into` then returns False and the caller writes the buffer the numpy way.
 """
 
 from __future__ import annotations
