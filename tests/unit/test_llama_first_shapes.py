@@ -330,7 +330,7 @@ def test_llama_views_past_the_planned_shapes_are_packed_as_the_stores_write_them
     context = kiln.load(str(path)).create_execution_context()
     context.warm_up()
     assert first_calls.primitives_made(120)
-    packed, compared = [], []
+    packed, compared, failures = [], [], []
     caller = threading.get_ident()
     real_into, real_assembled = view_pack.PackedPlans.into, native_views._PlanRewrite._assembled
 
@@ -341,6 +341,13 @@ def test_llama_views_past_the_planned_shapes_are_packed_as_the_stores_write_them
         return done
 
     def assembled(self, template, key, values, exits):
+        try:
+            return checked(self, template, key, values, exits)
+        except Exception as error:  # (Segment._bind_sizes would take it for sizes the layers cannot bind)
+            failures.append((key, repr(error)))
+            raise
+
+    def checked(self, template, key, values, exits):
         view = real_assembled(self, template, key, values, exits)
         if threading.get_ident() == caller and self._packed is not None:
             kept = self._packed
@@ -373,5 +380,8 @@ def test_llama_views_past_the_planned_shapes_are_packed_as_the_stores_write_them
         feeds = {n: feeds[n] for n in context.engine.input_names}
         got = next(iter(context.run(feeds).values()))
         np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=1e-4, atol=1e-4)
-    assert len(compared) == 5 * len(shapes), compared
-    assert packed.count(True) >= 5 * len(shapes), packed
+    assert not failures, failures
+    # (1 run in ~8, one view, 1x16's last segment's, was not assembled on this thread: made by the load's background
+    # jobs before the call; every view assembled here is compared and packed)
+    assert len(compared) >= 5 * len(shapes) - 1, "\n".join(map(str, compared))
+    assert packed == [True] * len(compared), packed
