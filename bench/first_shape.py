@@ -18,6 +18,7 @@ jobs done (first_calls.primitives_made), then first calls at --shapes in order, 
 --no-size-rules: kiln::Rotary, kiln::RMSNorm and the last-axis Slice without their size rules (llama_tiny: its segments walk at the call).
 --no-gather-grids: a GatherND by an index grid (a decoder's causal mask) gathers by the grid made, not its parts.
 --no-corners: a stored tensor proved a corner of itself at larger dims (a decoder's causal mask) made by its steps.
+--no-packed-views: a view's plans and calls written by numpy's copy and stores (A of native_views.PACKED).
 --plans-ahead N: first_calls.PLANS_AHEAD (shapes past a profile's N smallest compute their shape values at the call).
 --no-memos: the view job's memo shapes off (first_calls.memo_shapes empty); --no-grid-rows: each grid corner a
 copy. --no-views-ahead: the load's view jobs off (first_calls._trace_job and _segments_job: no template grown, no walk
@@ -82,6 +83,8 @@ def main() -> None:
                     "made (A of shape_function._GatherGrid: a decoder's mask past the shapes planned at load)")
     ap.add_argument("--no-corners", action="store_true", help="a decoder's mask made by its steps at each shape past "
                     "the planned ones (A of shape_function.CORNERS: shape_corners.CornerCut)")
+    ap.add_argument("--no-packed-views", action="store_true", help="a view's plans and calls written by numpy's "
+                    "copy and stores (A of native_views.PACKED: view_pack.PackedPlans)")
     ap.add_argument("--plans-ahead", type=int, default=0, help="first_calls.PLANS_AHEAD (0: as it is)")
     ap.add_argument("--steady", default="", help="shapes of the steady-state A/B (then no first calls)")
     ap.add_argument("--rounds", type=int, default=15)
@@ -118,6 +121,8 @@ def main() -> None:
         shape_function.GATHER_GRIDS = False
     if args.no_corners:
         shape_function.CORNERS = False
+    if args.no_packed_views:
+        native_views.PACKED = False
     if args.plans_ahead:
         first_calls.PLANS_AHEAD = args.plans_ahead
     if args.no_memos:

@@ -25,12 +25,14 @@ from kiln.kernels.cpu.form_choice import PARALLEL, SERIAL, FormChooser
 from kiln.kernels.cpu.plan_member import PlanMember
 from kiln.runtime.native_members import _bind_member, _entry_forms, _form, _forms, _run_loop, serial_calls, writes_of
 from kiln.runtime.view_arguments import ViewArguments, arguments_layout
+from kiln.runtime.view_pack import PackedPlans
 from kiln.runtime.view_mirrors import _Mirror, _MirrorRun, _arena_checks, _mirror_runs, _mirrors
 from kiln.runtime.view_trace import ViewTrace
 from kiln.tactics.traced_rules import TRACES, TracedRule, untraced
 from kiln.tactics.tactic import NativeStep, SizedPrimitive, native_strides, row_major_strides
 
 
+PACKED = True  # a view's plans and calls written by one struct pack where it can (view_pack.py; False: numpy's stores)
 PENDING_TRACES = 8  # keys a segment's view leaves to the background thread's traces at once (_learn_later)
 _LATER = itertools.count()  # the deferred traces' job keys (each its own: ids are reused)
 
@@ -195,6 +197,12 @@ class _PlanRewrite:
         if self._calls is not None and len(self._calls.plan_calls) == len(self._calls.objects):
             self._image_calls = np.concatenate([self._image, np.zeros(len(self._calls.objects), np.int64)])
             self._plan_words = self._calls.plan_offsets.astype(np.int64)
+        # that buffer written by one struct pack (view_pack.py: a first call's ~8 numpy calls on cold caches)
+        self._packed = None
+        if self._image_calls is not None and PACKED:
+            fields = [(8 * w, 8, int(remap[v])) for w, v in zip(words[0], words[1])] + \
+                [(4 * w, 4, int(remap[v])) for w, v in zip(words[2], words[3])]
+            self._packed = PackedPlans.of(bytes(image), fields, self._calls.plan_offsets.tolist())
         self._binds = {k: member[9] for k, member in enumerate(self._members) if member[9] is not None}
         # members with a plan and arguments (a oneDNN layer's rows on kiln's GEMM, its other rows on oneDNN)
         self._switches = {k for k, member in enumerate(self._members) if member[6] is not None and member[9]}
@@ -446,22 +454,39 @@ class _PlanRewrite:
         rewritten plan, the plans and the calls' objects array are one buffer (_image_calls), its address asked of
         __array_interface__ and the objects array a ctypes view of it by address: numpy's `.ctypes`, a second
         array and ctypes' from_buffer cost ~30 µs of a first call's ~150 for the view, right after a run has cooled
-        the caches (bench/results/first-call-2026-12-06.md). The view owns the buffer (its last `owned`)."""
+        the caches (bench/results/first-call-2026-12-06.md). Where it can, that buffer is a ctypes array written by
+        one struct pack (view_pack.py: the numpy array, its image copy, stores and addresses were ~8 numpy calls,
+        each slow on cold caches: ~10% of llama_tiny's views, bench/results/first-shape-2026-12-06.md, s27 h-views6).
+        The view owns the buffer (its last `owned`)."""
         image = self._image_calls
         if image is None:
             buffer = self._plans(values)
             c = self._calls.at(buffer.ctypes.data, None)
         else:
-            buffer = image.copy()
-            if values:
-                where, halves = self._stores
-                buffer.view(np.int32)[where] = np.array(values, np.int64).view(np.int32)[halves]
-            base = buffer.__array_interface__["data"][0]
             plans = len(self._image)
-            np.add(self._plan_words, base, out=buffer[plans:])
+            packed = self._packed  # one struct pack (view_pack.py), else numpy's stores where it refuses the values
+            if packed is not None:
+                buffer = packed.buffer_type()
+                base = ctypes.addressof(buffer)
+                if not packed.into(buffer, base, values):
+                    words = np.frombuffer(buffer, np.int64)
+                    words[:] = image
+                    self._stored(words, base, values)
+            else:
+                buffer = image.copy()
+                base = buffer.__array_interface__["data"][0]
+                self._stored(buffer, base, values)
             c = self._calls.over(base + plans * 8)
         entry_forms = ([*map(tuple, key)], template.entry_dtypes, template.entry_layouts)
         return _Resized(template, {PARALLEL: c}, template._names, self._exit_shapes(exits), entry_forms, [buffer])
+
+    def _stored(self, buffer: np.ndarray, base: int, values: list[int] | tuple[int, ...]) -> None:
+        """_assembled's buffer (`buffer`, at address `base`, the template's plans and calls) by numpy: each rule's
+        values stored over (_int32_stores), each call's plan address."""
+        if values:
+            where, halves = self._stores
+            buffer.view(np.int32)[where] = np.array(values, np.int64).view(np.int32)[halves]
+        np.add(self._plan_words, base, out=buffer[len(self._image):])
 
     def _scheduled(self, sizes: dict[int, tuple], bound: dict[int, SizedPrimitive], natives: dict[int, NativeStep]
                    ) -> Iterator[tuple[int, int, _Mirror | None]]:
@@ -491,6 +516,8 @@ class _CallImage:
     plan_calls: np.ndarray  # the calls running a rewritten plan ...
     plan_offsets: np.ndarray  # ... and where in a view's plan buffer it is (uintp)
     argument_calls: np.ndarray  # the oneDNN members' calls, in member order
+    addresses_type: type  # a view's run addresses array (nbind words) and its objects array over a buffer: the
+    objects_type: type  # ctypes array types, asked once (a first call's view pays each `c_void_p * n` cold)
 
     @classmethod
     def of(cls, template: Any, members: list[tuple]) -> _CallImage | None:
@@ -523,15 +550,16 @@ class _CallImage:
             loop = (*loop[:1], functions, *loop[2:9], nargs, args, *loop[11:])
         return cls(loop, np.frombuffer(objects, np.uintp).copy(), np.frombuffer(nargs, np.int32).copy(),
                    np.frombuffer(args, np.uintp).copy(), np.array(plan_calls, np.intp),
-                   np.array(plan_offsets, np.uintp), np.array(argument_calls, np.intp))
+                   np.array(plan_offsets, np.uintp), np.array(argument_calls, np.intp),
+                   ctypes.c_void_p * max(loop[3], 1), type(loop[8]))
 
     def over(self, objects: int) -> tuple:
         """The loop's arrays of a view whose every call runs a rewritten plan, its objects array (each call's plan
         address) at address `objects`, kept alive by the view (_PlanRewrite._assembled): the template's nargs and args
         arrays (no oneDNN member)."""
         run, functions, set_handle, nbind, memories, _addresses, moving, count, _objects, nargs, args, _ = self.loop
-        return (run, functions, set_handle, nbind, memories, (ctypes.c_void_p * max(nbind, 1))(), moving, count,
-                type(_objects).from_address(objects), nargs, args, ctypes.c_int(-1))
+        return (run, functions, set_handle, nbind, memories, self.addresses_type(), moving, count,
+                self.objects_type.from_address(objects), nargs, args, ctypes.c_int(-1))
 
     def at(self, base: int, arguments: tuple[np.ndarray, np.ndarray, np.ndarray] | None) -> tuple:
         """The loop's arrays of a view whose plans are at `base` and whose oneDNN members' (primitives, nargs, args)

@@ -314,3 +314,74 @@ def test_llama_first_calls_past_the_planned_shapes_cut_the_mask_from_the_largest
         np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=1e-4, atol=1e-4)
     assert served == [True] * len(shapes), served
     assert not gathers, gathers  # the mask's steps never ran
+
+
+def test_llama_views_past_the_planned_shapes_are_packed_as_the_stores_write_them(llama, monkeypatch):
+    """Past the shapes planned at load, each of the 5 segments' views is assembled at the call; its plans and calls
+    buffer is written by one struct pack (kiln/runtime/view_pack.py) rather than numpy's copy and stores. Each view
+    made again the numpy way (the rewrite's pack taken away) is the same byte for byte: plans, call words less the
+    buffer's address, exits; so is one whose pack refuses the values (the stores write its ctypes buffer). Outputs
+    match onnxruntime (fp32 logits, 1e-4). Without the pack (PACKED off at load) the count of packed views fails."""
+    from kiln.runtime import view_pack
+
+    exported, path = llama
+    monkeypatch.setenv("KILN_PAD_FIRST_CALLS", "0")
+    monkeypatch.setattr(first_calls, "PLANS_AHEAD", 4)
+    context = kiln.load(str(path)).create_execution_context()
+    context.warm_up()
+    assert first_calls.primitives_made(120)
+    packed, compared, failures = [], [], []
+    caller = threading.get_ident()
+    real_into, real_assembled = view_pack.PackedPlans.into, native_views._PlanRewrite._assembled
+
+    def into(self, buffer, base, values):
+        done = real_into(self, buffer, base, values)
+        if threading.get_ident() == caller:
+            packed.append(done)
+        return done
+
+    def assembled(self, template, key, values, exits):
+        try:
+            return checked(self, template, key, values, exits)
+        except Exception as error:  # (Segment._bind_sizes would take it for sizes the layers cannot bind)
+            failures.append((key, repr(error)))
+            raise
+
+    def checked(self, template, key, values, exits):
+        view = real_assembled(self, template, key, values, exits)
+        if threading.get_ident() == caller and self._packed is not None:
+            kept = self._packed
+            refusing = type("Refusing", (), {"buffer_type": kept.buffer_type, "into": lambda *a: False})()
+            try:
+                self._packed = None
+                stored = real_assembled(self, template, key, values, exits)
+                self._packed = refusing  # a value the pack refuses: its buffer written by the stores
+                refused = real_assembled(self, template, key, values, exits)
+            finally:
+                self._packed = kept
+            assert type(stored._owned[-1]) is np.ndarray and type(view._owned[-1]) is kept.buffer_type
+            b = np.frombuffer(stored._owned[-1], np.int64)
+            plans = len(self._image)
+            for other in (view, refused):
+                a = np.frombuffer(other._owned[-1], np.int64)
+                assert a.tobytes()[:plans * 8] == b.tobytes()[:plans * 8], key
+                assert (a[plans:] - a.ctypes.data).tolist() == (b[plans:] - b.ctypes.data).tolist(), key
+                assert other.exit_shapes == stored.exit_shapes and other.entry_sizes == stored.entry_sizes, key
+            compared.append(key)
+        return view
+    monkeypatch.setattr(view_pack.PackedPlans, "into", into)
+    monkeypatch.setattr(native_views._PlanRewrite, "_assembled", assembled)
+    session = ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(zlib.crc32(b"llama packed views"))
+    shapes = [(3, 13), (4, 15), (2, 11), (1, 16), (3, 1)]
+    for b, s in shapes:
+        feeds = {"input_ids": rng.integers(0, 100, (b, s), dtype=np.int64),
+                 "attention_mask": np.ones((b, s), np.int64)}
+        feeds = {n: feeds[n] for n in context.engine.input_names}
+        got = next(iter(context.run(feeds).values()))
+        np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=1e-4, atol=1e-4)
+    assert not failures, failures
+    # (1 run in ~8, one view, 1x16's last segment's, was not assembled on this thread: made by the load's background
+    # jobs before the call; every view assembled here is compared and packed)
+    assert len(compared) >= 5 * len(shapes) - 1, "\n".join(map(str, compared))
+    assert packed == [True] * len(compared), packed

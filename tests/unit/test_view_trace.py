@@ -118,16 +118,21 @@ def _traced_views_are_the_walks(segment, monkeypatch) -> int:
         assert _calls(traced) == _calls(walked), key
         plans_traced, plans_walked = traced._owned[0], walked._owned[0]  # the plans, then the calls' objects
         plans = rewrite._image.nbytes  # (the objects: addresses in each buffer, compared by _calls)
-        assert ctypes.string_at(plans_traced.ctypes.data, plans) == \
-            ctypes.string_at(plans_walked.ctypes.data, plans), f"{key}: the plans differ"
+        assert ctypes.string_at(_address(plans_traced), plans) == \
+            ctypes.string_at(_address(plans_walked), plans), f"{key}: the plans differ"
         compared += 1
     return compared
+
+
+def _address(buffer) -> int:
+    """A view's plan buffer's address: a numpy array, or a ctypes array (view_pack.PackedPlans.buffer_type)."""
+    return np.frombuffer(buffer, np.int64).ctypes.data
 
 
 def _calls(view) -> list[tuple[int, int]]:
     """(function, plan offset in the view's plan buffer) of each call of its loop."""
     c = view._c[PARALLEL]
-    base = view._owned[0].ctypes.data
+    base = _address(view._owned[0])
     return [(c[1][i], c[8][i] - base) for i in range(c[7])]
 
 
