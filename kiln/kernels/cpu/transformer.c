@@ -9,6 +9,8 @@
  *
  *   kiln_layer_norm   y = LN(x [+ r]) * scale + bias over the last axis; r may repeat over leading rows;
  *                     s = x + r also written when asked for (a pre-LN block's residual stream)
+ *   kiln_layer_norm_quantize
+ *                     the same with an 8-bit residual dequantized as read and/or y stored 8 bits (QDQ BERT)
  *   kiln_add          y = a + b, b repeating over a's leading rows
  *   kiln_gather_rows  y[r] = table[ids[r]] (an embedding lookup; int64 ids, negative ones from the end)
  *   kiln_attention    softmax(q kᵀ scale + mask) v per (batch, head): attention.c, compiled with this file
@@ -66,6 +68,11 @@ typedef struct {
     float epsilon;
     long grain;  /* rows per OpenMP chunk; rows <= grain: one thread */
     int rms;     /* RMSNorm: no mean taken out, s / sqrt(mean(s²) + eps) */
+    /* kiln_layer_norm_quantize only (kiln::LayerNormQuantize, CPU): */
+    int residual_8bit;     /* 0: the residual is float32; 1: uint8, 2: int8, dequantized (r - z)·s as it is read */
+    float residual_q[2];   /* the residual's scale, zero point */
+    int out_8bit;          /* 1: y is stored uint8, 2: int8, saturate(round_half_even(y / s) + z) */
+    float out_q[4];        /* scale, zero point, qmin, qmax */
 } ln_plan;
 
 #ifdef KILN_AVX2
@@ -216,6 +223,74 @@ int kiln_layer_norm(void *object, void *stream, int nargs, const void *args) {
         ln_row(x + row * n, r ? r + (row % rr) * n : NULL, y + row * n, s ? s + row * n : NULL, p->scale, p->bias,
                n, p->epsilon, p->rms);
     return 0;
+}
+
+/* ---- LayerNorm with 8-bit residual / output (kiln::LayerNormQuantize) ---------------------------- */
+
+static void quantize_row(const float *x, float *r, long n, float c, const float *qp, int back);  /* attention.c */
+
+/* r[j] = (q[j] - z)·s: kiln_quantize's DequantizeLinear loop (elementwise.c quantize_item), the same expression.
+   noinline: the row's float residual goes through memory, so the compiler cannot contract the ·s into the
+   norm's x + r (an FMA would round once where the separate steps round twice). */
+static __attribute__((noinline)) void ln_dequantize_row(const void *q, int is_signed, float s, float z, float *r,
+                                                        long n) {
+    if (is_signed) {
+        const signed char *x = (const signed char *)q;
+        for (long j = 0; j < n; ++j) r[j] = ((float)x[j] - z) * s;
+    } else {
+        const unsigned char *x = (const unsigned char *)q;
+        for (long j = 0; j < n; ++j) r[j] = ((float)x[j] - z) * s;
+    }
+}
+
+/* kiln_layer_norm whose residual is 8 bits and/or whose y is stored 8 bits (QuantizeLinear's rounding in
+ * quantize_row, as kiln_quantize stores it). Why: onnxruntime's QDQ BERT quantizes each LayerNorm's output for
+ * the next GEMMs and dequantizes it again for the next norm's residual: two steps a norm, each a pass over the
+ * tensor in memory (QDQ BERT-tiny: 4 + 4 of its 44). Each row goes through a float buffer the size of a row (in
+ * L1): the residual dequantized into it before the norm reads it, y written into it and then quantized, by the
+ * same functions as the separate steps, so the result is theirs bit for bit. */
+int kiln_layer_norm_quantize(void *object, void *stream, int nargs, const void *args) {
+    (void)stream; (void)nargs; (void)args;
+    const ln_plan *p = (const ln_plan *)object;
+    const float *x = (const float *)handle_of(p->get_handle, p->x);
+    void *y = handle_of(p->get_handle, p->y);
+    const void *r = p->residual ? handle_of(p->get_handle, p->residual) : NULL;
+    if (!x || !y || (p->residual && !r) || p->sum) return 2;
+    const long rows = p->rows, n = p->n, rr = p->residual_rows > 0 ? p->residual_rows : rows;
+    const int r8 = r != NULL && p->residual_8bit, y8 = p->out_8bit;
+    const size_t rsize = r8 ? 1 : sizeof(float), ysize = y8 ? 1 : sizeof(float);
+    int failed = 0;
+    #pragma omp parallel if (rows > p->grain) reduction(|: failed)
+    {
+        float *buffer = (float *)malloc(sizeof(float) * (size_t)(2 * n + 16));  /* a thread's two row buffers */
+        if (buffer == NULL) failed = 1;
+        float *rbuf = buffer, *ybuf = buffer ? buffer + n + 16 : NULL;
+        #pragma omp for schedule(static)
+        for (long row = 0; row < rows; ++row) {
+            if (buffer == NULL) continue;
+            const char *rrow = r ? (const char *)r + (size_t)((row % rr) * n) * rsize : NULL;
+            const float *rf = (const float *)rrow;
+            if (r8) {
+                ln_dequantize_row(rrow, p->residual_8bit == 2, p->residual_q[0], p->residual_q[1], rbuf, n);
+                rf = rbuf;
+            }
+            char *yrow = (char *)y + (size_t)(row * n) * ysize;
+            float *yf = y8 ? ybuf : (float *)yrow;
+#if defined(__AVX512F__) && defined(KILN_AVX2)
+            if (kiln_layer_norm_narrow && n <= NARROW_WIDTH)
+                ln_row_narrow(x + row * n, rf, yf, NULL, p->scale, p->bias, n, p->epsilon, p->rms, 1.0f / (float)n);
+            else
+#endif
+                ln_row(x + row * n, rf, yf, NULL, p->scale, p->bias, n, p->epsilon, p->rms);
+            if (y8) {
+                quantize_row(ybuf, ybuf, n, 1.0f, p->out_q, 0);  /* integral values in [qmin, qmax] */
+                if (y8 == 2) for (long j = 0; j < n; ++j) ((signed char *)yrow)[j] = (signed char)(int)ybuf[j];
+                else for (long j = 0; j < n; ++j) ((unsigned char *)yrow)[j] = (unsigned char)(int)ybuf[j];
+            }
+        }
+        free(buffer);
+    }
+    return failed ? 2 : 0;
 }
 
 /* ---- Add (b repeating over a's leading rows) ---------------------------------------------------- */
