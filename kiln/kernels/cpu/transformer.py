@@ -390,20 +390,22 @@ class LayerNormQuantize(LayerNorm):
     FUNCTION = "kiln_layer_norm_quantize"
 
     def __init__(self, size: tuple[int, ...], scale: torch.Tensor | None, bias: torch.Tensor | None, epsilon: float,
-                 residual_size: tuple[int, ...] | None, out_quant: tuple[float, int, torch.dtype],
+                 residual_size: tuple[int, ...] | None, out_quant: tuple[float, int, torch.dtype] | None,
                  residual_quant: tuple[float, int, torch.dtype] | None = None):
+        """out_quant (scale, zero, dtype) of y, or None: y float32 (the 8-bit residual's read alone, as a test's)."""
         super().__init__(size, scale, bias, epsilon, residual_size)
-        y_scale, y_zero, y_dtype = out_quant
-        if y_dtype not in _EIGHT_BIT or (residual_quant is not None and residual_quant[2] not in _EIGHT_BIT):
+        y_scale, y_zero, y_dtype = out_quant or (1.0, 0, torch.float32)
+        if (out_quant is not None and y_dtype not in _EIGHT_BIT) or \
+                (residual_quant is not None and residual_quant[2] not in _EIGHT_BIT):
             raise ValueError(f"{self.what}: uint8/int8 only (y {y_dtype}, residual "
                              f"{residual_quant[2] if residual_quant else torch.float32})")
         if residual_quant is not None and residual_size is None:
             raise ValueError(f"{self.what}: a residual quantization without a residual")
-        info = torch.iinfo(y_dtype)
+        info = torch.iinfo(y_dtype) if out_quant is not None else torch.finfo(torch.float32)
         self.what = f"layer norm quantize {list(size)}"
         self.output_dtype = y_dtype
         self.roles = {0: ("x",), 3: ("residual",), "dst": ("y",)}
-        self.fields.update(out_8bit=_EIGHT_BIT[y_dtype],
+        self.fields.update(out_8bit=_EIGHT_BIT.get(y_dtype, 0),
                            out_q=(ctypes.c_float * 4)(y_scale, y_zero, info.min, info.max),
                            residual_8bit=_EIGHT_BIT[residual_quant[2]] if residual_quant else 0,
                            residual_q=(ctypes.c_float * 2)(*(residual_quant[:2] if residual_quant else (1.0, 0.0))))
