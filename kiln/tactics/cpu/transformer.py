@@ -168,7 +168,13 @@ def _lnq_prepare(step: StepSpec, constants: list[Any], device: torch.device):
                                                residual_quant))
         return first[0]
 
-    return prepared_native(step, reads, build, max_rank=3)
+    def sized(sizes):  # at_size's fields (rows, residual rows: LayerNorm's), without the copy
+        size = sizes[0]
+        first[0].check_width(size)
+        return SizedPlan((size,), kernels.LayerNorm.size_fields(size, sizes.get(3)))
+
+    return prepared_native(step, reads, build, max_rank=3,
+                           plan_at=PlanRule(sized, ("layer_norm_quantize", _tuned_sizes(step)[0][-1]), traceable=True))
 
 
 register(Tactic(
