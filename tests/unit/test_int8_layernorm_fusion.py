@@ -174,7 +174,10 @@ def test_a_qdq_model_runs_the_same_fused_and_within_a_step_of_onnxruntime(tmp_pa
         _without_rules(m)
         separate = kiln.build(str(path))
     assert len(fused.program.steps) < len(separate.program.steps)
-    assert "LayerNormQuantize" in [step.ctx.op_type for step in fused.program.steps]
+    # the native kernel kept (the build's check judges a LayerNormQuantize's engine as quantized: a near-tie of the
+    # norm a step apart from torch's reference, not a reason to run the reference instead)
+    assert [s.tactic for s in fused.plan.program.steps if s.op_type == "LayerNormQuantize"] == \
+        ["cpu.layernormquantize.native"] * 2
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # the Q/DQ ops as written
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
