@@ -67,8 +67,8 @@ def _unfused(x, gamma, beta, r, y_quant, r_quant):
 @pytest.mark.parametrize("narrow", [True, False], ids=["narrow_rows", "wide_loop"])
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int8], ids=["uint8", "int8"])
 @pytest.mark.parametrize("residual", ["none", "float", "8bit", "repeated"])
-@pytest.mark.parametrize("size", [(1, 32, 128), (3, 7, 40), (2, 5, 100), (1, 300, 24)],
-                         ids=["128", "40", "100", "24"])
+@pytest.mark.parametrize("size", [(1, 32, 128), (3, 7, 40), (2, 5, 100), (1, 300, 24), (1, 3, 4100)],
+                         ids=["128", "40", "100", "24", "4100"])  # (rows wider than the kernel's block buffers)
 def test_the_fused_norm_is_the_unfused_steps_bit_for_bit(size, residual, dtype, narrow):
     x, gamma, beta, r, y_quant, r_quant = _case(size, residual, dtype)
     transformer.set_narrow_norm(narrow)
