@@ -239,12 +239,13 @@ static __attribute__((noinline)) void ln_dequantize_row(const void *q, int is_si
     ew_dequantize(q, 1, is_signed, s, z, r, n);
 }
 
-/* kiln_layer_norm whose residual is 8 bits and/or whose y is stored 8 bits (QuantizeLinear's rounding in
- * quantize_row, as kiln_quantize stores it). Why: onnxruntime's QDQ BERT quantizes each LayerNorm's output for
+/* kiln_layer_norm whose residual is 8 bits and/or whose y is stored 8 bits (QuantizeLinear's rounding, as
+ * kiln_quantize stores it). Why: onnxruntime's QDQ BERT quantizes each LayerNorm's output for
  * the next GEMMs and dequantizes it again for the next norm's residual: two steps a norm, each a pass over the
- * tensor in memory (QDQ BERT-tiny: 4 + 4 of its 44). Each row goes through a float buffer the size of a row (in
- * L1): the residual dequantized into it before the norm reads it, y written into it and then quantized, with the
- * same float32 operations per element as the separate steps, so the result is theirs bit for bit. */
+ * tensor in memory (QDQ BERT-tiny: 4 + 4 of its 44). Blocks of rows go through two float buffers (on the stack,
+ * in L1/L2): the residual dequantized into one before the norm reads it, y written into the other and then
+ * quantized, with the same float32 operations per element as the separate steps, so the result is theirs bit for
+ * bit (tests/unit/test_int8_layernorm_fusion.py). */
 #define LNQ_BLOCK 4096  /* elements a block of rows takes through the buffers (rows of more: one row a block) */
 #define LNQ_CHUNK 256   /* ew_quantize's longest call (its AVX2 tail's buffer: EW_CHUNK, elementwise.c) */
 
