@@ -190,3 +190,26 @@ def test_a_qdq_model_runs_the_same_fused_and_within_a_step_of_onnxruntime(tmp_pa
         # one step of y (a LayerNorm's float rounding differs from onnxruntime's), where a flipped step of y1 may add
         # its own through the second norm (~s_1·γ/σ, σ ~ 2)
         assert np.abs(got - want).max() <= scales["s_y"] + scales["s_1"] + 1e-6
+
+
+@needs_kernels
+def test_new_sequence_lengths_run_the_fused_norm_as_the_separate_steps(tmp_path, monkeypatch):
+    """A dynamic sequence axis: the fused norms' native step at sizes it was not built at (its size rule) gives what
+    the separate steps give there."""
+    path = tmp_path / "qdq.onnx"
+    _qdq_model(path, np.random.default_rng(zlib.crc32(b"lnq8 dynamic")))
+    m = onnx.load(str(path))
+    for v in [*m.graph.input, *m.graph.output]:
+        v.type.tensor_type.shape.dim[1].dim_param = "seq"
+    onnx.save(m, str(path))
+    config = {"profiles": [{k: "1x1x48,1x16x48,1x128x48" for k in ("x", "r", "a")}]}
+    fused = kiln.build(str(path), BuildConfig(**config))
+    with monkeypatch.context() as patch:
+        _without_rules(patch)
+        separate = kiln.build(str(path), BuildConfig(**config))
+    assert [s.tactic for s in fused.plan.program.steps if s.op_type == "LayerNormQuantize"] == \
+        ["cpu.layernormquantize.native"] * 2
+    rng = np.random.default_rng(zlib.crc32(b"lnq8 dynamic feeds"))
+    for seq in (16, 40, 7, 100):
+        feed = {k: (rng.standard_normal((1, seq, 48)) * 2).astype(np.float32) for k in ("x", "r", "a")}
+        np.testing.assert_array_equal(np.asarray(fused.run(feed)["y"]), np.asarray(separate.run(feed)["y"]))
