@@ -3,6 +3,7 @@ A/B in one process, at 1 and 2 threads.
 
     python bench/quant_fuse_ab.py --threads 1,2 --rounds 7
     python bench/quant_fuse_ab.py --base /tmp/base --threads 1,2 --rounds 7     (base tree vs this tree)
+    python bench/quant_fuse_ab.py --rules norm   ("before": without the LayerNorm's Q/DQ rules, h-lnq8)
 
 Session 26 (h-q8thr) left kiln's engine of onnxruntime's QDQ BERT-tiny at 1.29x kiln's FP32 engine at 2 threads
 (bench/results/quant-cpu-2026-12-06.md): of its 64 steps, 16 DequantizeLinear and 12 QuantizeLinear sat around
@@ -53,12 +54,14 @@ from kiln.zoo.timing import time_samples  # noqa: E402
 
 PEERS = ("kiln fp32", "kiln QDQ, before", "kiln QDQ, after", "onnxruntime int8")
 RULES = ("fuse_int8_dequantize_into_elementwise", "fuse_int8_quantize_into_elementwise")
+# --rules norm: the LayerNorm's Q and its residual's DQ (h-lnq8, kiln/passes/fusion/layernorm_quantize.py)
+NORM_RULES = ("fuse_int8_layer_norm_quantize", "fuse_int8_dequantize_into_layer_norm_quantize")
 
 
-def build_without_rules(path: Path):
-    """The QDQ engine as before: the int8 Q/DQ steps of their own."""
+def build_without_rules(path: Path, rules: tuple[str, ...] = RULES):
+    """The QDQ engine as before: the int8 Q/DQ steps of their own (those `rules` fuse)."""
     saved = list(fusion.RULES)
-    fusion.RULES[:] = [rule for rule in saved if rule[0] not in RULES]
+    fusion.RULES[:] = [rule for rule in saved if rule[0] not in rules]
     try:
         return kiln.build(str(path))
     finally:
@@ -76,6 +79,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget", type=float, default=1.5)
     parser.add_argument("--clock", choices=("wall", "thread"), default="wall",
                         help="at 1 thread: wall clock, or the calling thread's CPU time (loaded machines)")
+    parser.add_argument("--rules", default="chains", choices=("chains", "norm"),
+                        help="what 'before' builds without: the elementwise chains' Q/DQ rules (h-q8fuse) or the "
+                        "LayerNorm's (h-lnq8)")
     parser.add_argument("--base", help="a checkout of the base commit: its engines against this tree's "
                         "(worker processes)")
     args = parser.parse_args(argv)
@@ -89,9 +95,10 @@ def main(argv: list[str] | None = None) -> None:
         against_base(args, exported, qdq, feeds)
         return
     tables = []
+    rules = NORM_RULES if args.rules == "norm" else RULES
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
-        engines = {"kiln fp32": kiln.build(str(exported.path)), "kiln QDQ, before": build_without_rules(qdq),
+        engines = {"kiln fp32": kiln.build(str(exported.path)), "kiln QDQ, before": build_without_rules(qdq, rules),
                    "kiln QDQ, after": kiln.build(str(qdq))}
         steps = {p: len(e.program.steps) for p, e in engines.items()}  # layers (a native segment's members included)
         ort = quant.session(qdq, threads)

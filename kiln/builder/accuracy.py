@@ -399,6 +399,12 @@ class Baseline:
     source: str  # what `reference` is, for the header
 
 
+def _quantized_engine(spec: ProgramSpec) -> bool:
+    """Whether the engine has kiln's quantized layers (a QGemm, a QConv, ...; a LayerNormQuantize, whose 8-bit store
+    rounds a near-tie of the norm's float32 the other way as they do: a QDQ model's norms alone, h-lnq8)."""
+    return any(s.domain == "kiln" and s.op_type in QUANTIZED_LAYERS + LAYER_NORM_QUANTIZE_OPS for s in spec.steps)
+
+
 def baseline(spec: ProgramSpec, default: Program, default_outputs: list[Any], inputs: list[Any]) -> Baseline:
     """The float32 run for a half-precision engine, the default engine itself otherwise (or where
     the float32 run fails: an op with a half-only path); for a quantized engine, with the default's own
@@ -411,7 +417,7 @@ def baseline(spec: ProgramSpec, default: Program, default_outputs: list[Any], in
     half_engine = any(half_dtype(o) is not None for o in default_outputs) or \
         any(s.attributes.get("output_float32") for s in spec.steps)
     if not half_engine:
-        if any(s.domain == "kiln" and s.op_type in QUANTIZED_LAYERS for s in spec.steps):
+        if _quantized_engine(spec):
             drift = quantized_drift(default, default_outputs, inputs)
             if drift is not None:
                 same.own_errors = drift
@@ -456,7 +462,7 @@ def judge(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inpu
             return Verdict(f"it failed: {type(e).__name__}: {str(e)[:200]}", {})
     found: dict[str, dict[str, Any]] = {}
     problem = None
-    quantized = any(s.domain == "kiln" and s.op_type in QUANTIZED_LAYERS for s in spec.steps)
+    quantized = _quantized_engine(spec)
     tolerance = QUANTIZED_WHOLE_MODEL_TOLERANCE if quantized else WHOLE_MODEL_TOLERANCE
     for name, got, want, default, own in zip(base.names, outputs, base.reference, base.default, base.own_errors):
         if isinstance(default, torch.Tensor) and (not isinstance(got, torch.Tensor) or got.dtype != default.dtype):

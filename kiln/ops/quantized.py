@@ -83,7 +83,7 @@ from kiln.ir import dtypes
 from kiln.ops.fused import _activate_
 from kiln.ops.fused import layer_norm as _layer_norm
 from kiln.ops.nn import _conv, _conv_params
-from kiln.ops.quantization import _param, quantize_linear
+from kiln.ops.quantization import _param, dequantize_linear, quantize_linear
 from kiln.ops.registry import register
 
 QUANTIZED_LAYERS = ("QConv", "QGemm", "QAdd")
@@ -213,12 +213,18 @@ def qadd(ctx, a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale=None, 
 
 @register("LayerNormQuantize", domain="kiln")
 def layer_norm_quantize(ctx, x, scale=None, bias=None, residual=None, y_scale=None, y_zero_point=None,
-                        residual_scale=None, *, axis=-1, epsilon=1e-5):
+                        residual_scale=None, residual_zero_point=None, *, axis=-1, epsilon=1e-5):
     """kiln::LayerNorm then a per-tensor QuantizeLinear of its output (kiln/passes/fusion/layernorm_quantize.py):
     outputs (y_q, [y]); y in x's dtype is what is quantized, as the unfused QuantizeLinear reads it. With a
     residual_scale the residual is E4M3 (the previous LayerNorm's quantized output): its DequantizeLinear,
-    float32(r)·residual_scale rounded to x's dtype, as the unfused one wrote it, is what is added."""
-    if residual_scale is not None:
+    float32(r)·residual_scale rounded to x's dtype, as the unfused one wrote it, is what is added; with a
+    residual_zero_point too it is uint8/int8 (CPU builds), dequantized as DequantizeLinear does."""
+    if residual_zero_point is not None:  # a uint8/int8 residual (CPU builds): DequantizeLinear's float32 result
+        if residual is None or residual.dtype not in (torch.uint8, torch.int8) or residual_scale is None:
+            raise ValueError(f"LayerNormQuantize {ctx.name}: a residual zero point goes with a uint8/int8 residual and "
+                             f"its scale, got {None if residual is None else residual.dtype}")
+        residual = dequantize_linear(ctx, residual, residual_scale, residual_zero_point).to(x.dtype)
+    elif residual_scale is not None:
         if residual is None or residual.dtype != torch.float8_e4m3fn:
             raise ValueError(f"LayerNormQuantize {ctx.name}: a residual_scale goes with a float8e4m3fn residual, got "
                              f"{None if residual is None else residual.dtype}")

@@ -512,6 +512,26 @@ def fp8_residual_dequantize_read_twice():
                  [value("y", [2, 4], TensorProto.FLOAT8E4M3FN), value("rf", [2, 4])], inits)
 
 
+def layer_norm_read_besides_its_uint8_quantize():
+    """LayerNormalization -> QuantizeLinear(uint8), the norm's float output also a graph output: the CPU kernel
+    writes the 8-bit tensor alone."""
+    inits = [("g", np.ones(8, np.float32)), ("b", np.zeros(8, np.float32)),
+             ("s", np.array(0.02, np.float32)), ("z", np.array(128, np.uint8))]
+    nodes = [node("LayerNormalization", ["x", "g", "b"], ["ln"], axis=-1),
+             node("QuantizeLinear", ["ln", "s", "z"], ["y"])]
+    return model(nodes, [value("x", [2, 8])], [value("y", [2, 8], U8), value("ln", [2, 8])], inits)
+
+
+def uint8_residual_dequantize_read_twice():
+    """LayerNormQuantize(x, γ, β, DQ(r uint8)), the dequantized residual also a graph output."""
+    inits = [("s", np.array(0.05, np.float32)), ("z", np.array(128, np.uint8)),
+             ("gamma", np.ones(4, np.float32)), ("beta", np.zeros(4, np.float32))]
+    nodes = [node("DequantizeLinear", ["r", "s", "z"], ["rf"]),
+             node("LayerNormQuantize", ["x", "gamma", "beta", "rf", "s", "z"], ["y"], domain="kiln")]
+    return model(nodes, [value("x", [2, 4]), value("r", [2, 4], U8)], [value("y", [2, 4], U8), value("rf", [2, 4])],
+                 inits)
+
+
 def qdq_concat_of_two_scales():
     n1, i1 = _quantize("a", 0.05, "a")
     n2, i2 = _quantize("b", 0.07, "b")
@@ -692,6 +712,11 @@ CASES = {
                                                                   attention_with_a_head_split_read_twice, None),
     "dequantize_into_layer_norm_quantize/read_twice": Case("fuse_dequantize_into_layer_norm_quantize",
                                                            fp8_residual_dequantize_read_twice, "other readers"),
+    "int8_layer_norm_quantize/read_twice": Case("fuse_int8_layer_norm_quantize",
+                                                layer_norm_read_besides_its_uint8_quantize, "other readers"),
+    "int8_dequantize_into_layer_norm_quantize/read_twice": Case("fuse_int8_dequantize_into_layer_norm_quantize",
+                                                                uint8_residual_dequantize_read_twice,
+                                                                "other readers"),
 }
 
 

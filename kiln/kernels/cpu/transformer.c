@@ -9,6 +9,8 @@
  *
  *   kiln_layer_norm   y = LN(x [+ r]) * scale + bias over the last axis; r may repeat over leading rows;
  *                     s = x + r also written when asked for (a pre-LN block's residual stream)
+ *   kiln_layer_norm_quantize
+ *                     the same with an 8-bit residual dequantized as read and/or y stored 8 bits (QDQ BERT)
  *   kiln_add          y = a + b, b repeating over a's leading rows
  *   kiln_gather_rows  y[r] = table[ids[r]] (an embedding lookup; int64 ids, negative ones from the end)
  *   kiln_attention    softmax(q kᵀ scale + mask) v per (batch, head): attention.c, compiled with this file
@@ -66,6 +68,11 @@ typedef struct {
     float epsilon;
     long grain;  /* rows per OpenMP chunk; rows <= grain: one thread */
     int rms;     /* RMSNorm: no mean taken out, s / sqrt(mean(s²) + eps) */
+    /* kiln_layer_norm_quantize only (kiln::LayerNormQuantize, CPU): */
+    int residual_8bit;     /* 0: the residual is float32; 1: uint8, 2: int8, dequantized (r - z)·s as it is read */
+    float residual_q[2];   /* the residual's scale, zero point */
+    int out_8bit;          /* 1: y is stored uint8, 2: int8, saturate(round_half_even(y / s) + z) */
+    float out_q[4];        /* scale, zero point, qmin, qmax */
 } ln_plan;
 
 #ifdef KILN_AVX2
@@ -215,6 +222,96 @@ int kiln_layer_norm(void *object, void *stream, int nargs, const void *args) {
     for (long row = 0; row < rows; ++row)
         ln_row(x + row * n, r ? r + (row % rr) * n : NULL, y + row * n, s ? s + row * n : NULL, p->scale, p->bias,
                n, p->epsilon, p->rms);
+    return 0;
+}
+
+/* ---- LayerNorm with 8-bit residual / output (kiln::LayerNormQuantize) ---------------------------- */
+
+/* elementwise.c's 8-bit reads and stores (16 lanes where the CPU has them): DequantizeLinear's (q - z)·s and
+   QuantizeLinear's saturate(round_half_even(y / s) + z), per element as kiln_quantize's loops compute them */
+static void ew_dequantize(const void *x, long s, int is_signed, float sc, float z, float *restrict r, long n);
+static void ew_quantize(const float *restrict r, const float *q, int is_signed, void *y, long n);
+
+/* noinline: the row's float residual goes through memory, so the compiler cannot contract the dequantization's ·s
+   into the norm's x + r (an FMA would round once where the separate steps round twice) */
+static __attribute__((noinline)) void ln_dequantize_row(const void *q, int is_signed, float s, float z, float *r,
+                                                        long n) {
+    ew_dequantize(q, 1, is_signed, s, z, r, n);
+}
+
+/* kiln_layer_norm whose residual is 8 bits and/or whose y is stored 8 bits (QuantizeLinear's rounding, as
+ * kiln_quantize stores it). Why: onnxruntime's QDQ BERT quantizes each LayerNorm's output for
+ * the next GEMMs and dequantizes it again for the next norm's residual: two steps a norm, each a pass over the
+ * tensor in memory (QDQ BERT-tiny: 4 + 4 of its 44). Blocks of rows go through two float buffers (on the stack,
+ * in L1/L2): the residual dequantized into one before the norm reads it, y written into the other and then
+ * quantized, with the same float32 operations per element as the separate steps, so the result is theirs bit for
+ * bit (tests/unit/test_int8_layernorm_fusion.py). */
+#define LNQ_BLOCK 4096  /* elements a block of rows takes through the buffers (rows of more: one row a block) */
+#define LNQ_CHUNK 256   /* ew_quantize's longest call (its AVX2 tail's buffer: EW_CHUNK, elementwise.c) */
+
+typedef struct {
+    const ln_plan *p;
+    const float *x;
+    const void *r;
+    void *y;
+    long per_block;
+} lnq_loop;
+
+/* rows [block·per_block, ...) through the buffers: one long dequantize / quantize loop per block, as the separate
+   steps' (a call per row of 128 cost ~2 µs more a norm of BERT-tiny's [128, 128] than their passes) */
+static void lnq_block(void *loop, long block) {
+    const lnq_loop *l = (const lnq_loop *)loop;
+    const ln_plan *p = l->p;
+    const long rows = p->rows, n = p->n, rr = p->residual_rows > 0 ? p->residual_rows : rows;
+    const int r8 = l->r != NULL && p->residual_8bit, y8 = p->out_8bit;
+    const size_t rsize = r8 ? 1 : sizeof(float), ysize = y8 ? 1 : sizeof(float);
+    const long first = block * l->per_block, last = first + l->per_block < rows ? first + l->per_block : rows;
+    float stack[2 * LNQ_BLOCK] __attribute__((aligned(64)));
+    float *heap = n > LNQ_BLOCK ? (float *)malloc(sizeof(float) * (size_t)(2 * n)) : NULL;
+    float *rbuf = heap ? heap : stack, *ybuf = heap ? heap + n : stack + LNQ_BLOCK;
+    if (n > LNQ_BLOCK && heap == NULL) return;  /* (kiln_layer_norm_quantize checked the allocation first) */
+    if (r8 && rr == rows)  /* the block's residual rows at once */
+        ln_dequantize_row((const char *)l->r + first * n, p->residual_8bit == 2, p->residual_q[0], p->residual_q[1],
+                          rbuf, (last - first) * n);
+    for (long row = first; row < last; ++row) {
+        const char *rrow = l->r ? (const char *)l->r + (size_t)((row % rr) * n) * rsize : NULL;
+        const float *rf = (const float *)rrow;
+        if (r8) {
+            rf = rbuf + (row - first) * n;
+            if (rr != rows)  /* a residual repeating over the rows: its row */
+                ln_dequantize_row(rrow, p->residual_8bit == 2, p->residual_q[0], p->residual_q[1],
+                                  rbuf + (row - first) * n, n);
+        }
+        float *yf = y8 ? ybuf + (row - first) * n : (float *)((char *)l->y + (size_t)(row * n) * ysize);
+#if defined(__AVX512F__) && defined(KILN_AVX2)
+        if (kiln_layer_norm_narrow && n <= NARROW_WIDTH)
+            ln_row_narrow(l->x + row * n, rf, yf, NULL, p->scale, p->bias, n, p->epsilon, p->rms, 1.0f / (float)n);
+        else
+#endif
+            ln_row(l->x + row * n, rf, yf, NULL, p->scale, p->bias, n, p->epsilon, p->rms);
+    }
+    if (y8)
+        for (long c = 0; c < (last - first) * n; c += LNQ_CHUNK) {
+            const long m = (last - first) * n - c < LNQ_CHUNK ? (last - first) * n - c : LNQ_CHUNK;
+            ew_quantize(ybuf + c, p->out_q, y8 == 2, (char *)l->y + first * n + c, m);
+        }
+    free(heap);
+}
+
+int kiln_layer_norm_quantize(void *object, void *stream, int nargs, const void *args) {
+    (void)stream; (void)nargs; (void)args;
+    const ln_plan *p = (const ln_plan *)object;
+    lnq_loop l = {p, (const float *)handle_of(p->get_handle, p->x),
+                  p->residual ? handle_of(p->get_handle, p->residual) : NULL, handle_of(p->get_handle, p->y),
+                  p->n < LNQ_BLOCK ? LNQ_BLOCK / p->n : 1};
+    if (!l.x || !l.y || (p->residual && !l.r) || p->sum || p->n < 1) return 2;
+    if (p->n > LNQ_BLOCK) {  /* rows wider than the stack buffers: each block allocates its own */
+        void *probe = malloc(sizeof(float) * (size_t)(2 * p->n));
+        if (probe == NULL) return 2;
+        free(probe);
+    }
+    const long blocks = (p->rows + l.per_block - 1) / l.per_block;
+    parallel_items(blocks, p->rows > p->grain ? max_threads() : 1, lnq_block, &l);
     return 0;
 }
 

@@ -33,7 +33,7 @@ from kiln.ops._util import broadcast_sizes
 # one compilation unit: attention.c uses transformer.c's helpers
 SOURCE = "\n".join(Path(__file__).with_name(name).read_text()
                    for name in ("transformer.c", "attention.c", "elementwise.c", "tokens.c"))
-_FUNCTIONS = ("kiln_layer_norm", "kiln_add", "kiln_gather_rows", "kiln_attention", "kiln_broadcast", "kiln_gather_nd",
+_FUNCTIONS = ("kiln_layer_norm", "kiln_layer_norm_quantize", "kiln_add", "kiln_gather_rows", "kiln_attention", "kiln_broadcast", "kiln_gather_nd",
               "kiln_rotary", "kiln_elementwise", "kiln_concat", "kiln_token_index", "kiln_pack_rows",
               "kiln_unpack_rows", "kiln_quantize", "kiln_embedding_concat")
 
@@ -79,7 +79,9 @@ class _LayerNormPlan(ctypes.Structure):  # ln_plan
     _fields_ = [("get_handle", ctypes.c_void_p), ("x", ctypes.c_void_p), ("residual", ctypes.c_void_p),
                 ("y", ctypes.c_void_p), ("sum", ctypes.c_void_p), ("scale", ctypes.c_void_p),
                 ("bias", ctypes.c_void_p), ("rows", ctypes.c_long), ("n", ctypes.c_long), ("residual_rows", ctypes.c_long),
-                ("epsilon", ctypes.c_float), ("grain", ctypes.c_long), ("rms", ctypes.c_int)]
+                ("epsilon", ctypes.c_float), ("grain", ctypes.c_long), ("rms", ctypes.c_int),
+                ("residual_8bit", ctypes.c_int), ("residual_q", ctypes.c_float * 2), ("out_8bit", ctypes.c_int),
+                ("out_q", ctypes.c_float * 4)]
 
 
 class _AddPlan(ctypes.Structure):  # add_plan
@@ -366,7 +368,7 @@ class LayerNorm(NativeKernel):
         size = tuple(size)
         self.check_width(size)
         sized = self.size_fields(size, residual_size)
-        other = object.__new__(LayerNorm)
+        other = object.__new__(type(self))
         other.__dict__.update(self.__dict__)
         other.what = f"{self.what.split(' [', 1)[0]} {list(size)}"
         other.input_size = other.output_size = size
@@ -374,6 +376,39 @@ class LayerNorm(NativeKernel):
         other.fields = {**self.fields, **sized}
         other._alone, other._lock = None, threading.Lock()
         return other
+
+
+_EIGHT_BIT = {torch.uint8: 1, torch.int8: 2}
+
+
+class LayerNormQuantize(LayerNorm):
+    """kiln::LayerNormQuantize on the CPU: LayerNorm's y quantized per tensor as it is stored (y_q = saturate(
+    round_half_even(y / scale) + zero), 8 bits), and, with `residual_quant` (scale, zero, dtype), an 8-bit residual
+    dequantized, (r - zero)·scale, as it is read (transformer.c kiln_layer_norm_quantize): the unfused
+    DequantizeLinear -> LayerNorm -> QuantizeLinear steps bit for bit, without their passes over memory."""
+
+    FUNCTION = "kiln_layer_norm_quantize"
+
+    def __init__(self, size: tuple[int, ...], scale: torch.Tensor | None, bias: torch.Tensor | None, epsilon: float,
+                 residual_size: tuple[int, ...] | None, out_quant: tuple[float, int, torch.dtype] | None,
+                 residual_quant: tuple[float, int, torch.dtype] | None = None):
+        """out_quant (scale, zero, dtype) of y, or None: y float32 (the 8-bit residual's read alone, as a test's)."""
+        super().__init__(size, scale, bias, epsilon, residual_size)
+        y_scale, y_zero, y_dtype = out_quant or (1.0, 0, torch.float32)
+        if (out_quant is not None and y_dtype not in _EIGHT_BIT) or \
+                (residual_quant is not None and residual_quant[2] not in _EIGHT_BIT):
+            raise ValueError(f"{self.what}: uint8/int8 only (y {y_dtype}, residual "
+                             f"{residual_quant[2] if residual_quant else torch.float32})")
+        if residual_quant is not None and residual_size is None:
+            raise ValueError(f"{self.what}: a residual quantization without a residual")
+        info = torch.iinfo(y_dtype) if out_quant is not None else torch.finfo(torch.float32)
+        self.what = f"layer norm quantize {list(size)}"
+        self.output_dtype = y_dtype
+        self.roles = {0: ("x",), 3: ("residual",), "dst": ("y",)}
+        self.fields.update(out_8bit=_EIGHT_BIT.get(y_dtype, 0),
+                           out_q=(ctypes.c_float * 4)(y_scale, y_zero, info.min, info.max),
+                           residual_8bit=_EIGHT_BIT[residual_quant[2]] if residual_quant else 0,
+                           residual_q=(ctypes.c_float * 2)(*(residual_quant[:2] if residual_quant else (1.0, 0.0))))
 
 
 class Add(NativeKernel):

@@ -22,7 +22,9 @@ from kiln.passes.fusion.gelu import fuse_gelu
 from kiln.passes.fusion.gemm import fuse_gemm
 from kiln.passes.fusion.global_pool import pool_as_global_mean
 from kiln.passes.fusion.layernorm import fuse_layer_norm
-from kiln.passes.fusion.layernorm_quantize import fuse_dequantize_into_layer_norm_quantize, fuse_layer_norm_quantize
+from kiln.passes.fusion.layernorm_quantize import (fuse_dequantize_into_layer_norm_quantize,
+                                                   fuse_int8_dequantize_into_layer_norm_quantize,
+                                                   fuse_int8_layer_norm_quantize, fuse_layer_norm_quantize)
 from kiln.passes.fusion.packed_rotary import fuse_packed_rotary
 from kiln.passes.fusion.parallel_gemm import merge_parallel_gemms
 from kiln.passes.fusion.qdq_layers import (fold_quantize_into_stem, fold_wide_quantize_into_layer, fuse_quantized_add,
@@ -77,6 +79,9 @@ RULES = [
     ("fuse_skip_layer_norm", fuse_skip_layer_norm),
     ("fuse_layer_norm_quantize", fuse_layer_norm_quantize),  # after the residual joins the norm: Q in its store
     ("fuse_dequantize_into_layer_norm_quantize", fuse_dequantize_into_layer_norm_quantize),  # ... an E4M3 residual
+    ("fuse_int8_layer_norm_quantize", fuse_int8_layer_norm_quantize),  # CPU: a uint8 Q in the norm's store
+    ("fuse_int8_dequantize_into_layer_norm_quantize", fuse_int8_dequantize_into_layer_norm_quantize),  # ... its DQ'd
+    # residual read as 8 bits (before the elementwise rules: the DQ would otherwise stay, read by the norm alone)
     ("fuse_elementwise", fuse_elementwise),
     ("fuse_dequantize_into_elementwise", fuse_dequantize_into_elementwise),  # an E4M3 tensor read by the chain
     ("fuse_quantize_into_elementwise", fuse_quantize_into_elementwise),  # ... and its result stored as E4M3
@@ -96,7 +101,8 @@ RULES = [
 CPU_RULES = {"fuse_squeeze_excite", "fuse_conv_final_activation", "conv1d_as_conv2d", "conv1d_mean_as_global_pool",
              "drop_zero_initial_states", "constant_reshape_target", "split_as_slices", "fuse_relayout",
              "flatten_channels_last_runs", "fold_wide_quantize_into_layer", "fuse_int8_dequantize_into_elementwise",
-             "fuse_int8_quantize_into_elementwise"}
+             "fuse_int8_quantize_into_elementwise", "fuse_int8_layer_norm_quantize",
+             "fuse_int8_dequantize_into_layer_norm_quantize"}
 # (fuse_packed_rotary and fuse_split_swiglu run for both: CUDA has cuda.rotary.triton over a packed q|k|v,
 # the Triton attention's qkv_split, and kiln/tactics/cuda/swiglu.py for the gated GEMM)
 # Rules only a build for CUDA asks for (PassOptions.cuda_rules): every CUDA tactic of their fused op takes

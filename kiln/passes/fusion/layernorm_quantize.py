@@ -20,8 +20,9 @@ read that E4M3 tensor and its scale itself:
 exact: the kernel forms float32(r_q)·s_r rounded to x's dtype, the value the DequantizeLinear wrote (E4M3, zero
 point 0, per tensor, its output of x's dtype).
 
-CUDA builds only (fusion.CUDA_RULES): the op's CUDA tactic is the Triton LayerNorm with the quantizing
-store (kiln/tactics/cuda/layer_norm_quantize.py); on the CPU the pair stays as it was measured.
+CUDA builds (fusion.CUDA_RULES): the op's CUDA tactic is the Triton LayerNorm with the quantizing store
+(kiln/tactics/cuda/quant_norm.py). CPU builds have rules of their own below (fuse_int8_*: uint8/int8 only, y_q
+the only output, the residual's DequantizeLinear with its zero point), on kiln/kernels/cpu/transformer.c.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from kiln.passes._rewrite import (
     is_op,
     replace_with,
 )
+from kiln.passes.fusion.elementwise_dequantize import _zero_value
 from kiln.passes.fusion.qdq_propagate import dequantized, quantized_type
 
 RULE = "fuse_layer_norm_quantize"
@@ -131,6 +133,86 @@ def fuse_dequantize_into_layer_norm_quantize(node: ir.Node, report: PassReport) 
     node.replace_input_with(3, r_q)
     node.resize_inputs(7)
     node.replace_input_with(6, params.scale_value)
+    node.metadata_props[FUSED_FROM] = json.dumps(json.loads(node.metadata_props.get(FUSED_FROM, "[]"))
+                                                 + fused_from([dq]))
+    if not dq.outputs[0].uses():
+        node.graph.remove(dq, safe=True)
+    return True
+
+
+# ---- int8 / uint8 (CPU builds) ---------------------------------------------------------------------------------
+INT8_RULE = "fuse_int8_layer_norm_quantize"
+INT8_RULE_RESIDUAL = "fuse_int8_dequantize_into_layer_norm_quantize"
+INT8_TYPES = (ir.DataType.UINT8, ir.DataType.INT8)
+
+
+def fuse_int8_layer_norm_quantize(node: ir.Node, report: PassReport) -> bool:
+    """The uint8/int8 QuantizeLinear after a float32 LayerNorm into the norm's store (CPU builds; the kernel is
+    kiln/kernels/cpu/transformer.c kiln_layer_norm_quantize):
+
+        LayerNorm(x, γ, β, [r]) ─ QuantizeLinear(s, z uint8)   =>   LayerNormQuantize(x, γ, β, [r], s, z)
+
+    Why: onnxruntime's QDQ BERT (quantize_static) quantizes each LayerNorm's output for the next GEMMs: a step of
+    its own reading the float tensor back (QDQ BERT-tiny: 4 of 44 steps). Exact: the kernel writes y to a row
+    buffer as the LayerNorm writes it to memory and quantizes it with QuantizeLinear's own loop. Only where the
+    float y has no other reader: the CPU kernel writes y_q alone."""
+    # Q(LayerNorm(x, γ, β, [r]), s, z) -> LayerNormQuantize(x, γ, β, [r], s, z)
+    if not is_op(node, "QuantizeLinear"):
+        return False
+    norm = node.inputs[0].producer() if node.inputs[0] is not None else None
+    if not (is_op(norm, "LayerNorm", domain=KILN_DOMAIN) or is_op(norm, "LayerNormalization")):
+        return False
+    if len(node.inputs) < 3 or node.inputs[2] is None or quantized_type(node.inputs[2]) not in INT8_TYPES:
+        return False  # E4M3 (a CUDA rule's) or an implicit uint8 (no zero point: _refusal says so)
+    y = norm.outputs[0]
+    why = _refusal(norm, node)
+    if why is None and (y.is_graph_output() or consumers(y) != [node]):
+        why = "the LayerNorm's float output has other readers: the CPU kernel writes the 8-bit tensor alone"
+    elif why is None and dtype_of(y) != ir.DataType.FLOAT:
+        why = f"the LayerNorm computes {dtype_of(y)}: the CPU kernel float32"
+    elif why is None and int(attr(norm, "axis", -1)) != -1:
+        why = "the norm's axis is not written -1 (the CPU kernel normalizes the last axis)"
+    if why is not None:
+        report.refuse(INT8_RULE, node, why)
+        return False
+    return fuse_layer_norm_quantize(node, report)
+
+
+def fuse_int8_dequantize_into_layer_norm_quantize(node: ir.Node, report: PassReport) -> bool:
+    """A uint8/int8 per-tensor DequantizeLinear of the residual into the LayerNormQuantize that adds it (CPU builds):
+
+        LayerNormQuantize(x, γ, β, DQ(r_q; s_r, z_r), s, z)  =>  LayerNormQuantize(x, γ, β, r_q, s, z, s_r, z_r)
+
+    Why: the residual a QDQ BERT block adds in its norm is the previous norm's quantized output dequantized again,
+    a step of its own writing a float tensor the norm reads back (QDQ BERT-tiny: 3 of its 4 such DQs are read by
+    a LayerNormQuantize). Exact: the kernel dequantizes the row into a buffer with DequantizeLinear's own
+    expression, (float32(r_q) - z_r)·s_r, before the norm adds it."""
+    # LayerNormQuantize(x, γ, β, DQ(r_q; s_r, z_r), s, z) -> LayerNormQuantize(x, γ, β, r_q, s, z, s_r, z_r)
+    if not is_op(node, "LayerNormQuantize", domain=KILN_DOMAIN) or len(node.inputs) != 6 or node.inputs[3] is None:
+        return False
+    found = dequantized(node.inputs[3])
+    if found is None:
+        return False
+    dq, params = found
+    r_q, value = dq.inputs[0], node.inputs[3]
+    if r_q is None or r_q.dtype not in INT8_TYPES:
+        return False
+    why = None
+    if not params.per_tensor:
+        why = "the residual's DequantizeLinear is per channel"
+    elif consumers(value) != [node] or value.is_graph_output():
+        why = "the dequantized residual has other readers: it stays a tensor of its own"
+    elif dtype_of(value) != ir.DataType.FLOAT or dtype_of(node.inputs[0]) != ir.DataType.FLOAT:
+        why = f"the DequantizeLinear writes {dtype_of(value)}, x is {dtype_of(node.inputs[0])}: the kernel's float32"
+    elif const(r_q) is not None:
+        why = "a constant residual (folded, not fused)"
+    if why is not None:
+        report.refuse(INT8_RULE_RESIDUAL, node, why)
+        return False
+    node.replace_input_with(3, r_q)
+    node.resize_inputs(8)
+    node.replace_input_with(6, params.scale_value)
+    node.replace_input_with(7, _zero_value(dq, params))
     node.metadata_props[FUSED_FROM] = json.dumps(json.loads(node.metadata_props.get(FUSED_FROM, "[]"))
                                                  + fused_from([dq]))
     if not dq.outputs[0].uses():

@@ -7,6 +7,9 @@
                            ONNX LayerNormalization over the last axis (only Y asked for) on the same
                            kernel: ConvNeXt's channel norm on [N, H, W, C], Swin's and MobileViT's norms
     cpu.rmsnorm.native     kiln::RMSNorm on the LayerNorm kernel without the mean
+    cpu.layernormquantize.native
+                           kiln::LayerNormQuantize (uint8/int8): the LayerNorm's y quantized as it is stored, an
+                           8-bit residual dequantized as it is read (QDQ BERT's norms)
     cpu.add.native         Add of float32 tensors, one repeating over the other's rows
     cpu.gather.native      Gather of rows of a constant float32 table by int64 ids (an embedding)
 
@@ -111,6 +114,74 @@ register(Tactic(
     # ai.onnx LayerNormalization (x, scale, bias) is kiln::LayerNorm without the residual
     supports=_onnx_ln_supports, configure=sizes_config, prepare=_ln_prepare, available=kernels.available,
     native=True, description="ONNX LayerNormalization over the last axis in kiln's C, a native-segment member",
+))
+
+
+# ---- LayerNormQuantize (8-bit y, 8-bit or float residual) --------------------------------------------
+
+_EIGHT = (torch.uint8, torch.int8)
+
+
+def _one_constant(meta: InputMeta | None, dtypes: tuple) -> bool:
+    return meta is not None and meta.constant and meta.shape is not None and math.prod(meta.shape) == 1 and \
+        meta.dtype in dtypes
+
+
+def _lnq_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    # LayerNormQuantize(x, γ, β, [r], y_scale, y_zero, [r_scale, r_zero]): outputs (y_q) only on the CPU
+    if len(step.outputs) != 1:
+        return "the float y is also an output (the CUDA kernel writes both)"
+    if len(inputs) not in (6, 8):
+        return f"{len(inputs)} inputs: the residual's scale comes with its zero point on the CPU"
+    if not _one_constant(inputs[4], (_F32,)) or not _one_constant(inputs[5], _EIGHT):
+        return "y's scale / zero point are not one float32 / uint8 / int8 constant each"
+    residual = inputs[3]
+    if len(inputs) == 8:
+        if residual is None or residual.dtype not in _EIGHT:
+            return f"a residual scale with a residual of {None if residual is None else residual.dtype}"
+        if not _one_constant(inputs[6], (_F32,)) or not _one_constant(inputs[7], (residual.dtype,)):
+            return "the residual's scale / zero point are not one float32 / its dtype's constant each"
+        inputs = [*inputs[:3], InputMeta(shape=residual.shape, dtype=_F32, constant=residual.constant)]
+    return _ln_supports(step, inputs[:4])
+
+
+def _lnq_prepare(step: StepSpec, constants: list[Any], device: torch.device):
+    scale = kernels.vector(constants[1] if len(constants) > 1 else None)
+    bias = kernels.vector(constants[2] if len(constants) > 2 else None)
+    epsilon = float(_attr(step, "epsilon", 1e-5))
+    y_zero = constants[5]
+    out_quant = (float(constants[4].reshape(-1)[0]), int(y_zero.reshape(-1)[0]), y_zero.dtype)
+    residual_quant = None
+    if len(constants) == 8:
+        r_zero = constants[7]
+        residual_quant = (float(constants[6].reshape(-1)[0]), int(r_zero.reshape(-1)[0]), r_zero.dtype)
+
+    def reads(sizes):
+        return {k: (residual_quant[2] if k == 3 and residual_quant else _F32) for k in (0, 3) if k in sizes}
+
+    first: list[kernels.LayerNormQuantize] = []
+
+    def build(sizes):
+        if first:
+            return first[0].at_size(sizes[0], sizes.get(3))
+        first.append(kernels.LayerNormQuantize(sizes[0], scale, bias, epsilon, sizes.get(3), out_quant,
+                                               residual_quant))
+        return first[0]
+
+    def sized(sizes):  # at_size's fields (rows, residual rows: LayerNorm's), without the copy
+        size = sizes[0]
+        first[0].check_width(size)
+        return SizedPlan((size,), kernels.LayerNorm.size_fields(size, sizes.get(3)))
+
+    return prepared_native(step, reads, build, max_rank=3,
+                           plan_at=PlanRule(sized, ("layer_norm_quantize", _tuned_sizes(step)[0][-1]), traceable=True))
+
+
+register(Tactic(
+    name="cpu.layernormquantize.native", op_type="LayerNormQuantize", domain="kiln", device="cpu", dtypes=(_F32,),
+    supports=_lnq_supports, configure=sizes_config, prepare=_lnq_prepare, available=kernels.available, native=True,
+    description="LayerNorm (+ an 8-bit or float residual) with its uint8/int8 QuantizeLinear in the store, in kiln's "
+                "C, a native-segment member",
 ))
 
 
