@@ -264,6 +264,24 @@ class Batcher:
         self._schedule()
         return request
 
+    def run_now(self, inputs: dict[str, np.ndarray], rows: int, signature: Signature
+                ) -> dict[str, np.ndarray] | BaseException | None:
+        """A request that submit would run alone at once (nothing queued, an inline instance idle, the first of its
+        turn of the loop: _alone_now), run here on the calling thread: its outputs, or its error; None where it must
+        go through submit. No Pending's future to make, set and await and no callbacks: ServerCore.infer's c = 1
+        path, as Triton's direct path. Its call is the one submit would make (_run_batch of a batch of one), recorded
+        alike (a queue time of 0: it never waited)."""
+        if self.closing or self.pending or not self.idle or not self.idle[-1].inline or not self._alone_now():
+            return None
+        instance = self.idle.pop()
+        self._merging = False
+        batch = [Pending(inputs, rows, signature, None)]
+        try:
+            result = self._run_batch(instance, batch)
+        except Exception as e:  # noqa: BLE001 - answered to the caller
+            result = e
+        return self._returned(instance, batch, result).outputs[0]
+
     def _alone_now(self) -> bool:
         """Whether a request that finds the queue empty and an instance idle runs now, alone. Without dynamic
         batching, always. With it and no queue delay, the first such request of a turn of the loop, while requests
@@ -399,10 +417,7 @@ class Batcher:
 
     def _answer(self, instance: Instance, batch: list[Pending], result: BatchResult | BaseException) -> None:
         """Answer the batch's callers, record the call and put the instance back among the idle ones."""
-        self.idle.append(instance)
-        if isinstance(result, BaseException):
-            result = BatchResult([result] * len(batch), sum(r.rows for r in batch))
-        self.stats.record_batch(result.rows, len(batch), result.input_ns, result.infer_ns, result.output_ns)
+        result = self._returned(instance, batch, result)
         for r, out in zip(batch, result.outputs):
             if r.future.done():
                 continue
@@ -410,6 +425,14 @@ class Batcher:
                 r.future.set_exception(out)
             else:
                 r.future.set_result(out)
+
+    def _returned(self, instance: Instance, batch: list[Pending], result: BatchResult | BaseException) -> BatchResult:
+        """The instance back among the idle ones and its call recorded; the call's outputs (or error) per request."""
+        self.idle.append(instance)
+        if isinstance(result, BaseException):
+            result = BatchResult([result] * len(batch), sum(r.rows for r in batch))
+        self.stats.record_batch(result.rows, len(batch), result.input_ns, result.infer_ns, result.output_ns)
+        return result
 
     # ---- in an instance's thread ------------------------------------------------------------------
 
