@@ -269,18 +269,28 @@ class Batcher:
         """A request that submit would run alone at once (nothing queued, an inline instance idle, the first of its
         turn of the loop: _alone_now), run here on the calling thread: its outputs, or its error; None where it must
         go through submit. No Pending's future to make, set and await and no callbacks: ServerCore.infer's c = 1
-        path, as Triton's direct path. Its call is the one submit would make (_run_batch of a batch of one), recorded
-        alike (a queue time of 0: it never waited)."""
-        if self.closing or self.pending or not self.idle or not self.idle[-1].inline or not self._alone_now():
+        path, as Triton's direct path. Its call is the one _run_batch makes of a batch of one that needs no padding
+        (its own arrays, read-only ones copied: engines may write their inputs), recorded alike (a queue time of 0:
+        it never waited); a request its profiles hold only padded goes through submit."""
+        if self.closing or self.pending or not self.idle or not self.idle[-1].inline:
+            return None
+        if self.config.max_batch_size > 0 and self.shapes.padded(signature, rows) != rows:
+            return None
+        if not self._alone_now():  # last: it marks this turn of the loop as having run one alone
             return None
         instance = self.idle.pop()
         self._merging = False
-        batch = [Pending(inputs, rows, signature, None)]
+        t0 = time.perf_counter_ns()
+        feeds = {name: array if array.flags.writeable else array.copy() for name, array in inputs.items()}
+        t1 = time.perf_counter_ns()
         try:
-            result = self._run_batch(instance, batch)
+            outputs = instance.execute(feeds)
         except Exception as e:  # noqa: BLE001 - answered to the caller
-            result = e
-        return self._returned(instance, batch, result).outputs[0]
+            outputs = e
+        t2 = time.perf_counter_ns()
+        self.idle.append(instance)
+        self.stats.record_batch(rows, 1, t1 - t0, t2 - t1, 0)  # no output work: the outputs are the call's
+        return outputs
 
     def _alone_now(self) -> bool:
         """Whether a request that finds the queue empty and an instance idle runs now, alone. Without dynamic
@@ -417,7 +427,10 @@ class Batcher:
 
     def _answer(self, instance: Instance, batch: list[Pending], result: BatchResult | BaseException) -> None:
         """Answer the batch's callers, record the call and put the instance back among the idle ones."""
-        result = self._returned(instance, batch, result)
+        self.idle.append(instance)
+        if isinstance(result, BaseException):
+            result = BatchResult([result] * len(batch), sum(r.rows for r in batch))
+        self.stats.record_batch(result.rows, len(batch), result.input_ns, result.infer_ns, result.output_ns)
         for r, out in zip(batch, result.outputs):
             if r.future.done():
                 continue
@@ -425,14 +438,6 @@ class Batcher:
                 r.future.set_exception(out)
             else:
                 r.future.set_result(out)
-
-    def _returned(self, instance: Instance, batch: list[Pending], result: BatchResult | BaseException) -> BatchResult:
-        """The instance back among the idle ones and its call recorded; the call's outputs (or error) per request."""
-        self.idle.append(instance)
-        if isinstance(result, BaseException):
-            result = BatchResult([result] * len(batch), sum(r.rows for r in batch))
-        self.stats.record_batch(result.rows, len(batch), result.input_ns, result.infer_ns, result.output_ns)
-        return result
 
     # ---- in an instance's thread ------------------------------------------------------------------
 

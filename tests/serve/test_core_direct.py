@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
-from serve_models import OPSET
+from serve_models import MLP_W, OPSET, mlp
 
 import kiln
 from kiln.serve.core import InferRequest, ServerCore
@@ -34,6 +34,11 @@ def double_repository(tmp_path_factory) -> Path:
     engine.save(root / "double" / "1" / "model.kiln")
     (root / "double" / "config.pbtxt").write_text(
         "max_batch_size: 8\ndynamic_batching { }\ninstance_group [{ count: 1 kind: KIND_CPU }]\n")
+    # mlp whose only profile starts at batch 4: a request of fewer rows runs padded, through the queue
+    (root / "padded" / "1").mkdir(parents=True)
+    kiln.build(mlp().SerializeToString(), profiles=[{"x": ([4, 8], [8, 8], [16, 8])}]).save(
+        root / "padded" / "1" / "model.kiln")
+    (root / "padded" / "config.pbtxt").write_text("max_batch_size: 16\ndynamic_batching { }\n")
     return root
 
 
@@ -56,10 +61,10 @@ def _counting_submit(batcher) -> list[int]:
     return calls
 
 
-async def _warm(core: ServerCore, model, generator) -> None:
+async def _warm(core: ServerCore, model, generator, rows: int = 1) -> None:
     for _ in range(INLINE_AFTER + 2):
-        x = generator.standard_normal((1, 8)).astype(np.float32)
-        await core.infer(InferRequest("double", inputs={"x": x}), model)
+        x = generator.standard_normal((rows, 8)).astype(np.float32)
+        await core.infer(InferRequest(model.name, inputs={"x": x}), model)
         await asyncio.sleep(0)
     assert model.batcher.instances[0].inline
 
@@ -168,6 +173,32 @@ def test_a_direct_calls_error_is_its_callers_alone(double_repository):
             assert queued == [1]
         finally:
             model.batcher.closing = False
+            await core.close()
+
+    asyncio.run(main())
+
+
+def test_a_request_its_profile_holds_only_padded_goes_through_the_queue(double_repository):
+    """run_now runs unpadded calls only: a 1- or 2-row request of a model whose profile starts at 4 rows is
+    submitted (and run alone at submit, padded to 4: _run_batch), its rows cropped back; a 4-row one runs at once."""
+    generator = np.random.default_rng(zlib.crc32(b"direct-padded"))
+
+    async def main() -> None:
+        core = ServerCore(ModelRepository(double_repository))
+        await core.start(["padded"])
+        model = core.model("padded")
+        try:
+            await _warm(core, model, generator, rows=4)
+            queued = _counting_submit(model.batcher)
+            for k, rows in enumerate([1, 2, 4, 1, 4]):
+                x = generator.standard_normal((rows, 8)).astype(np.float32)
+                outputs = dict((await core.infer(InferRequest("padded", inputs={"x": x}), model)).outputs)
+                np.testing.assert_array_equal(outputs["z"], 2 * x)
+                np.testing.assert_allclose(outputs["y"], np.maximum(x @ MLP_W, 0), rtol=1e-5, atol=1e-5)  # FP32 GEMM
+                assert len(queued) == [1, 2, 2, 3, 3][k]
+                await asyncio.sleep(0)
+            assert set(model.stats.batches) == {4}  # every call 4 rows
+        finally:
             await core.close()
 
     asyncio.run(main())
