@@ -205,7 +205,8 @@ class BatchResult:
 class Batcher:
     """Everything runs on the event loop as plain callbacks: a submit schedules one dispatch for
     the loop's next turn (so requests that arrive together are seen together; a request that finds nothing
-    queued and an instance idle that runs inline is dispatched at once: _alone_now); a dispatch hands
+    queued and an instance idle that runs inline is dispatched at once: _alone_now; ServerCore.infer's such request
+    runs in run_now, with no Pending or future at all); a dispatch hands
     batches to idle instances (or runs them right there, for an instance whose calls are tiny: see
     kiln/serve/instances.py), or sets a timer when the oldest request may still wait for company;
     an instance's result comes back as a callback that answers the futures and dispatches again."""
