@@ -12,6 +12,7 @@ less the loop's turn: the serve layer's own work. The answers are crc-compared b
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -80,7 +81,6 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--requests", type=int, default=2000)
     args = parser.parse_args()
-    import json
     results: dict[str, list[dict]] = {t: [] for t in args.trees}
     for k in range(args.rounds):
         for tree in args.trees:
