@@ -205,7 +205,8 @@ class BatchResult:
 class Batcher:
     """Everything runs on the event loop as plain callbacks: a submit schedules one dispatch for
     the loop's next turn (so requests that arrive together are seen together; a request that finds nothing
-    queued and an instance idle that runs inline is dispatched at once: _alone_now); a dispatch hands
+    queued and an instance idle that runs inline is dispatched at once: _alone_now; ServerCore.infer's such request
+    runs in run_now, with no Pending or future at all); a dispatch hands
     batches to idle instances (or runs them right there, for an instance whose calls are tiny: see
     kiln/serve/instances.py), or sets a timer when the oldest request may still wait for company;
     an instance's result comes back as a callback that answers the futures and dispatches again."""
@@ -263,6 +264,34 @@ class Batcher:
         self.stats.pending = len(self.pending)
         self._schedule()
         return request
+
+    def run_now(self, inputs: dict[str, np.ndarray], rows: int, signature: Signature
+                ) -> dict[str, np.ndarray] | BaseException | None:
+        """A request that submit would run alone at once (nothing queued, an inline instance idle, the first of its
+        turn of the loop: _alone_now), run here on the calling thread: its outputs, or its error; None where it must
+        go through submit. No Pending's future to make, set and await and no callbacks: ServerCore.infer's c = 1
+        path, as Triton's direct path. Its call is the one _run_batch makes of a batch of one that needs no padding
+        (its own arrays, read-only ones copied: engines may write their inputs), recorded alike (a queue time of 0:
+        it never waited); a request its profiles hold only padded goes through submit."""
+        if self.closing or self.pending or not self.idle or not self.idle[-1].inline:
+            return None
+        if self.config.max_batch_size > 0 and self.shapes.padded(signature, rows) != rows:
+            return None
+        if not self._alone_now():  # last: it marks this turn of the loop as having run one alone
+            return None
+        instance = self.idle.pop()
+        self._merging = False
+        t0 = time.perf_counter_ns()
+        feeds = {name: array if array.flags.writeable else array.copy() for name, array in inputs.items()}
+        t1 = time.perf_counter_ns()
+        try:
+            outputs = instance.execute(feeds)
+        except Exception as e:  # noqa: BLE001 - answered to the caller
+            outputs = e
+        t2 = time.perf_counter_ns()
+        self.idle.append(instance)
+        self.stats.record_batch(rows, 1, t1 - t0, t2 - t1, 0)  # no output work: the outputs are the call's
+        return outputs
 
     def _alone_now(self) -> bool:
         """Whether a request that finds the queue empty and an instance idle runs now, alone. Without dynamic

@@ -187,8 +187,17 @@ class ServerCore:
         if model is None:
             model = self.model(request.model, request.version)
         pending = None
+        queue_ns = None  # set once the request reached its batcher
         try:
-            pending, timeout = _submit(request, model, arrival)
+            inputs, rows, signature = validate(request, model)
+            # an idle model's lone request runs now, here (Batcher.run_now): no future, no wait; else it is queued
+            outputs = model.batcher.run_now(inputs, rows, signature)
+            if outputs is not None:
+                queue_ns = 0
+                if isinstance(outputs, BaseException):
+                    raise outputs
+                return _answered(request, model, arrival, queue_ns, outputs)
+            pending, timeout = _queue(request, model, arrival, inputs, rows, signature)
             if pending.deadline_ns is not None:
                 try:
                     outputs = await asyncio.wait_for(asyncio.shield(pending.future),
@@ -199,8 +208,8 @@ class ServerCore:
             else:
                 outputs = await pending.future
         except Exception as e:
-            raise _failed(model, arrival, pending, e) from None
-        return _answered(request, model, arrival, pending, outputs)
+            raise _failed(model, arrival, queue_ns if pending is None else pending.queue_ns, e) from None
+        return _answered(request, model, arrival, pending.queue_ns, outputs)
 
     def infer_soon(self, request: InferRequest, answer: Callable[[InferResponse | Exception], None]) -> None:
         """infer() without a coroutine: `answer` is called once, on the loop, with the response or the error.
@@ -228,7 +237,7 @@ class ServerCore:
         try:
             pending, timeout = _submit(request, model, arrival)
         except Exception as e:  # noqa: BLE001 - answered to the caller
-            answer(_failed(model, arrival, pending, e))
+            answer(_failed(model, arrival, None if pending is None else pending.queue_ns, e))
             return
         timer = None
         if pending.deadline_ns is not None:
@@ -242,16 +251,16 @@ class ServerCore:
             if error is None and pending.deadline_ns is not None and time.monotonic_ns() >= pending.deadline_ns:
                 error = _timed_out(model, timeout)  # passed while its batch ran (_expire left it to finish)
             if error is not None:
-                answer(_failed(model, arrival, pending, error))
+                answer(_failed(model, arrival, pending.queue_ns, error))
                 return
             outputs = future.result()
             if request.output_places:  # written before the request counts as a success: a write can fail
                 try:
                     outputs = self.shared_memory.write_outputs(outputs, request.output_places)
                 except ServeError as e:
-                    answer(_failed(model, arrival, pending, e))
+                    answer(_failed(model, arrival, pending.queue_ns, e))
                     return
-            answer(_answered(request, model, arrival, pending, outputs))
+            answer(_answered(request, model, arrival, pending.queue_ns, outputs))
 
         pending.future.add_done_callback(settled)
 
@@ -353,7 +362,12 @@ class ServerCore:
 
 def _submit(request: InferRequest, model: ModelVersion, arrival: int) -> tuple[Pending, int | None]:
     """The request validated and queued on its model's batcher; its timeout (us) where one applies."""
-    inputs, rows, signature = validate(request, model)
+    return _queue(request, model, arrival, *validate(request, model))
+
+
+def _queue(request: InferRequest, model: ModelVersion, arrival: int, inputs: dict[str, np.ndarray], rows: int,
+           signature: Signature) -> tuple[Pending, int | None]:
+    """The validated request queued on its model's batcher; its timeout (us) where one applies."""
     timeout = request.timeout_us
     if model.default_timeout_us and (not timeout or model.default_timeout_us < timeout):
         timeout = model.default_timeout_us
@@ -372,9 +386,9 @@ def _expire(model: ModelVersion, pending: Pending, timeout: int | None) -> None:
         pending.future.set_exception(_timed_out(model, timeout))
 
 
-def _failed(model: ModelVersion, arrival: int, pending: Pending | None, e: BaseException) -> BaseException:
-    """A failed request recorded in its model's statistics; the error its caller gets."""
-    queue_ns = pending.queue_ns if pending is not None else None
+def _failed(model: ModelVersion, arrival: int, queue_ns: int | None, e: BaseException) -> BaseException:
+    """A failed request recorded in its model's statistics (queue_ns: None where it never reached its batch); the
+    error its caller gets."""
     duration = time.monotonic_ns() - arrival
     if isinstance(e, BindingError):  # the engine's own check of a request validate() let through
         model.stats.record_request(False, duration, queue_ns, "OTHER")
@@ -383,9 +397,9 @@ def _failed(model: ModelVersion, arrival: int, pending: Pending | None, e: BaseE
     return e
 
 
-def _answered(request: InferRequest, model: ModelVersion, arrival: int, pending: Pending,
+def _answered(request: InferRequest, model: ModelVersion, arrival: int, queue_ns: int | None,
               outputs: dict[str, np.ndarray]) -> InferResponse:
-    model.stats.record_request(True, time.monotonic_ns() - arrival, pending.queue_ns)
+    model.stats.record_request(True, time.monotonic_ns() - arrival, queue_ns)
     names = request.outputs if request.outputs is not None else model.output_names
     return InferResponse(model.name, model.version, request.id, [(n, outputs[n]) for n in names])
 
