@@ -26,32 +26,14 @@ import kiln  # noqa: E402
 from kiln.builder.timing_cache import cpu_name  # noqa: E402
 from kiln.passes import fusion  # noqa: E402
 from kiln.zoo.timing import time_samples  # noqa: E402
+from tests.unit.test_int8_layernorm_fusion import _qdq_model  # noqa: E402  the test's model, one definition
 
 RULES = ("fuse_int8_layer_norm_quantize", "fuse_int8_dequantize_into_layer_norm_quantize")
 
 
 def qdq_model(path: Path, rows: int, width: int) -> None:
-    from onnx import TensorProto, helper, numpy_helper, save
-    rng = np.random.default_rng(zlib.crc32(f"lnq8 bench {rows} {width}".encode()))
-    inits = [numpy_helper.from_array(np.array(v, np.float32), k) for k, v in
-             {"s_r": 0.023, "s_1": 0.029, "s_y": 0.031}.items()]
-    inits += [numpy_helper.from_array(np.array(v, np.uint8), k) for k, v in {"z_r": 127, "z_1": 119, "z_y": 133}.items()]
-    for k in ("1", "2"):
-        inits += [numpy_helper.from_array((rng.random(width) + 0.5).astype(np.float32), f"gamma{k}"),
-                  numpy_helper.from_array((rng.standard_normal(width) * 0.1).astype(np.float32), f"beta{k}")]
-    n = helper.make_node
-    nodes = [n("QuantizeLinear", ["r", "s_r", "z_r"], ["r_q"]), n("DequantizeLinear", ["r_q", "s_r", "z_r"], ["r_f"]),
-             n("Add", ["x", "r_f"], ["h1"]),
-             n("LayerNormalization", ["h1", "gamma1", "beta1"], ["n1"], axis=-1, epsilon=1e-12),
-             n("QuantizeLinear", ["n1", "s_1", "z_1"], ["y1_q"]), n("DequantizeLinear", ["y1_q", "s_1", "z_1"], ["y1"]),
-             n("Add", ["a", "y1"], ["h2"]),
-             n("LayerNormalization", ["h2", "gamma2", "beta2"], ["n2"], axis=-1, epsilon=1e-12),
-             n("QuantizeLinear", ["n2", "s_y", "z_y"], ["y_q"]), n("DequantizeLinear", ["y_q", "s_y", "z_y"], ["y"])]
-    shape = [1, rows, width]
-    graph = helper.make_graph(nodes, "qdq_norms", [helper.make_tensor_value_info(k, TensorProto.FLOAT, shape)
-                                                   for k in ("x", "r", "a")],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)], inits)
-    save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    """The test's model (tests/unit/test_int8_layernorm_fusion.py _qdq_model) at [1, rows, width]."""
+    _qdq_model(path, np.random.default_rng(zlib.crc32(f"lnq8 bench {rows} {width}".encode())), width, rows)
 
 
 def main() -> None:

@@ -118,9 +118,10 @@ def test_the_kernel_refuses_what_it_cannot_run():
         transformer.LayerNormQuantize((2, 8), None, None, 1e-5, None, (0.1, 0, torch.uint8), (0.1, 0, torch.uint8))
 
 
-def _qdq_model(path, rng, width: int = 48) -> dict[str, float]:
-    """Two pre-quantized norms as onnxruntime's QDQ BERT writes them: y1 = Q(LN(x + DQ(Q(r)))), y = DQ(Q(LN(a +
-    DQ(y1)))), where y1 would also feed the next GEMMs. Returns the scales."""
+def _qdq_model(path, rng, width: int = 48, rows: int = 16) -> dict[str, float]:
+    """Two pre-quantized norms as onnxruntime's QDQ BERT writes them, inputs [1, rows, width]: y1 = Q(LN(x + DQ(Q(r)))),
+    y = DQ(Q(LN(a + DQ(y1)))), where y1 would also feed the next GEMMs (bench/layernorm_quantize_ab.py times it).
+    Returns the scales."""
     scales = {"s_r": 0.023, "s_1": 0.029, "s_y": 0.031}
     zeros = {"z_r": 127, "z_1": 119, "z_y": 133}
     inits = [numpy_helper.from_array(np.array(v, np.float32), k) for k, v in scales.items()]
@@ -136,7 +137,7 @@ def _qdq_model(path, rng, width: int = 48) -> dict[str, float]:
              n("Add", ["a", "y1"], ["h2"]),
              n("LayerNormalization", ["h2", "gamma2", "beta2"], ["n2"], axis=-1, epsilon=1e-12),
              n("QuantizeLinear", ["n2", "s_y", "z_y"], ["y_q"]), n("DequantizeLinear", ["y_q", "s_y", "z_y"], ["y"])]
-    shape = [1, 16, width]
+    shape = [1, rows, width]
     graph = helper.make_graph(nodes, "qdq_norms", [helper.make_tensor_value_info(k, TensorProto.FLOAT, shape)
                                                    for k in ("x", "r", "a")],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)], inits)
