@@ -162,6 +162,25 @@ def accuracy(runs: dict, reference, held_out: list[dict], text: bool) -> dict[st
     return found
 
 
+def rotated_rounds(runs: dict, peers: tuple[str, ...], feed, *, rounds: int, iterations: int, budget: float,
+                   clock=time.perf_counter, label: str = "") -> tuple[dict[str, list[float]], list[float]]:
+    """Interleaved A/B rounds (bench/quant_threads_ab.py, quant_fuse_ab.py): each round times every peer on `feed`,
+    the order rotated by one a round, and prints the round. Returns each peer's median ms per round and the 1-min load
+    at each round's start."""
+    medians: dict[str, list[float]] = {p: [] for p in peers}
+    loads: list[float] = []
+    for r in range(rounds):
+        order = peers[r % len(peers):] + peers[:r % len(peers)]
+        loads.append(os.getloadavg()[0])
+        for peer in order:
+            block = time_samples(lambda: runs[peer](feed), iterations=iterations, warmup=5, budget_s=budget,
+                                 min_runs=10, clock=clock)
+            medians[peer].append(float(np.median(block)))
+        print(f"  {label}round {r}: load {loads[-1]:.1f}, " + ", ".join(f"{p} {medians[p][-1]:.3f}" for p in peers),
+              flush=True)
+    return medians, loads
+
+
 def run_model(name: str, args) -> Row:
     import torch
 

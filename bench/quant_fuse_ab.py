@@ -112,17 +112,8 @@ def main(argv: list[str] | None = None) -> None:
         feed = feeds[0]
         clock_name = args.clock if threads == 1 else "wall"  # (thread CPU time at 2 threads would miss the other)
         clock = time.thread_time if clock_name == "thread" else time.perf_counter
-        medians = {p: [] for p in PEERS}
-        loads = []
-        for r in range(args.rounds):
-            order = PEERS[r % len(PEERS):] + PEERS[:r % len(PEERS)]
-            loads.append(os.getloadavg()[0])
-            for peer in order:
-                block = time_samples(lambda: runs[peer](feed), iterations=args.iterations, warmup=5,
-                                     budget_s=args.budget, min_runs=10, clock=clock)
-                medians[peer].append(float(np.median(block)))
-            print(f"  {threads} thread(s), round {r}: load {loads[-1]:.1f}, "
-                  + ", ".join(f"{p} {medians[p][-1]:.3f}" for p in PEERS), flush=True)
+        medians, loads = quant.rotated_rounds(runs, PEERS, feed, rounds=args.rounds, iterations=args.iterations,
+                                              budget=args.budget, clock=clock, label=f"{threads} thread(s), ")
 
         def ratio(a: str, b: str) -> str:
             per = [x / y for x, y in zip(medians[a], medians[b])]

@@ -23,10 +23,8 @@ Prints the per-round medians, the ratios of each round, the segment's form count
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +37,6 @@ import kiln  # noqa: E402
 from kiln import zoo  # noqa: E402
 from kiln.builder.timing_cache import cpu_name  # noqa: E402
 from kiln.kernels.cpu import onednn_int8  # noqa: E402
-from kiln.zoo.timing import time_samples  # noqa: E402
 
 PEERS = ("kiln fp32", "kiln QDQ, before", "kiln QDQ, after", "onnxruntime int8")
 
@@ -94,17 +91,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  max |after - before| {np.abs(a - b).max():.3g}, max |after - onnxruntime int8| "
               f"{np.abs(b - o).max():.3g} (output scale {np.abs(o).max():.3g})")
     feed = feeds[0]
-    medians = {p: [] for p in PEERS}
-    loads = []
-    for r in range(args.rounds):
-        order = PEERS[r % len(PEERS):] + PEERS[:r % len(PEERS)]
-        loads.append(os.getloadavg()[0])
-        for peer in order:
-            block = time_samples(lambda: runs[peer](feed), iterations=args.iterations, warmup=5,
-                                 budget_s=args.budget, min_runs=10)
-            medians[peer].append(float(np.median(block)))
-        print(f"  round {r}: load {loads[-1]:.1f}, " + ", ".join(f"{p} {medians[p][-1]:.3f}" for p in PEERS),
-              flush=True)
+    medians, loads = quant.rotated_rounds(runs, PEERS, feed, rounds=args.rounds, iterations=args.iterations,
+                                          budget=args.budget)
     after = choosers(engines["kiln QDQ, after"])
     print(f"\n{label} at {args.threads} threads, wall clock ms, {args.rounds} interleaved rounds, CPU {cpu_name()}, "
           f"1-min load {min(loads):.1f}-{max(loads):.1f}; after's segment ran {after[0].runs if after else None}\n")
