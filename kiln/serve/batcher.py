@@ -83,6 +83,12 @@ def merge_rows(parts: list[np.ndarray]) -> np.ndarray:
     return merged
 
 
+def writable(array: np.ndarray) -> np.ndarray:
+    """A request's own array as an engine takes it: a read-only one (over its request buffer) copied, since engines
+    may write their inputs."""
+    return array if array.flags.writeable else array.copy()
+
+
 class BatchShapes:
     """Which batch sizes the engine's profiles hold for a request shape (past the batch axis)."""
 
@@ -282,7 +288,7 @@ class Batcher:
         instance = self.idle.pop()
         self._merging = False
         t0 = time.perf_counter_ns()
-        feeds = {name: array if array.flags.writeable else array.copy() for name, array in inputs.items()}
+        feeds = {name: writable(array) for name, array in inputs.items()}
         t1 = time.perf_counter_ns()
         try:
             outputs = instance.execute(feeds)
@@ -466,7 +472,7 @@ class Batcher:
             if len(parts) > 1:
                 feeds[name] = merge_rows(parts)
             else:  # a request's own array: read-only over its request buffer (engines may write their inputs)
-                feeds[name] = parts[0] if parts[0].flags.writeable else parts[0].copy()
+                feeds[name] = writable(parts[0])
         t1 = time.perf_counter_ns()
         try:
             outputs = instance.execute(feeds)
@@ -492,7 +498,7 @@ class Batcher:
         outputs: list[dict[str, np.ndarray] | BaseException] = []
         for r in batch:
             try:
-                outputs.append(instance.execute({n: a if a.flags.writeable else a.copy() for n, a in r.inputs.items()}))
+                outputs.append(instance.execute({n: writable(a) for n, a in r.inputs.items()}))
             except Exception as e:  # noqa: BLE001 - this request's own error, answered to it alone
                 outputs.append(e)
         return BatchResult(outputs, padded, input_ns, time.perf_counter_ns() - t1)
