@@ -210,8 +210,10 @@ class Segment:
         self._staged = []  # (entry index, Bound of its reorder, its buffer)
         for k, size in enumerate(self.entry_sizes):
             if self.entry_layouts[k] == "nhwc":
-                buffer = hugepages.empty(math.prod(size)).as_strided(size, native_strides(size))
-                reorder = onednn.Reorder(size, onednn.TAG_ABCD, onednn.TAG_ACDB, serial=torch.get_num_threads() > 1)
+                dtype = self.entry_dtypes[k]  # an int8 engine's uint8 activations as well as float32 images
+                buffer = hugepages.empty(math.prod(size), dtype).as_strided(size, native_strides(size))
+                reorder = onednn.Reorder(size, onednn.TAG_ABCD, onednn.TAG_ACDB, serial=torch.get_num_threads() > 1,
+                                         dtype=dtype)
                 self._staged.append((k, reorder.bind(0, buffer.data_ptr()), buffer))
         # What a run points at its inputs and outputs: (memory object, source), the source an
         # ("entry", k), an ("exit", j) or a fixed address (a staged entry's buffer).
@@ -775,7 +777,7 @@ class Segment:
         for size, strides, dtype in self.exit_shapes:
             if len(size) == 4 and strides != row_major_strides(size):
                 n, c, h, w = size
-                exits.append(np.empty((n, h, w, c), np.float32).transpose(0, 3, 1, 2))  # NHWC memory, NCHW shape
+                exits.append(np.empty((n, h, w, c), _NUMPY[dtype]).transpose(0, 3, 1, 2))  # NHWC memory, NCHW shape
             else:
                 exits.append(np.empty(size, _NUMPY[dtype]))
         with self._lock:

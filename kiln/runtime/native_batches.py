@@ -497,7 +497,7 @@ def _laid_out_left(segment: Any, entries: list[torch.Tensor], entry_at: list[int
     keep = []
     for k, _bound, _buffer in segment._staged:
         size = tuple(entries[k].shape[1:])
-        out = torch.empty((plan.left, size[1], size[2], size[0]))  # NHWC
+        out = torch.empty((plan.left, size[1], size[2], size[0]), dtype=entries[k].dtype)  # NHWC
         bound, chunks_plan = _one_image_reorder(segment, k)
         lib = onednn.load()
         with segment._lock:  # the reorder's memory objects and plan are the segment's
@@ -518,7 +518,7 @@ def _one_image_reorder(segment: Any, k: int) -> tuple[Any, Any]:
     found = segment._left_reorders.get(k)
     if found is None:
         size = (1, *segment.entry_sizes[k][1:])
-        reorder = onednn.Reorder(size, onednn.TAG_ABCD, onednn.TAG_ACDB)
+        reorder = onednn.Reorder(size, onednn.TAG_ABCD, onednn.TAG_ACDB, dtype=segment.entry_dtypes[k])
         bound = onednn_chunks.BatchChunks(reorder, None, 1).bind(0, 0)
         found = segment._left_reorders.setdefault(k, (bound, bound.plan))
     return found

@@ -40,6 +40,7 @@ from kiln.kernels.cpu import hugepages
 
 # ---- enum values of the oneDNN v3 C API (dnnl_types.h, dnnl_common_types.h) -------------------
 F32 = 3  # dnnl_f32
+DATA_TYPES = {torch.float32: F32, torch.int32: 4, torch.int8: 5, torch.uint8: 6}  # dnnl_data_type_t (oneDNN 3)
 TAG_ANY, TAG_A, TAG_AB, TAG_ABC, TAG_ABCD, TAG_ABCDE, TAG_BA, TAG_ACDB = 1, 2, 3, 4, 5, 6, 14, 22  # dnnl_format_tag_t
 RUNTIME_DIM = -(1 << 63)  # DNNL_RUNTIME_DIM_VAL: a size given per execution by the memory objects (matmul only)
 FORWARD_INFERENCE = 96  # dnnl_prop_kind_t
@@ -322,11 +323,11 @@ class _Handle:
             self.value = None
 
 
-def memory_desc(dims: list[int], tag: int) -> _Handle:
+def memory_desc(dims: list[int], tag: int, dtype: torch.dtype = torch.float32) -> _Handle:
     lib = load().lib
     md = ctypes.c_void_p()
-    _check(lib.dnnl_memory_desc_create_with_tag(ctypes.byref(md), len(dims), _dims(dims), F32, tag),
-           f"memory desc {dims} tag {tag}")
+    _check(lib.dnnl_memory_desc_create_with_tag(ctypes.byref(md), len(dims), _dims(dims), DATA_TYPES[dtype], tag),
+           f"memory desc {dims} {dtype} tag {tag}")
     return _Handle(md, "dnnl_memory_desc_destroy")
 
 
@@ -577,15 +578,17 @@ def _implementation(pd: ctypes.c_void_p) -> str:
 # ---- layout changes ----------------------------------------------------------------------------
 
 class Reorder:
-    """One float32 layout change of a fixed size, e.g. an NCHW image into the NHWC a segment runs
-    in: oneDNN's jitted reorder, both threads (torch's copy runs on one)."""
+    """One layout change of a fixed size, e.g. an NCHW image into the NHWC a segment runs in: oneDNN's
+    jitted reorder, both threads (torch's copy runs on one)."""
 
-    def __init__(self, size: list[int] | tuple[int, ...], src_tag: int, dst_tag: int, serial: bool = False):
-        """`serial`: a second primitive created on one thread, the serial form a segment may run (Bound)."""
+    def __init__(self, size: list[int] | tuple[int, ...], src_tag: int, dst_tag: int, serial: bool = False,
+                 dtype: torch.dtype = torch.float32):
+        """`serial`: a second primitive created on one thread, the serial form a segment may run (Bound). `dtype`:
+        the elements' (an int8 engine's segment may read a uint8 NCHW activation)."""
         lib = load()
         self.size = tuple(size)
         self.input_size = self.output_size = self.size  # as a layer's (onednn_chunks.BatchChunks runs it over images)
-        src_md, dst_md = memory_desc(list(size), src_tag), memory_desc(list(size), dst_tag)
+        src_md, dst_md = memory_desc(list(size), src_tag, dtype), memory_desc(list(size), dst_tag, dtype)
 
         def created() -> tuple:
             pd = ctypes.c_void_p()

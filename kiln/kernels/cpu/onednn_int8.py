@@ -33,6 +33,7 @@ from kiln.kernels.cpu.onednn import (
     ARG_WEIGHTS,
     BINARY_ADD,
     CONVOLUTION_DIRECT,
+    DATA_TYPES,
     ELTWISE,
     FORWARD_INFERENCE,
     POOLING,
@@ -58,11 +59,10 @@ from kiln.kernels.cpu.onednn import (
     eltwise_for,
     load,
 )
-from kiln.kernels.cpu import onednn_primitives
+from kiln.kernels.cpu import onednn, onednn_primitives
 
 # dnnl_data_type_t (oneDNN 3, dnnl_common_types.h)
-F32, S32, S8, U8 = 3, 4, 5, 6
-DATA_TYPES = {torch.float32: F32, torch.int32: S32, torch.int8: S8, torch.uint8: U8}
+F32, S32, S8, U8 = (DATA_TYPES[t] for t in (torch.float32, torch.int32, torch.int8, torch.uint8))
 ARG_ATTR_SCALES, ARG_ATTR_ZERO_POINTS = 4096, 8192  # DNNL_ARG_ATTR_SCALES / _ZERO_POINTS (oneDNN 3)
 
 _EXTRA_SIGNATURES = {
@@ -90,11 +90,8 @@ def _lib():
 
 
 def memory_desc(dims: list[int], dtype: torch.dtype, tag: int) -> _Handle:
-    lib = _lib()
-    md = ctypes.c_void_p()
-    _check(lib.lib.dnnl_memory_desc_create_with_tag(ctypes.byref(md), len(dims), _dims(dims), DATA_TYPES[dtype], tag),
-           f"memory desc {dims} {dtype} tag {tag}")
-    return _Handle(md, "dnnl_memory_desc_destroy")
+    """onednn.memory_desc, the dtype first (as this module's callers give it)."""
+    return onednn.memory_desc(dims, tag, dtype)
 
 
 def pair_overflow_possible(w: torch.Tensor, x_dtype: torch.dtype) -> bool:
