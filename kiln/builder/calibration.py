@@ -377,6 +377,11 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
 INT8_TACTICS = ("cpu.qconv.onednn", "cpu.qgemm.onednn")
 
 
+def _cpu_without_dot_products() -> str:
+    """What a layer kept in fp32 for speed says about a CPU without int8 dot products (issue 12: "says so")."""
+    return "" if has_int8_dot_product() else f" on this CPU ({cpu_features.describe()})"
+
+
 def summarize(program, tactics: dict, quantization: dict | None = None,
               storage: str = "fp32") -> dict[str, dict[str, str]]:
     """Per quantized layer (kiln::QConv/QGemm): the precision it runs in and why, from the tactic the
@@ -415,11 +420,16 @@ def summarize(program, tactics: dict, quantization: dict | None = None,
             why = f"int8 kernel {layer.get('time_ms', 0):.3f} ms" + (f", next {layer.get('runner_up')} "
                                                                    f"{faster:.3f} ms" if faster else "")
             found[step.name] = {"precision": "int8", "tactic": chosen, "why": why}
+        elif layer.get("reverted"):  # the tuner's pick, sent back by the whole-engine check (builder/accuracy.py)
+            found[step.name] = {"precision": "int8 (reference)" if chosen == "default" else "fp32", "tactic": chosen,
+                                "why": f"reverted by the engine's accuracy check (was {layer['reverted']})"}
         elif isinstance(int8, str):
             found[step.name] = {"precision": "fp32", "tactic": chosen, "why": f"int8 kernel {int8}"}
         elif isinstance(int8, (int, float)):
-            found[step.name] = {"precision": "fp32", "tactic": chosen,
-                                "why": f"int8 kernel slower: {int8:.3f} ms vs {layer.get('time_ms', 0):.3f} ms"}
+            ms = layer.get("time_ms") or 0.0
+            why = (f"int8 kernel slower: {int8:.3f} ms vs {ms:.3f} ms{_cpu_without_dot_products()}" if int8 > ms
+                   else f"int8 kernel {int8:.3f} ms, {chosen} {ms:.3f} ms chosen")
+            found[step.name] = {"precision": "fp32", "tactic": chosen, "why": why}
         elif chosen == "default" and step.name in (tactics.get("fallback_layers") or {}):
             found[step.name] = {"precision": "int8 (reference)", "tactic": chosen,
                                 "why": tactics["fallback_layers"][step.name]}

@@ -80,7 +80,8 @@ def test_a_uint8_entry_reads_as_uint8(threads, layout):
     assert isinstance(segment, Segment) and segment.entry_dtypes == [torch.uint8] and segment._staged
     memory_format = torch.channels_last if layout == "nhwc" else torch.contiguous_format  # nhwc: not staged
     for _ in range(2):  # the staged buffer is reused by the next run
-        x = torch.randint(0, 256, (N, C, H, W), generator=gen, dtype=torch.uint8).contiguous(memory_format=memory_format)
+        x = torch.randint(0, 256, (N, C, H, W), generator=gen, dtype=torch.uint8)
+        x = x.contiguous(memory_format=memory_format)
         expand, depthwise = p.run([x])
         alone = p.with_kernels(lambda _i, fn: fn).run([x])  # the layers one by one, no segment
         assert expand.dtype == depthwise.dtype == torch.uint8
