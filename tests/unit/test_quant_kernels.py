@@ -228,6 +228,62 @@ def test_the_int8_convolution_refuses_what_it_would_get_wrong_here():
     _within_one_step(_tactic_output("cpu.qconv.dequantized", "QConv", targs, attrs), want)
 
 
+def _worst_pairs_case(magnitude: int, layer: str) -> tuple[list, torch.Tensor]:
+    """The largest pair sums vpmaddubsw can meet: every source byte 255 (zero point 0), every weight of an output
+    channel `magnitude` with one sign (channel 0 +, channel 1 -, the rest random signs); float output. Returns
+    the args (QConv 3x3 over [2, 32, 6, 6] or QGemm over [5, 96]) and numpy's exact int64 sums, scaled."""
+    rng = np.random.default_rng(magnitude)
+    o = 16
+    w = rng.choice(np.array([-magnitude, magnitude]), (o, 32, 3, 3) if layer == "QConv" else (o, 96))
+    w[0], w[1] = magnitude, -magnitude
+    x = np.full((2, 32, 6, 6) if layer == "QConv" else (5, 96), 255, np.int64)
+    w_scale = rng.uniform(0.001, 0.01, o).astype(np.float32)
+    if layer == "QConv":  # 'same' padding: the border sums fewer products
+        acc = torch.nn.functional.conv2d(torch.from_numpy(x).double(), torch.from_numpy(w).double(), padding=1)
+        acc = acc * torch.from_numpy(w_scale).double().reshape(1, -1, 1, 1)
+    else:
+        acc = torch.from_numpy(x).double() @ torch.from_numpy(w).double().T * torch.from_numpy(w_scale).double()
+    args = [torch.from_numpy(x.astype(np.uint8)), T(0.02), T(0, dtype=torch.uint8),
+            torch.from_numpy(w.astype(np.int8)), torch.from_numpy(w_scale), torch.zeros(o, dtype=torch.int8),
+            None, None, None]
+    return args, acc * 0.02
+
+
+@needs_onednn
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("layer", ["QConv", "QGemm"])
+def test_the_int8_kernels_are_exact_at_the_pair_bound_on_the_largest_sources(layer, threads):
+    """Weights of 64 (pair sums 255·128 = 32640, the largest that fits int16) on all-255 sources: exact here,
+    on vpmaddubsw (no VNNI) as on VNNI; what the refusal past 128 (pair_overflow_possible) relies on."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        args, want = _worst_pairs_case(64, layer)
+        attrs = {"activation": "", "alpha": 0.0, "beta": 0.0, "output_dtype": 1}
+        if layer == "QConv":
+            attrs |= {"pads": [1, 1, 1, 1], "strides": [1, 1], "group": 1, "kernel_shape": [3, 3]}
+        name = "cpu.qconv.onednn" if layer == "QConv" else "cpu.qgemm.onednn"
+        got = _tactic_output(name, layer, args, attrs)
+        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_onednn
+def test_without_int8_dot_products_oneDNN_saturates_past_the_bound():
+    """Why the rule exists, and that its bound is tight: on this CPU's vpmaddubsw, weights of 65 on all-255 sources
+    (pair sums 255·130 = 33,150) come out wrong from oneDNN's int8 matmul (the kernel made directly, past the
+    tactic's refusal); 64 is exact (the test above). Measured on a Zen 3 (AVX2 only): 65 1.2% off, 127 49%."""
+    if has_int8_dot_product():
+        pytest.skip("this CPU multiplies 8-bit pairs into int32 (VNNI/AMX): no pair sum saturates")
+    from kiln.kernels.cpu.onednn_int8 import QMatMul
+
+    args, want = _worst_pairs_case(65, "QGemm")
+    matmul = QMatMul(args[3], args[4], None, 5, torch.uint8, 0.02, 0, None)
+    got = matmul(args[0]).double()
+    assert float((got - want).abs().max()) > 1e-3 * float(want.abs().max())
+
+
 @needs_onednn
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int8])
 def test_max_pooling_on_8_bit_values_is_the_reference(dtype):
