@@ -188,6 +188,8 @@ def test_the_engine_layer_equals_onnxruntime(monkeypatch, shape, out, wide, acti
         _within_a_step(context.run({"x": x})["y"], _onnxruntime(model, x), requantize)
 
 
+@pytest.mark.skipif(not cpu_features.has_int8_dot_product(), reason="the split layer beside it is VNNI's (its "
+                    "full-range int8 weights would saturate vpmaddubsw; test_w8a16_avx2.py covers that CPU)")
 def test_in_a_native_segment_beside_the_split_layer(monkeypatch):
     """test_w8a16_engine's chain (int8 conv, W8A16 depthwise, W8A16 1x1 projection) with the split tactic refusing 1x1
     layers: the projection runs as cpu.qconv.w8a16_gemm bound into the same native segment as the split depthwise,
