@@ -1,9 +1,7 @@
 """lstm_fused.c at two threads: the batch's rows split between the threads (each slice through every step, no barrier)
 where each gets two rows or more, else each step's unit blocks split (a barrier a step). Each form against
 onnxruntime's LSTM on fresh inputs (every batch from 1 to 17 rows: slices of 1 to 9 rows, even and uneven, both
-tiles; reverse, sequence_lens, initial states), and the two forms against each other. The row split's turns (its
-threads taking turns at the slices, a few steps each, while some have not started) in each mode, at 2 and 3 threads:
-bit-equal to each slice on one thread and to onnxruntime's answer.
+tiles; reverse, sequence_lens, initial states), and the two forms against each other.
 
 Tolerance (fp32): test_tactics_cpu_lstm.py's (rational σ / tanh, sums in kiln's order, 7 steps of carried rounding).
 """
@@ -24,29 +22,23 @@ pytestmark = pytest.mark.skipif(not recurrent.available(), reason=f"kiln's loop 
 
 
 def run_fused(values: dict[str, np.ndarray], batch: int, *, reverse: bool, lengths: np.ndarray | None,
-              row_split: bool, split: str | None = None, slices: list[int] | None = None, threads: int = 2,
-              turns: int = 1, stalled: list[int] | None = None) -> list[np.ndarray]:
-    """Y, Y_h, Y_c of one FusedLSTMDirection run at `threads` threads, the library's default split set to rows or not
-    (`row_split`), the layer's own `split` (None: that default), the row split's turns in mode `turns`
-    (set_slice_turns); the row slices it ran appended to `slices`, plan.stalled to `stalled`."""
+              row_split: bool, split: str | None = None, slices: list[int] | None = None) -> list[np.ndarray]:
+    """Y, Y_h, Y_c of one FusedLSTMDirection run at two threads, the library's default split set to rows or not
+    (`row_split`), the layer's own `split` (None: that default); the row slices it ran appended to `slices`."""
     t = {k: torch.from_numpy(v) for k, v in values.items()}
     layer = recurrent.FusedLSTMDirection(t["W"][0], t["R"][0], t["B"][0], split=split)
     y, yh, yc = torch.empty(STEPS, batch, HIDDEN), torch.empty(batch, HIDDEN), torch.empty(batch, HIDDEN)
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(2)
     recurrent.set_row_split(row_split)
-    recurrent.set_slice_turns(turns)
     try:
         plan = layer.run(t["X"], y, t["initial_h"][0], t["initial_c"][0], yh, yc, reverse=reverse, batch_major=False,
                          lengths=None if lengths is None else torch.from_numpy(lengths))
     finally:
-        recurrent.set_slice_turns(1)
         recurrent.set_row_split(True)
         torch.set_num_threads(before)
     if slices is not None:
         slices.append(plan.row_slices)
-    if stalled is not None:
-        stalled.append(plan.stalled)
     return [y.numpy(), yh.numpy(), yc.numpy()]
 
 
@@ -67,33 +59,6 @@ def test_rows_and_blocks_split_match_onnxruntime(reverse, with_lengths):
                 assert_close(g, w, TOLERANCE, f"batch {batch} rows split {split} {name}")
         for g, h in zip(forms[True], forms[False]):  # each row's sums in one order whichever thread runs them
             np.testing.assert_array_equal(g, h, err_msg=f"batch {batch}: the two splits differ")
-
-
-@pytest.mark.parametrize("threads", [2, 3])
-@pytest.mark.parametrize("reverse, with_lengths", [(False, False), (True, True)])
-def test_the_row_splits_turns_keep_each_rows_bits(threads, reverse, with_lengths):
-    """Mode 2 turns at every FUSED_ALONE_STEPS (4) of the 7 steps whatever the threads do, so a slice's steps run on
-    either thread: the bits of mode 0 (each slice on one thread to the end) and of the default, and onnxruntime's
-    answer. plan.stalled says a thread turned (mode 2 always; mode 0 never)."""
-    rng = case_rng(f"fused-turns-{threads}-{reverse}-{with_lengths}")
-    for batch in (2 * threads, 8, 13, 17):
-        values = inputs(rng, steps=STEPS, batch=batch, features=FEATURES, hidden=HIDDEN, directions=1, layout=0,
-                        bias=True, initial=True)
-        lengths = rng.integers(0, STEPS + 1, batch).astype(np.int32) if with_lengths else None
-        wants = oracle(values | ({"sequence_lens": lengths} if with_lengths else {}),
-                       {"direction": "reverse"} if reverse else {}, HIDDEN)
-        wants = [wants[0][:, 0], wants[1][0], wants[2][0]]
-        slices: list[int] = []
-        stalled: list[int] = []
-        forms = {turns: run_fused(values, batch, reverse=reverse, lengths=lengths, row_split=True, threads=threads,
-                                  turns=turns, slices=slices, stalled=stalled) for turns in (0, 1, 2)}
-        assert slices == [threads] * 3, (batch, slices)
-        assert stalled[0] == 0 and stalled[2] == 1, (batch, stalled)
-        for name, g, w in zip(["Y", "Y_h", "Y_c"], forms[2], wants):
-            assert_close(g, w, TOLERANCE, f"batch {batch} turns {name}")
-        for turns in (1, 2):
-            for name, g, h in zip(["Y", "Y_h", "Y_c"], forms[turns], forms[0]):
-                np.testing.assert_array_equal(g, h, err_msg=f"batch {batch} turns mode {turns} {name}: other bits")
 
 
 @pytest.mark.parametrize("batch", [4, 8, 13])

@@ -24,9 +24,8 @@
  * blocks, each weight read once a step): the row split's 4-row slices, and one thread's rest of 4 or 8 rows.
  *
  * Threads: where each gets two rows or more, each runs a slice of the batch's rows through every step
- * (fused_row_slices): a row's recurrence reads only its own h and c, so the threads never wait for each other
- * (kiln_parallel_for's join at the end; until every thread has started, the slices advance a few steps at a time by
- * turns, so that a thread that starts late takes over half of what is left). Else they split each
+ * (fused_row_slice): a row's recurrence reads only its own h and c, so the threads never wait for each other
+ * (kiln_parallel_for's join at the end; a worker that starts late finds its slice taken). Else they split each
  * step's unit blocks, a barrier a step (run_stages_ahead), each thread computing the x parts of its blocks of the
  * next step before it waits there (fused_ahead). The zoo's LSTM forecaster (batch 8) at 2 threads on the Xeon:
  * 1.06 ms against 1.40 (onnxruntime 1.28), capped to AVX2 1.96 against 2.05 (1.96); on the Zen 4 EPYC capped to
@@ -66,7 +65,7 @@ typedef struct {
 /* One tile of a step's block: `rows` batch rows from row0, on `tile`. */
 typedef struct {
     long row0, rows;
-    fused_rows_fn tile;         /* or NULL: the kernel's wide tile, over groups of blocks (fused_row_slices) */
+    fused_rows_fn tile;         /* or NULL: the kernel's wide tile, over groups of blocks (fused_row_slice) */
 } fused_span;
 
 struct fused_ctx {
@@ -283,7 +282,7 @@ static inline fused_v4 fused_rcp(fused_v4 d) { return 1.0f / d; }
    streamed twice a step, 8 accumulators) or the 4-row two-pass tile (8 accumulators, each pass waiting on the FMA
    latency); 4 rows x 3 gates and 4 rows x 3 blocks are 12 accumulators, a weight vector a gate and the broadcast.
    The sums run in FUSED_SUMS's order (bias, then k = 0 .. I + H - 1) and the cell in FUSED_PAIRS's expressions:
-   bit-equal to the other tiles. Only in the row split (fused_row_slices), where no x part is computed ahead. */
+   bit-equal to the other tiles. Only in the row split (fused_row_slice), where no x part is computed ahead. */
 /* acc[i][g] = *BIAS[g] + Σ_k x_i[k]·W_g[k] + Σ_k h_i[k]·R_g[k] for G vectors, row k of vector g at PTR[g] + k·2·U
    (FUSED_SUMS's order). The weight vectors held in registers (the asm): GCC otherwise folds them into the FMAs as
    memory operands, and a k then loads M·G vectors and M broadcasts, as many loads as the core's two a cycle take
@@ -565,7 +564,7 @@ static void fused_ahead(const loop_ctx *lc, int participant, long step, long fir
     }
 }
 
-/* 1: at two threads and more, each thread runs a slice of the batch's rows through every step (fused_row_slices),
+/* 1: at two threads and more, each thread runs a slice of the batch's rows through every step (fused_row_slice),
    where each gets two rows or more; 0: the threads split each step's unit blocks (run_stages), a barrier a step.
    The default of a plan whose `split` is 0; bench/recurrent_threads.py times both in one process. Which wins
    depends on the CPU: on the Xeon the row split (forecaster 1.06 vs 1.40 ms), on the Zen 4 EPYC the block split
@@ -574,6 +573,11 @@ static void fused_ahead(const loop_ctx *lc, int participant, long step, long fir
    8-row two-pass tile both threads share by blocks. So the builder times both: cpu.lstm.fused (split 0: this
    default) and cpu.lstm.fused_blocks (split 2). */
 int kiln_lstm_fused_row_split = 1;
+
+typedef struct {
+    const fused_ctx *c;
+    const long *first;          /* participant q's row groups: spans [first[q], first[q + 1]) */
+} fused_slices;
 
 /* Where no step's blocks are shared between threads (the row split, one thread), which rows run on the kernel's
    wide tile (FUSED_WIDE, 4 rows; fused_tiles): on AVX2 2, a rest of 4 rows past the full two-pass tiles, and of 8
@@ -585,22 +589,6 @@ int kiln_lstm_fused_row_split = 1;
    bench/lstm_wide_ab.py times them. */
 int kiln_lstm_fused_wide = 2;
 
-/* A slice's progress in the row split: held by one thread at a time (busy), its steps done so far. */
-typedef struct {
-    _Alignas(64) int busy;
-    long step;
-} fused_slice_state;
-
-typedef struct {
-    const fused_ctx *c;
-    const long *first;          /* slice q's row groups: spans [first[q], first[q + 1]) */
-    long slices;
-    int participants;           /* the threads the loop asked for */
-    int arrived;                /* those that have started */
-    int alone;                  /* out: a thread turned between slices while others had not started */
-    fused_slice_state *state;   /* [slices] */
-} fused_slices;
-
 /* The blocks of the wide tile's next group from block b0 of `blocks`: 3 (12 accumulators), 2 + 2 for the last 4 (8
    each, rather than 3 + 1's 4: a pass of 4 accumulators waits on the FMA latency), what is left under 3. */
 static long fused_wide_group(long blocks, long b0) {
@@ -608,18 +596,21 @@ static long fused_wide_group(long blocks, long b0) {
     return left == 4 ? 2 : left >= 3 ? 3 : left;
 }
 
-/* Steps [s0, s1) of row groups [first, last), with no barrier: a row's recurrence reads its own h and c only.
+/* Participant q's row groups through every step, with no barrier: a row's recurrence reads its own h and c only.
    A wide span (tile NULL) runs the blocks in groups (fused_wide_group), the slice's other spans beside it. */
-static void fused_slice_steps(const fused_ctx *c, long first, long last, long s0, long s1) {
+static void fused_row_slice(void *ctx, long q) {
+    const fused_slices *r = (const fused_slices *)ctx;
+    const fused_ctx *c = r->c;
+    const long first = r->first[q], last = r->first[q + 1];
     int wide = 0;
     for (long g = first; g < last; ++g) wide |= c->spans[g].tile == NULL;
     if (!wide) {
-        for (long step = s0; step < s1; ++step)
+        for (long step = 0; step < c->p->S; ++step)
             for (long block = 0; block < c->blocks; ++block)
                 for (long g = first; g < last; ++g) c->spans[g].tile(c, step, block, c->spans[g].row0);
         return;
     }
-    for (long step = s0; step < s1; ++step)
+    for (long step = 0; step < c->p->S; ++step)
         for (long b0 = 0, nb; b0 < c->blocks; b0 += nb) {
             nb = fused_wide_group(c->blocks, b0);
             for (long g = first; g < last; ++g) {
@@ -630,57 +621,6 @@ static void fused_slice_steps(const fused_ctx *c, long first, long last, long s0
         }
 }
 
-/* Steps a thread runs of one slice before it turns to the next while some of the loop's threads have not started
-   (fused_row_slices): ~40 us at 4 rows, 128 units. */
-#define FUSED_ALONE_STEPS 4
-
-/* 1: the row split's threads take turns at the slices while some of them have not started (fused_row_slices);
-   0: each thread runs a slice to the end (the form before 2026-12-07; bench/lstm_turns_ab.py times both); 2: they
-   always take turns (tests: every slice's steps on either thread). The same bits every way. */
-int kiln_lstm_fused_turns = 1;
-
-/* One participant of the row split: it claims a slice no thread holds and runs it to the end, once every thread of
-   the loop has started; until then it runs FUSED_ALONE_STEPS steps of a slice and turns to the next free one, so
-   that the slices advance together and a thread that starts late takes over half of what is left rather than a
-   whole slice. Why: with one slice a thread, a worker that starts d late ends the call at T + d (2T past d = T,
-   the caller running both); a worker woken from its sleep on this VM (Zen 3, 2 vCPUs, load 6-9, SCHED_FIFO) started
-   0.36 ms late at the median of a 1 ms layer (bench/results/lstm-zen3-2026-12-07.md). Turning, the call ends at
-   T + d / 2. A slice's rows run the same tiles in the same order whichever thread runs a step: the same bits. */
-static void fused_row_slices(void *ctx, long item) {
-    (void)item;
-    fused_slices *r = (fused_slices *)ctx;
-    const long S = r->c->p->S;
-    __atomic_add_fetch(&r->arrived, 1, __ATOMIC_RELAXED);
-    for (long next = 0;;) {
-        long q = -1;
-        for (long i = 0; i < r->slices && q < 0; ++i) {  /* a free slice with steps left, from `next` on */
-            const long t = (next + i) % r->slices;
-            int free = 0;
-            if (__atomic_load_n(&r->state[t].step, __ATOMIC_RELAXED) >= S ||
-                !__atomic_compare_exchange_n(&r->state[t].busy, &free, 1, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
-                continue;
-            if (__atomic_load_n(&r->state[t].step, __ATOMIC_RELAXED) < S) q = t;
-            else __atomic_store_n(&r->state[t].busy, 0, __ATOMIC_RELEASE);
-        }
-        if (q < 0) return;  /* every slice done or held: their holders run them to the end */
-        for (;;) {
-            const long s0 = __atomic_load_n(&r->state[q].step, __ATOMIC_RELAXED);
-            const int alone = r->slices > 1 && (kiln_lstm_fused_turns == 2 || (kiln_lstm_fused_turns == 1 &&
-                              __atomic_load_n(&r->arrived, __ATOMIC_RELAXED) < r->participants));
-            const long s1 = alone && s0 + FUSED_ALONE_STEPS < S ? s0 + FUSED_ALONE_STEPS : S;
-            fused_slice_steps(r->c, r->first[q], r->first[q + 1], s0, s1);
-            __atomic_store_n(&r->state[q].step, s1, __ATOMIC_RELAXED);
-            if (s1 >= S) break;
-            if (alone) {
-                __atomic_store_n(&r->alone, 1, __ATOMIC_RELAXED);
-                break;
-            }
-        }
-        __atomic_store_n(&r->state[q].busy, 0, __ATOMIC_RELEASE);  /* its h and c to the next holder */
-        next = q + 1;
-    }
-}
-
 /* Rows [row0, row0 + n) of a slice as tiles, written to spans (NULL: only counted); returns how many.
    pairs_full kernels: as many full two-pass tiles (pairs_mr rows) as fit, the rest in one-pass tiles as even as
    they go (8 rows on AVX2: 6 + 2, 4 rows: 2 + 2). Why: capped to AVX2 (16 ymm) the one-pass tile holds 3 rows,
@@ -689,7 +629,7 @@ static void fused_row_slices(void *ctx, long item) {
    zoo-cpu-avx2-2026-12-06.md, session 22): batch 6 as one 6-row two-pass tile 0.933 / 1.525 ms (I = 16 / 128)
    against 1.175 / 2.018 as 3 + 3 one-pass (onnxruntime 0.966 / 1.709); but a 4-row two-pass tile (8 accumulators)
    lost to 2 + 2 one-pass, 1.656 vs 1.397 ms (I = 128).
-   `wide` (the row split and one thread, fused_row_slices; kiln_lstm_fused_wide's modes): where the rest is the
+   `wide` (the row split and one thread, fused_row_slice; kiln_lstm_fused_wide's modes): where the rest is the
    wide tile's 4 rows, or 8 in mode 2 (8 rows: 4 + 4), wide tiles instead (FUSED_WIDE: each weight read once a step
    for the 4 rows, 12 accumulators); on kernels with even tiles (AVX-512), a slice of exactly 4 rows.
    Other kernels: ceil(n / MR) tiles as even as they go, two-pass where the rows exceed the one-pass tile's. */
@@ -802,11 +742,9 @@ int kiln_lstm_fused(void *object, void *stream, int nargs, const void *args) {
     if (slices > 1 || wide_spans) {  /* one thread with a wide span: its one slice, with no stage loop */
         p->wide = wide_spans;
         const long start = now_ns();
-        fused_slice_state state[slices];
-        memset(state, 0, sizeof state);
-        fused_slices r = {&c, first, slices, (int)slices, 0, 0, state};
-        kiln_parallel_for(slices, (int)slices, fused_row_slices, &r);
-        p->stalled = r.alone;
+        fused_slices r = {&c, first};
+        kiln_parallel_for(slices, (int)slices, fused_row_slice, &r);
+        p->stalled = 0;
         p->waited_ns = 0;
         p->loop_ns = now_ns() - start;
     } else {

@@ -159,15 +159,6 @@ def set_wide_tiles(mode: bool | int) -> None:
             ctypes.c_int.in_dll(lib, "kiln_lstm_fused_wide").value = 2 if mode is True else int(mode)
 
 
-def set_slice_turns(mode: bool | int) -> None:
-    """Whether lstm_fused.c's row split lets its threads take turns at the slices while some have not started, so
-    that a late one takes over half of what is left (True or 1, the default), runs each slice on one thread to the
-    end (False or 0, the form before 2026-12-07), or always takes turns (2: tests). The same bits every way."""
-    for lib in _LOADED.values():
-        if lib is not None:
-            ctypes.c_int.in_dll(lib, "kiln_lstm_fused_turns").value = int(mode)
-
-
 def set_whole_slices(on: bool) -> None:
     """Whether a thread of recurrent.c's step loop (run_stages: cpu.lstm.fused_blocks, lanes, native; GRU, RNN) claims
     its own slice of a step's items at once (the default) or item by item (the form before 2026-12-06), as a
