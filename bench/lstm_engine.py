@@ -8,10 +8,10 @@ Why: the tuner times each LSTM layer alone (bench/results/zoo-cpu-epyc-2026-12-0
 builds on a quiet Zen 4), while what a user gets is the engine. Per thread count, one engine per LSTM kernel and one
 on the op's own implementation (torch's kernel), each the first tuned engine's plan with its LSTM steps' tactic
 replaced, `--builds` engines as kiln.build tunes them (timing cache off) and onnxruntime's session run the same input
-in interleaved rounds: each round a block per runner (warm-up, then `--runs` calls), starting at the next runner each
-round. Reported per runner: the least and the median of its rounds' block medians (at one thread the calling
-thread's CPU time, every runtime computing on it; at more the wall clock), the ratio to onnxruntime's of the same
-statistic, and the 1-min load average.
+in interleaved rounds: each round a block per runner (a SETTLE_S sleep, warm-up, then `--runs` calls), starting at
+the next runner each round. Reported per runner: the least and the median of its rounds' block medians (at one
+thread the calling thread's CPU time, every runtime computing on it; at more the wall clock), the ratio to
+onnxruntime's of the same statistic, and the 1-min load average.
 """
 
 from __future__ import annotations

@@ -7,10 +7,10 @@
 
 Every peer runs the same forward layer (W, R, B random, no initial state) on one thread, timed by the CPU
 time of the calling thread (time.thread_time: every peer computes on the calling thread at one thread; with
---threads > 1 the wall clock, which other work on a shared machine inflates), in
-interleaved rounds of blocks (native, lanes..., fused..., torch, onnxruntime, native, ...), so a shared
-machine's drift lands on all alike; each output is checked against onnxruntime's first. Prints, per loop, the
-median over rounds, GFLOP/s (2·S·N·(I+H)·4H) and each round's ms.
+--threads > 1 the wall clock, which other work on a shared machine inflates), in interleaved rounds of blocks
+(native, lanes..., fused..., torch, onnxruntime, native, ...), each after a SETTLE_S sleep (onnxruntime's workers
+stop spinning), so a shared machine's drift lands on all alike; each output is checked against onnxruntime's first.
+Prints, per loop, the median over rounds, GFLOP/s (2·S·N·(I+H)·4H) and each round's ms.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 from kiln.builder.timing_cache import cpu_name  # noqa: E402
 from kiln.kernels.cpu import recurrent  # noqa: E402
+from kiln.zoo.timing import SETTLE_S  # noqa: E402
 
 
 def ort_layer(w: np.ndarray, r: np.ndarray, b: np.ndarray, steps: int, batch: int, hidden: int, threads: int):
@@ -54,7 +55,12 @@ def ort_layer(w: np.ndarray, r: np.ndarray, b: np.ndarray, steps: int, batch: in
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-def median_ms(fn, runs: int, clock, warmup: int = 3) -> float:
+def median_ms(fn, runs: int, clock, warmup: int = 3, settle: float = SETTLE_S) -> float:
+    """The median of `runs` timed calls after `warmup`, `settle` seconds slept first: onnxruntime's pool spins for
+    tens of ms after its calls, and at SCHED_FIFO a spinning worker keeps its core from kiln's second thread (the
+    row split's slice 1 started 0.73 ms late right after onnxruntime's block, 0.03 ms after 0.2 s:
+    bench/results/lstm-zen3-2026-12-07.md)."""
+    time.sleep(settle)
     for _ in range(warmup):
         fn()
     samples = []

@@ -10,9 +10,9 @@ between processes than between two versions of the cell (bench/results/lstmavx2-
 zoo LSTM forecaster's (96 steps, 128 units, batch 8) at inputs 16 (its first layer) and 128 (its second), its
 weights packed once by the checked-in library (every version reads that layout). Every output is checked against
 onnxruntime's first; then interleaved rounds at SCHED_FIFO (root; bench/lstm_engine.py), each a block of `--runs`
-calls per runner after 5 warm-up, starting at the next runner each round: the median over rounds of each block's
-median, by the calling thread's CPU time at one thread (the honest measure beside other work), by the wall clock at
-two, and per round the ratio to onnxruntime's.
+calls per runner after a SETTLE_S sleep (onnxruntime's workers stop spinning) and 5 warm-up, starting at the next
+runner each round: the median over rounds of each block's median, by the calling thread's CPU time at one thread
+(the honest measure beside other work), by the wall clock at two, and per round the ratio to onnxruntime's.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import kiln  # noqa: E402, F401  (first: KILN_CPU_ISA caps the libraries before their first kernel)
 from kiln.builder.timing_cache import cpu_name  # noqa: E402
 from kiln.kernels.cpu import gemm_native, recurrent  # noqa: E402
+from kiln.zoo.timing import SETTLE_S  # noqa: E402
 from lstm_engine import blocks, realtime  # noqa: E402
 
 STEPS, HIDDEN = 96, 128
@@ -123,7 +124,7 @@ def main() -> None:
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     load = os.getloadavg()[0]
     with realtime(True):
-        times: dict[str, list[float]] = blocks(calls, args.rounds, args.runs, clock=clock)
+        times: dict[str, list[float]] = blocks(calls, args.rounds, args.runs, clock=clock, settle=SETTLE_S)
     what = "calling thread's CPU" if args.threads == 1 else "wall"
     print(f"# One LSTM layer ({STEPS} steps, batch {args.batch}, {HIDDEN} units), {cpu_name()}, "
           f"{'AVX2 only' if args.avx2 else 'native ISA'}, {args.threads} thread(s), {what} ms, SCHED_FIFO, "

@@ -51,11 +51,14 @@ import kiln  # noqa: E402  (first: KILN_CPU_ISA caps the libraries before their 
 from kiln import zoo  # noqa: E402
 from kiln.builder.timing_cache import cpu_name  # noqa: E402
 from kiln.kernels.cpu import recurrent  # noqa: E402
+from kiln.zoo.timing import SETTLE_S  # noqa: E402
 from lstm_engine import lstm_picks, pinned, realtime  # noqa: E402  (bench/ is on sys.path: a script's folder)
 
 
 def block(fn: Callable[[], object], runs: int, warmup: int) -> tuple[float, float]:
-    """(median wall ms, median process CPU ms) of `runs` calls after `warmup`."""
+    """(median wall ms, median process CPU ms) of `runs` calls after a SETTLE_S sleep (onnxruntime's workers stop
+    spinning: lstm_layers.median_ms) and `warmup`."""
+    time.sleep(SETTLE_S)
     for _ in range(warmup):
         fn()
     wall, cpu = [], []
