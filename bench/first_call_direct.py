@@ -70,6 +70,27 @@ def span_timer():
     return spans, timed
 
 
+def first_and_repeats(context, spans: dict[str, float], feeds: dict, label: str) -> tuple[float, dict, float, float]:
+    """A first call at `feeds`, then 3 repeats, each bit for bit the first call's (else exits, naming `label`):
+    (the first call's thread CPU µs, its spans, the least repeat, the least repeat less its time in the loop)."""
+    spans.clear()
+    start = time.thread_time_ns()
+    first_out = context.run(feeds)
+    first = (time.thread_time_ns() - start) / 1e3
+    got = dict(spans)
+    repeats = []
+    for _ in range(3):
+        spans.clear()
+        start = time.thread_time_ns()
+        out = context.run(feeds)
+        took = (time.thread_time_ns() - start) / 1e3
+        repeats.append((took, took - spans.get("loop", 0.0)))
+        for name in out:
+            if not np.array_equal(out[name], first_out[name]):
+                raise SystemExit(f"{label}: a repeat differs from the first call")
+    return first, got, min(repeats)[0], min(r[1] for r in repeats)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", required=True, help="a saved engine with symbolic batch and sequence")
@@ -95,22 +116,7 @@ def main() -> None:
         on[0] = bool(k % 2) ^ bool((k // 2) % 2)
         path = "B" if on[0] else "A"
         feeds = {"input_ids": rng.integers(0, 1000, (batch, seq)), "attention_mask": np.ones((batch, seq), np.int64)}
-        spans.clear()
-        start = time.thread_time_ns()
-        first_out = context.run(feeds)
-        first = (time.thread_time_ns() - start) / 1e3
-        got = dict(spans)
-        repeats = []
-        for _ in range(3):
-            spans.clear()
-            start = time.thread_time_ns()
-            out = context.run(feeds)
-            took = (time.thread_time_ns() - start) / 1e3
-            repeats.append((took, took - spans.get("loop", 0.0)))
-            for name in out:
-                if not np.array_equal(out[name], first_out[name]):
-                    raise SystemExit(f"{batch}x{seq} path {path}: a repeat differs from the first call")
-        repeat, repeat_outside = min(repeats)[0], min(r[1] for r in repeats)
+        first, got, repeat, repeat_outside = first_and_repeats(context, spans, feeds, f"{batch}x{seq} path {path}")
         rows[path, "first"].append(first - repeat)
         rows[path, "outside"].append(first - got.get("loop", 0.0) - repeat_outside)
         if k < 3:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -31,7 +30,7 @@ os.environ["KILN_PAD_FIRST_CALLS"] = "0"  # every new shape binds at its first c
 import kiln  # noqa: E402  (before torch: kiln sets OpenMP's wait policy)
 import numpy as np  # noqa: E402
 
-from first_call_direct import _row, span_timer, warm_context  # noqa: E402  bench/first_call_direct.py
+from first_call_direct import _row, first_and_repeats, span_timer, warm_context  # noqa: E402  bench/first_call_direct.py
 from kiln.runtime import direct_run, native, view_trace  # noqa: E402
 
 
@@ -88,22 +87,7 @@ def first_calls_ab(context, spans: dict[str, float], rng, named: list[tuple[int,
         path = "B" if on else "A"
         switch(on)
         feeds = {"input_ids": rng.integers(0, 1000, (batch, seq)), "attention_mask": np.ones((batch, seq), np.int64)}
-        spans.clear()
-        start = time.thread_time_ns()
-        first_out = context.run(feeds)
-        first = (time.thread_time_ns() - start) / 1e3
-        got = dict(spans)
-        repeats = []
-        for _ in range(3):
-            spans.clear()
-            start = time.thread_time_ns()
-            out = context.run(feeds)
-            took = (time.thread_time_ns() - start) / 1e3
-            repeats.append((took, took - spans.get("loop", 0.0)))
-            for name in out:
-                if not np.array_equal(out[name], first_out[name]):
-                    raise SystemExit(f"{batch}x{seq} path {path}: a repeat differs from the first call")
-        repeat, repeat_outside = min(repeats)[0], min(r[1] for r in repeats)
+        first, got, repeat, repeat_outside = first_and_repeats(context, spans, feeds, f"{batch}x{seq} path {path}")
         outside = first - got.get("loop", 0.0) - repeat_outside
         if k < len(named):
             notes.append(f"{batch}x{seq} ({path}): extra {first - repeat:.0f}, outside {outside:.0f}, "

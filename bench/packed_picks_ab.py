@@ -34,13 +34,13 @@ if "--avx2" in sys.argv:  # before torch, onnxruntime or kiln read cpuid (bench/
     cpuid_avx2.enable()
     os.environ["KILN_CPU_ISA"] = "avx2"
 
-import numpy as np  # noqa: E402
 
 import kiln  # noqa: E402
 from kiln import zoo  # noqa: E402
 from kiln.builder.timing_cache import cpu_name  # noqa: E402
 from kiln.tactics import registry  # noqa: E402
-from lstm_engine import blocks, realtime  # noqa: E402
+from lstm_engine import realtime  # noqa: E402
+from relayout_alias_ab import rounds_against_onnxruntime  # noqa: E402  bench/relayout_alias_ab.py
 
 PINNED = ("cpu.gemm.kiln_packed", "cpu.gemm.onednn_direct")
 
@@ -67,7 +67,6 @@ def forms(engine) -> str:
 
 
 def measure(name: str, args) -> list[str]:
-    import onnxruntime as ort
     import torch
 
     torch.set_num_threads(args.threads)
@@ -92,20 +91,7 @@ def measure(name: str, args) -> list[str]:
         with mock.patch.dict(gemm_native._LOADED, {False: lib}), rows:
             engines[f"kiln, GEMMs on kiln_packed, gemm.c at {sha}"] = kiln.build(
                 str(exported.path), tactics=only_gemm("cpu.gemm.kiln_packed"))
-    options = ort.SessionOptions()
-    options.intra_op_num_threads, options.inter_op_num_threads = args.threads, 1
-    session = ort.InferenceSession(str(exported.path), options, providers=["CPUExecutionProvider"])
-    want = session.run(None, feeds)
-    errors = {}
-    for label, engine in engines.items():
-        got = engine.run(feeds)
-        errors[label] = max(float(np.abs(got[n] - w).max()) / max(1.0, float(np.abs(w).max()))
-                            for n, w in zip(engine.output_names, want))
-    calls = {label: (lambda e=engine: e.run(feeds)) for label, engine in engines.items()}
-    calls["onnxruntime"] = lambda: session.run(None, feeds)
-    load = os.getloadavg()[0]
-    with realtime(args.realtime):
-        times = blocks(calls, args.rounds, args.runs)
+    times, errors, load = rounds_against_onnxruntime(exported, feeds, engines, args)
     in_context = (tuned.plan.header.get("tactics") or {}).get("in_context", {})
     lines = [f"### {name}, {cpu_name()}, {args.threads} thread(s), wall ms, {args.rounds} rounds of {args.runs}"
              f"{', SCHED_FIFO' if args.realtime else ''}, tuned build {'at SCHED_FIFO' if args.build_realtime else 'as is'}"

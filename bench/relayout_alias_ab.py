@@ -41,8 +41,29 @@ def copies(engine) -> tuple[int, int]:
     return sum(not m.fn.native.alias for m in members), sum(m.fn.native.alias for m in members)
 
 
-def measure(name: str, args) -> list[str]:
+def rounds_against_onnxruntime(exported, feeds: dict, engines: dict, args) -> tuple[dict, dict, float]:
+    """The engines' outputs checked against onnxruntime (args.threads intra-op threads), then interleaved rounds of
+    blocks of every engine's calls and onnxruntime's (`--realtime`: at SCHED_FIFO): (ms by runner and round, max
+    error relative to the largest output by engine, the 1-min load before the rounds)."""
     import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads = args.threads, 1
+    session = ort.InferenceSession(str(exported.path), options, providers=["CPUExecutionProvider"])
+    want = session.run(None, feeds)
+    errors = {}
+    for label, engine in engines.items():
+        got = engine.run(feeds)
+        errors[label] = max(float(np.abs(got[n] - w).max()) / max(1.0, float(np.abs(w).max()))
+                            for n, w in zip(engine.output_names, want))
+    calls = {label: (lambda e=engine: e.run(feeds)) for label, engine in engines.items()}
+    calls["onnxruntime"] = lambda: session.run(None, feeds)
+    load = os.getloadavg()[0]
+    with realtime(args.realtime):
+        return blocks(calls, args.rounds, args.runs), errors, load
+
+
+def measure(name: str, args) -> list[str]:
     import torch
 
     torch.set_num_threads(args.threads)
@@ -53,21 +74,8 @@ def measure(name: str, args) -> list[str]:
         aliased = kiln.build(str(exported.path), timing_cache=cache)
         with mock.patch.object(native_runs, "_aliasing", lambda step, native, *_: (step, native)):
             copied = kiln.build(str(exported.path), timing_cache=cache)
-    options = ort.SessionOptions()
-    options.intra_op_num_threads, options.inter_op_num_threads = args.threads, 1
-    session = ort.InferenceSession(str(exported.path), options, providers=["CPUExecutionProvider"])
-    want = session.run(None, feeds)
     runners = {"kiln, relayouts aliased": aliased, "kiln, relayouts copied": copied}
-    errors = {}
-    for label, engine in runners.items():
-        got = engine.run(feeds)
-        errors[label] = max(float(np.abs(got[n] - w).max()) / max(1.0, float(np.abs(w).max()))
-                            for n, w in zip(engine.output_names, want))
-    calls = {label: (lambda e=engine: e.run(feeds)) for label, engine in runners.items()}
-    calls["onnxruntime"] = lambda: session.run(None, feeds)
-    load = os.getloadavg()[0]
-    with realtime(args.realtime):
-        times: dict[str, list[float]] = blocks(calls, args.rounds, args.runs)
+    times, errors, load = rounds_against_onnxruntime(exported, feeds, runners, args)
     lines = [f"### {name}, {cpu_name()}, {args.threads} thread(s), wall ms, {args.rounds} rounds of {args.runs}"
              f"{', SCHED_FIFO' if args.realtime else ''}, 1-min load {load:.2f} -> {os.getloadavg()[0]:.2f}", "",
              "| runner | relayouts (copy / alias) | ms | / onnxruntime | by round | max err vs ort |",

@@ -23,6 +23,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+# both children's close: 5 windows of N steps, the loop thread's CPU us a request (their median) printed last
+WINDOWS = r'''    windows = []
+    for _ in range(5):
+        t0 = time.thread_time()
+        for _ in range(N):
+            await step(); await asyncio.sleep(0)
+        windows.append((time.thread_time() - t0) / N * 1e6)
+    print(statistics.median(windows))
+    await core.close()
+
+run(main())
+'''
+
 CHILD = r'''
 import asyncio, statistics, sys, tempfile, time
 from pathlib import Path
@@ -58,17 +71,7 @@ async def main():
             answered += out.answers()
     for _ in range(500):
         await step(); await asyncio.sleep(0)
-    windows = []
-    for _ in range(5):
-        t0 = time.thread_time()
-        for _ in range(N):
-            await step(); await asyncio.sleep(0)
-        windows.append((time.thread_time() - t0) / N * 1e6)
-    print(statistics.median(windows))
-    await core.close()
-
-run(main())
-'''
+''' + WINDOWS
 
 CHILD_HTTP = r'''
 import asyncio, json, statistics, sys, tempfile, time, zlib
@@ -150,17 +153,7 @@ async def main():
     for _ in range(500):
         await step(); await asyncio.sleep(0)
     print("answers", zlib.crc32(b"".join(bodies)))
-    windows = []
-    for _ in range(5):
-        t0 = time.thread_time()
-        for _ in range(N):
-            await step(); await asyncio.sleep(0)
-        windows.append((time.thread_time() - t0) / N * 1e6)
-    print(statistics.median(windows))
-    await core.close()
-
-run(main())
-'''
+''' + WINDOWS
 
 
 def main() -> None:

@@ -16,7 +16,20 @@ import pytest
 
 from kiln.kernels.cpu import native_loop
 
-SOURCE = r"""
+# VECTOR_LOOP(name, T, f): a C function name(x, y, n) storing f(x) to y, n floats a multiple of T's lanes
+VECTOR_LOOP = r"""
+#define VECTOR_LOOP(name, T, f)                                    \
+    void name(const float *x, float *y, long n) {                  \
+        for (long j = 0; j < n; j += sizeof(T) / sizeof(float)) {  \
+            T v;                                                   \
+            memcpy(&v, x + j, sizeof v);                           \
+            v = f(v);                                              \
+            memcpy(y + j, &v, sizeof v);                           \
+        }                                                          \
+    }
+"""
+
+SOURCE = VECTOR_LOOP + r"""
 #include "exp_poly.h"
 
 typedef float v8 __attribute__((vector_size(32)));
@@ -33,14 +46,7 @@ KILN_VEXP(exp8, static inline, v8, i8, clamp8)
 void kiln_test_exp_scalar(const float *x, float *y, long n) {
     for (long j = 0; j < n; ++j) y[j] = exp_poly(x[j]);
 }
-void kiln_test_exp_vector(const float *x, float *y, long n) {  /* n a multiple of 8 */
-    for (long j = 0; j < n; j += 8) {
-        v8 v;
-        memcpy(&v, x + j, sizeof v);
-        v = exp8(v);
-        memcpy(y + j, &v, sizeof v);
-    }
-}
+VECTOR_LOOP(kiln_test_exp_vector, v8, exp8)
 """
 ULPS = 1.5
 
@@ -139,7 +145,7 @@ def test_the_header_digest_follows_each_header_s_name_and_contents(tmp_path):
 # KILN_VSILU_TABLE at both widths it is written for, each in a function built for its ISA (target attributes, so the
 # library builds under the AVX2 cap too): the 8-lane form (table of 2^(j/8), vpermps ymm) and the 16-lane one (2^(j/16),
 # vpermps zmm; depthwise.c's SiLU under AVX-512), called only where the CPU has the ISA
-TABLE_SOURCE = r"""
+TABLE_SOURCE = VECTOR_LOOP + r"""
 #include <immintrin.h>
 #include "exp_poly.h"
 
@@ -149,14 +155,7 @@ typedef float t8 __attribute__((vector_size(32)));
 typedef int ti8 __attribute__((vector_size(32)));
 #define PERMUTE8(table, t) _mm256_permutevar8x32_ps((__m256)(table), (__m256i)(t))
 KILN_VSILU_TABLE(silu8, static inline, t8, ti8, _mm256_min_ps, _mm256_max_ps, 3, PERMUTE8)
-void kiln_test_silu_table8(const float *x, float *y, long n) {  /* n a multiple of 8 */
-    for (long j = 0; j < n; j += 8) {
-        t8 v;
-        memcpy(&v, x + j, sizeof v);
-        v = silu8(v);
-        memcpy(y + j, &v, sizeof v);
-    }
-}
+VECTOR_LOOP(kiln_test_silu_table8, t8, silu8)
 #pragma GCC pop_options
 
 #pragma GCC push_options
@@ -165,14 +164,7 @@ typedef float t16 __attribute__((vector_size(64)));
 typedef int ti16 __attribute__((vector_size(64)));
 #define PERMUTE16(table, t) _mm512_permutexvar_ps((__m512i)(t), (__m512)(table))
 KILN_VSILU_TABLE(silu16, static inline, t16, ti16, _mm512_min_ps, _mm512_max_ps, 4, PERMUTE16)
-void kiln_test_silu_table16(const float *x, float *y, long n) {  /* n a multiple of 16 */
-    for (long j = 0; j < n; j += 16) {
-        t16 v;
-        memcpy(&v, x + j, sizeof v);
-        v = silu16(v);
-        memcpy(y + j, &v, sizeof v);
-    }
-}
+VECTOR_LOOP(kiln_test_silu_table16, t16, silu16)
 #pragma GCC pop_options
 """
 

@@ -114,39 +114,49 @@ def test_the_view_job_is_queued_for_a_dynamic_profile_only_and_its_segment_is_he
     assert segment.trace_ahead(((3, 5, 64),)) is False  # on a path traced at load: nothing added
 
 
-def test_calls_while_the_views_are_made_ahead_match_onnxruntime(loaded):
-    """Calls at new shapes right after load, on two threads, while the background thread grows the template and
-    traces the walk (each side under the locks it takes): every output matches onnxruntime, and the background
-    thread finishes with no job failed."""
+def calls_racing_the_load(path, session, calls: int, draw, tol: float) -> None:
+    """The engine at `path` loaded anew (its jobs queued) and `calls` calls on each of two threads racing the jobs,
+    each at draw(rng) -> (feeds, what they are): every output is onnxruntime's within tol (an error on a thread is
+    raised on the test's), and the background thread finishes with no job failed."""
     import threading
 
     import kiln
 
-    _engine, session, path = loaded
     assert onednn_ahead.AHEAD.wait(timeout=120)
     failed = onednn_ahead.AHEAD.failed
     engine = kiln.load(path)  # its jobs queued: the calls below race them
     errors = []
 
-    def calls(seed: int) -> None:
+    def run(seed: int) -> None:
         try:
             context = engine.create_execution_context(pad_first_calls=False)
             rng = np.random.default_rng(seed)
-            for _ in range(8):
-                batch, seq = int(rng.integers(1, 5)), int(rng.integers(1, 17))
-                feeds = _x(rng, batch, seq)
-                np.testing.assert_allclose(context.run(feeds)["y"], session.run(None, feeds)[0], rtol=ORT_TOL,
-                                           atol=ORT_TOL, err_msg=f"{batch}x{seq}")
+            for _ in range(calls):
+                feeds, what = draw(rng)
+                np.testing.assert_allclose(context.run(feeds)["y"], session.run(None, feeds)[0], rtol=tol, atol=tol,
+                                           err_msg=what)
         except Exception as e:  # noqa: BLE001  raised again on the test's thread
             errors.append(e)
 
-    threads = [threading.Thread(target=calls, args=(zlib.crc32(f"racing {k}".encode()),)) for k in range(2)]
+    threads = [threading.Thread(target=run, args=(zlib.crc32(f"racing {k}".encode()),)) for k in range(2)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     assert not errors, errors
     assert onednn_ahead.AHEAD.wait(timeout=120) and onednn_ahead.AHEAD.failed == failed
+
+
+def test_calls_while_the_views_are_made_ahead_match_onnxruntime(loaded):
+    """Calls at new shapes right after load, on two threads, while the background thread grows the template and
+    traces the walk (each side under the locks it takes): every output matches onnxruntime, and the background
+    thread finishes with no job failed."""
+    def draw(rng):
+        batch, seq = int(rng.integers(1, 5)), int(rng.integers(1, 17))
+        return _x(rng, batch, seq), f"{batch}x{seq}"
+
+    _engine, session, path = loaded
+    calls_racing_the_load(path, session, 8, draw, ORT_TOL)
 
 
 def test_a_call_off_the_loads_traced_paths_leaves_its_traces_to_the_background_thread(loaded, monkeypatch):

@@ -26,6 +26,8 @@ from kiln.plan.spec import Profile, ShapeRange
 from kiln.runtime import first_calls, native, native_batches, view_trace, views_ahead
 from kiln.tactics import traced_rules
 
+from test_views_ahead import calls_racing_the_load  # tests/unit is on the path (pytest prepends it)
+
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="kiln's transformer kernels are not built")
 
 PROFILE = "1x4x8x8,2x4x8x8,8x4x8x8"  # tuned at batch 2: odd batches leave an image past the runs
@@ -215,33 +217,12 @@ def test_the_walk_stops_at_a_layer_it_cannot_follow_and_the_job_is_queued_for_a_
 def test_calls_while_the_segments_are_readied_match_onnxruntime(saved):
     """Calls at new batches right after load on two threads, racing the job (each side under the segment's resize
     lock where it binds): every output matches onnxruntime, and the job fails nowhere."""
-    import kiln
+    def draw(rng):
+        batch = int(rng.integers(1, 9))
+        return _x(rng, batch), f"batch {batch}"
 
     path, session = saved
-    assert onednn_ahead.AHEAD.wait(timeout=120)
-    failed = onednn_ahead.AHEAD.failed
-    engine = kiln.load(path)  # its jobs queued: the calls below race them
-    errors = []
-
-    def calls(seed: int) -> None:
-        try:
-            context = engine.create_execution_context(pad_first_calls=False)
-            rng = np.random.default_rng(seed)
-            for _ in range(6):
-                batch = int(rng.integers(1, 9))
-                feeds = _x(rng, batch)
-                np.testing.assert_allclose(context.run(feeds)["y"], session.run(None, feeds)[0], rtol=ORT_TOL,
-                                           atol=ORT_TOL, err_msg=f"batch {batch}")
-        except Exception as e:  # noqa: BLE001  raised again on the test's thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=calls, args=(zlib.crc32(f"racing {k}".encode()),)) for k in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
-    assert onednn_ahead.AHEAD.wait(timeout=120) and onednn_ahead.AHEAD.failed == failed
+    calls_racing_the_load(path, session, 6, draw, ORT_TOL)
 
 
 def test_the_job_imports_nothing_heavy(saved):

@@ -17,39 +17,23 @@ import json
 import os
 import subprocess
 import sys
-import zlib
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 import torch
-from onnx import TensorProto, helper, numpy_helper
-from onnx.reference import ReferenceEvaluator
 
 import kiln
 from kiln.kernels.cpu import cpu_features, w16gemm
 from kiln.tactics import registry
 from kiln.tactics.cpu import w8a16 as w8a16_tactics
+from tests.unit.oracle import case_rng
+from tests.unit.test_w8a16_engine import _chain_engines, _chain_outputs, _layer_model, _quantize_linear, _within_a_step
 
 pytestmark = pytest.mark.skipif(not w16gemm.available(), reason=f"w16gemm: {w16gemm.reason()}")
 ROOT = Path(__file__).resolve().parents[2]
 WIDE = {"uint16": torch.uint16, "int16": torch.int16}
-
-
-def _rng(case: str) -> np.random.Generator:
-    return np.random.default_rng(zlib.crc32(case.encode()))
-
-
-def _quantize_linear(x: np.ndarray, s: np.float32, wide: str) -> np.ndarray:
-    """onnx.reference's QuantizeLinear of x to `wide` (zero point 0), as int64."""
-    model = helper.make_model(helper.make_graph(
-        [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"])], "q",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape)],
-        [helper.make_tensor_value_info("q", TensorProto.UINT16 if wide == "uint16" else TensorProto.INT16, x.shape)],
-        [numpy_helper.from_array(np.array(s, np.float32), "s"), numpy_helper.from_array(np.array(0, wide), "z")]),
-        opset_imports=[helper.make_opsetid("", 21)])
-    return ReferenceEvaluator(model).run(None, {"x": x})[0].astype(np.int64)
 
 
 def _inputs(shape, wide, rng, s):
@@ -72,7 +56,7 @@ SUM_CASES = [  # (input NCHW, out channels, wide)
 
 @pytest.mark.parametrize("shape, out, wide", SUM_CASES)
 def test_int32_sums_equal_numpy_int64(shape, out, wide):
-    rng = _rng(f"sums {shape} {out} {wide}")
+    rng = case_rng(f"sums {shape} {out} {wide}")
     c = shape[1]
     # a weight whose sums cannot pass 2^31 (one chunk): Σ|w| <= 65535 per channel
     w = np.clip(rng.normal(0, min(60.0, 50000 / c), (out, c, 1, 1)), -127, 127).round().astype(np.int8)
@@ -115,53 +99,12 @@ def test_a_weight_that_can_pass_int32_is_summed_in_exact_chunks():
                         y=(torch.int32, 1.0, 0))
 
 
-def _model(shape, out, wide, activation, requantize, rng) -> onnx.ModelProto:
-    """x -> Q(uint16/int16) -> DQ -> Conv 1x1(DQ(w int8 per channel), b) [-> Relu | Clip] [-> Q(uint8) -> DQ]."""
-    c = shape[1]
-    w = rng.normal(0, 0.5, (out, c, 1, 1)).astype(np.float32)
-    w_scale = (np.abs(w).max(axis=(1, 2, 3)) / 127).astype(np.float32)
-    w_q = np.clip(np.round(w / w_scale[:, None, None, None]), -127, 127).astype(np.int8)
-    s = np.float32(6.0 / 65535 if wide == "uint16" else 4.0 / 32767)
-    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]),
-             helper.make_node("DequantizeLinear", ["q", "s", "z"], ["xd"]),
-             helper.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["w"], axis=0),
-             helper.make_node("Conv", ["xd", "w", "b"], ["c"], name="layer")]
-    name = "c"
-    if activation:
-        nodes.append(helper.make_node(activation, ["c", "lo", "hi"] if activation == "Clip" else ["c"], ["a"]))
-        name = "a"
-    if requantize:
-        nodes += [helper.make_node("QuantizeLinear", [name, "ys", "yz"], ["yq"]),
-                  helper.make_node("DequantizeLinear", ["yq", "ys", "yz"], ["y"])]
-    else:
-        nodes.append(helper.make_node("Identity", [name], ["y"]))
-    inits = [numpy_helper.from_array(np.array(s), "s"), numpy_helper.from_array(np.array(0, np.dtype(wide)), "z"),
-             numpy_helper.from_array(w_q, "wq"), numpy_helper.from_array(w_scale, "ws"),
-             numpy_helper.from_array(np.zeros(out, np.int8), "wz"),
-             numpy_helper.from_array(rng.normal(0, 0.2, out).astype(np.float32), "b"),
-             numpy_helper.from_array(np.array(0.0, np.float32), "lo"),
-             numpy_helper.from_array(np.array(6.0, np.float32), "hi"),
-             numpy_helper.from_array(np.array(6.0 / 255, np.float32), "ys"),
-             numpy_helper.from_array(np.array(0, np.uint8), "yz")]
-    graph = helper.make_graph(nodes, "w16gemm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
-
-
 def _onnxruntime(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
     ort = pytest.importorskip("onnxruntime")
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # the Q/DQ ops as written
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     return session.run(None, {"x": x})[0]
-
-
-def _within_a_step(got: np.ndarray, want: np.ndarray, requantize: bool) -> None:
-    if requantize:  # r / y_scale near a tie: a float32 sum in another order may round a step the other way
-        assert np.abs(got - want).max() <= 6.0 / 255 * 1.0001
-        assert (got != want).mean() < 0.01
-    else:  # onnxruntime sums in float32; the kernel exact in int32, then float32 scaling
-        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
 
 
 ORT_CASES = [  # (input NCHW, out channels, wide, activation, requantize)
@@ -176,8 +119,8 @@ ORT_CASES = [  # (input NCHW, out channels, wide, activation, requantize)
 def test_the_engine_layer_equals_onnxruntime(monkeypatch, shape, out, wide, activation, requantize):
     """The Q/DQ model built by kiln with the split tactic taken away: the layer is cpu.qconv.w8a16_gemm, and its
     outputs are onnxruntime's within a quantization step."""
-    rng = _rng(f"ort {shape} {out} {wide} {activation} {requantize}")
-    model = _model(shape, out, wide, activation, requantize, rng)
+    rng = case_rng(f"ort {shape} {out} {wide} {activation} {requantize}")
+    model = _layer_model(shape, out, 1, [1, 1], [0, 0, 0, 0], 1, wide, activation, requantize, rng)
     monkeypatch.delitem(registry._TACTICS, "cpu.qconv.w8a16")
     engine = kiln.build(model, device="cpu")
     layer = next(s for s in engine.plan.program.steps if s.name == "layer")
@@ -196,44 +139,23 @@ def test_in_a_native_segment_beside_the_split_layer(monkeypatch):
     equal to the engine without segments (its per-call path) and to the emulation within a 16-bit near-tie."""
     import dataclasses
 
-    import onnx_ir as ir
-
-    from kiln.builder.lower import lower
-    from kiln.quant import qdq
-    from kiln.runtime.program import Program
-    from tests.unit.test_w8a16_engine import _chain
     split = registry.get("cpu.qconv.w8a16")
 
     def not_pointwise(step, inputs):
         return "test: 1x1 is the GEMM's" if tuple(inputs[3].shape[2:]) == (1, 1) else split.supports(step, inputs)
 
     monkeypatch.setitem(registry._TACTICS, split.name, dataclasses.replace(split, supports=not_pointwise))
-    rng = _rng("chain gemm")
-    model = _chain(rng)
-    qdq.insert(model, {"x": 3.0, "r1": 6.0, "c2": 20.0}, "int8", unsigned=True, wide={"dw", "project"})
-    proto = ir.to_proto(model)
-    engine = kiln.build(proto, device="cpu")
-    tactics = {s.name: s.tactic for s in engine.plan.program.steps}
-    assert tactics["dw"] == "cpu.qconv.w8a16" and tactics["project"] == "cpu.qconv.w8a16_gemm"
-    assert any({"dw", "project"} <= {m.ctx.name for m in s.members} for s in engine.program.segments)
-    monkeypatch.setenv("KILN_NATIVE_SEGMENTS", "0")
-    alone = kiln.build(proto, device="cpu")
-    assert not alone.program.segments
-    program, weights, _, _ = lower(ir.from_proto(proto))
-    emulation = Program(program, weights)
+    rng = case_rng("chain gemm")
+    engine, alone, emulation = _chain_engines(rng, monkeypatch, ("cpu.qconv.w8a16_gemm",))
     for k in range(3):
-        x = rng.normal(0, 1, (1, 8, 12, 12)).astype(np.float32)
-        got = engine.create_execution_context().run({"x": x})["y"]
-        np.testing.assert_array_equal(got, alone.create_execution_context().run({"x": x})["y"])
-        with torch.inference_mode():
-            want = emulation.run([torch.from_numpy(x)])[0].numpy()
+        got, want = _chain_outputs(engine, alone, emulation, rng.normal(0, 1, (1, 8, 12, 12)).astype(np.float32))
         assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
 
 
 def test_a_3x3_layer_is_refused_and_the_tuner_may_pick_either():
     """The mutation side: a 3x3 convolution is not the GEMM (the reason says so); a 1x1 layer's candidates include
     both W8A16 tactics, timed."""
-    rng = _rng("refusal")
+    rng = case_rng("refusal")
     from tests.unit.tactic_check import metas, make_step
     step = make_step("QConv", "kiln", 9, kernel_shape=[3, 3], pads=[1, 1, 1, 1])
     args = [torch.zeros(1, 8, 5, 5), torch.tensor(0.01), torch.tensor(0, dtype=torch.uint16),
@@ -241,7 +163,8 @@ def test_a_3x3_layer_is_refused_and_the_tuner_may_pick_either():
             None, None, torch.zeros(4, dtype=torch.int32)]
     why = registry.get("cpu.qconv.w8a16_gemm").check(step, metas(args, {1, 2, 3, 4, 5, 8}))
     assert isinstance(why, str) and "1x1" in why
-    engine = kiln.build(_model((1, 16, 6, 6), 24, "uint16", "Clip", False, rng), device="cpu")
+    engine = kiln.build(_layer_model((1, 16, 6, 6), 24, 1, [1, 1], [0, 0, 0, 0], 1, "uint16", "Clip", False, rng),
+                        device="cpu")
     tried = next(layer for name, layer in engine.plan.header["tactics"]["layers"].items() if "layer" in name)
     assert {"cpu.qconv.w8a16", "cpu.qconv.w8a16_gemm"} <= set(tried["candidates"])
     assert next(s for s in engine.plan.program.steps if s.name == "layer").tactic in w8a16_tactics.TACTICS

@@ -29,31 +29,32 @@ from kiln.kernels.cpu import split16
 from kiln.kernels.cpu.cpu_features import has_int8_dot_product
 from kiln.passes import PassOptions, optimize
 from kiln.tactics.cpu import w8a16 as w8a16_tactics
+from tests.unit.oracle import case_rng
 from tests.unit.test_quant_sensitivity import LAYERS, _switched, net  # noqa: F401 - net: a fixture
 
 pytestmark = pytest.mark.skipif(layer_cost.available() is not None, reason=f"W8A16: {layer_cost.available()}")
 
 
-def _rng(case: str) -> np.random.Generator:
-    return np.random.default_rng(zlib.crc32(case.encode()))
+def _quantize_linear(x: np.ndarray, s: np.float32, wide: str) -> np.ndarray:
+    """onnx.reference's QuantizeLinear of x to `wide` (zero point 0), as int64."""
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"])], "q",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape)],
+        [helper.make_tensor_value_info("q", TensorProto.UINT16 if wide == "uint16" else TensorProto.INT16, x.shape)],
+        [numpy_helper.from_array(np.array(s, np.float32), "s"), numpy_helper.from_array(np.array(0, wide), "z")]),
+        opset_imports=[helper.make_opsetid("", 21)])
+    return ReferenceEvaluator(model).run(None, {"x": x})[0].astype(np.int64)
 
 
 @pytest.mark.parametrize("wide", ["uint16", "int16"])
 def test_the_split_is_quantize_linear_exactly(wide):
-    rng = _rng(f"split {wide}")
+    rng = case_rng(f"split {wide}")
     scale = np.float32(0.0123)
     x = rng.normal(0, 300, (2, 5, 7, 9)).astype(np.float32)
     ties = (rng.integers(-40000, 70000, 64) + 0.5).astype(np.float32) * scale  # x / scale near k + 1/2
     x.reshape(-1)[:64] = ties
     x.reshape(-1)[64:70] = [1e6, -1e6, 0.0, -0.0, 65535.6 * scale, -32768.6 * scale]  # saturation both ways
-    zero = np.array(0, np.dtype(wide))
-    model = helper.make_model(helper.make_graph(
-        [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"])], "q",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape)],
-        [helper.make_tensor_value_info("q", TensorProto.UINT16 if wide == "uint16" else TensorProto.INT16, x.shape)],
-        [numpy_helper.from_array(np.array(scale), "s"), numpy_helper.from_array(zero, "z")]),
-        opset_imports=[helper.make_opsetid("", 21)])
-    want = ReferenceEvaluator(model).run(None, {"x": x})[0].astype(np.int64)
+    want = _quantize_linear(x, scale, wide)
     t = torch.from_numpy(x).contiguous(memory_format=torch.channels_last)  # bytes in x's memory order
     hi, lo = split16.split(t, float(scale), 0, torch.uint16 if wide == "uint16" else torch.int16)
     assert hi.stride() == t.stride() and hi.dtype == lo.dtype == torch.uint8
@@ -96,6 +97,16 @@ def _layer_model(shape, out, kernel, stride, pads, group, wide, activation, requ
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
 
 
+def _within_a_step(got: np.ndarray, want: np.ndarray, requantize: bool) -> None:
+    """A layer's output against the Q/DQ graph's (onnx.reference's or onnxruntime's: float32 sums; the kernels' are
+    exact in int32, then scaled in float32)."""
+    if requantize:  # r / y_scale near a tie: a float32 sum in another order may round a step the other way
+        assert np.abs(got - want).max() <= 6.0 / 255 * 1.0001
+        assert (got != want).mean() < 0.01
+    else:
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+
+
 CASES = [  # (input NCHW, out channels, kernel, stride, pads, group, wide, activation, output requantized)
     ((1, 16, 9, 11), 24, 1, [1, 1], [0, 0, 0, 0], 1, "uint16", "Clip", False),  # a projection of a ReLU6 output
     ((2, 24, 8, 8), 40, 1, [1, 1], [0, 0, 0, 0], 1, "int16", "", False),  # an expansion of the signed residual stream
@@ -106,7 +117,7 @@ CASES = [  # (input NCHW, out channels, kernel, stride, pads, group, wide, activ
 
 @pytest.mark.parametrize("shape, out, kernel, stride, pads, group, wide, activation, requantize", CASES)
 def test_a_built_w8a16_layer_is_the_qdq_graph(shape, out, kernel, stride, pads, group, wide, activation, requantize):
-    rng = _rng(f"layer {shape} {group} {wide} {activation} {requantize}")
+    rng = case_rng(f"layer {shape} {group} {wide} {activation} {requantize}")
     model = _layer_model(shape, out, kernel, stride, pads, group, wide, activation, requantize, rng)
     engine = kiln.build(model, device="cpu")
     steps = engine.plan.program.steps
@@ -120,19 +131,13 @@ def test_a_built_w8a16_layer_is_the_qdq_graph(shape, out, kernel, stride, pads, 
     reference = ReferenceEvaluator(model)
     for k in range(3):
         x = (rng.normal(0, 2, shape) if wide == "int16" else rng.uniform(-0.5, 6.5, shape)).astype(np.float32)
-        got = context.run({"x": x})["y"]
-        want = reference.run(None, {"x": x})[0]
-        if requantize:  # r / y_scale near a tie: oneDNN's float32 sum may round a step the other way
-            assert np.abs(got - want).max() <= 6.0 / 255 * 1.0001
-            assert (got != want).mean() < 0.01
-        else:  # onnx.reference sums in float32 (the kernel: exact int32, then float32 scaling)
-            np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+        _within_a_step(context.run({"x": x})["y"], reference.run(None, {"x": x})[0], requantize)
 
 
 def test_an_8bit_layer_is_not_w8a16():
     """The mutation check: the same graph with an 8-bit input pair runs the int8 kernel, and is far from the 16-bit
     graph's result (so the comparison above can tell the two apart)."""
-    rng = _rng("8-bit")
+    rng = case_rng("8-bit")
     model = _layer_model((1, 16, 9, 11), 24, 1, [1, 1], [0, 0, 0, 0], 1, "uint16", "Clip", False, rng)
     eight = onnx.ModelProto()
     eight.CopyFrom(model)
@@ -217,6 +222,35 @@ def _chain(rng: np.random.Generator) -> ir.Model:
         graph, opset_imports=[helper.make_opsetid("", 17)])))
 
 
+def _chain_engines(rng: np.random.Generator, monkeypatch, project_tactics: tuple[str, ...]) -> tuple:
+    """_chain with its depthwise and projection W8A16 (qdq.insert), built: (the engine, its depthwise on the split
+    tactic and its projection on one of `project_tactics`, the two in one native segment; the same engine without
+    segments; the emulation: kiln's reference ops on the Q/DQ graph)."""
+    from kiln.builder.lower import lower
+    from kiln.quant import qdq
+    from kiln.runtime.program import Program
+    model = _chain(rng)
+    qdq.insert(model, {"x": 3.0, "r1": 6.0, "c2": 20.0}, "int8", unsigned=True, wide={"dw", "project"})
+    proto = ir.to_proto(model)
+    engine = kiln.build(proto, device="cpu")
+    tactics = {s.name: s.tactic for s in engine.plan.program.steps}
+    assert tactics["dw"] == "cpu.qconv.w8a16" and tactics["project"] in project_tactics
+    assert any({"dw", "project"} <= {m.ctx.name for m in s.members} for s in engine.program.segments)
+    monkeypatch.setenv("KILN_NATIVE_SEGMENTS", "0")
+    alone = kiln.build(proto, device="cpu")
+    assert not alone.program.segments
+    program, weights, _, _ = lower(ir.from_proto(proto))
+    return engine, alone, Program(program, weights)
+
+
+def _chain_outputs(engine, alone, emulation, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the engine's output, bit for bit the engine's without segments; the emulation's)."""
+    got = engine.create_execution_context().run({"x": x})["y"]
+    np.testing.assert_array_equal(got, alone.create_execution_context().run({"x": x})["y"])
+    with torch.inference_mode():
+        return got, emulation.run([torch.from_numpy(x)])[0].numpy()
+
+
 @pytest.mark.skipif(not has_int8_dot_product(), reason="the depthwise layer's W8A16 is the split path's: VNNI only "
                     "(its full-range int8 weights would saturate vpmaddubsw; test_w8a16_avx2.py covers that CPU)")
 def test_w8a16_layers_in_a_native_segment_are_the_emulation(monkeypatch):
@@ -227,29 +261,16 @@ def test_w8a16_layers_in_a_native_segment_are_the_emulation(monkeypatch):
     from kiln.builder.lower import lower
     from kiln.quant import qdq
     from kiln.runtime.program import Program
-    rng = _rng("chain")
-    model = _chain(rng)
-    qdq.insert(model, {"x": 3.0, "r1": 6.0, "c2": 20.0}, "int8", unsigned=True, wide={"dw", "project"})
-    proto = ir.to_proto(model)
-    engine = kiln.build(proto, device="cpu")
-    tactics = {s.name: s.tactic for s in engine.plan.program.steps}
-    assert tactics["dw"] == "cpu.qconv.w8a16" and tactics["project"] in w8a16_tactics.TACTICS
-    assert any({"dw", "project"} <= {m.ctx.name for m in s.members} for s in engine.program.segments)
-    monkeypatch.setenv("KILN_NATIVE_SEGMENTS", "0")
-    alone = kiln.build(proto, device="cpu")
-    assert not alone.program.segments
-    program, weights, _, _ = lower(ir.from_proto(proto))
-    emulation = Program(program, weights)
-    eight = ir.from_proto(ir.to_proto(_chain(_rng("chain"))))  # the same chain, every layer int8
+    rng = case_rng("chain")
+    engine, alone, emulation = _chain_engines(rng, monkeypatch, w8a16_tactics.TACTICS)
+    eight = ir.from_proto(ir.to_proto(_chain(case_rng("chain"))))  # the same chain, every layer int8
     qdq.insert(eight, {"x": 3.0, "r1": 6.0, "c2": 20.0}, "int8", unsigned=True)
     program8, weights8, _, _ = lower(eight)
     all_int8 = Program(program8, weights8)
     for k in range(3):
         x = rng.normal(0, 1, (1, 8, 12, 12)).astype(np.float32)
-        got = engine.create_execution_context().run({"x": x})["y"]
-        np.testing.assert_array_equal(got, alone.create_execution_context().run({"x": x})["y"])
+        got, want = _chain_outputs(engine, alone, emulation, x)
         with torch.inference_mode():
-            want = emulation.run([torch.from_numpy(x)])[0].numpy()
             int8 = all_int8.run([torch.from_numpy(x)])[0].numpy()
         off, int8_off = np.abs(got - want).max(), np.abs(int8 - want).max()
         print(f"engine off the emulation by {off:.3g}, the int8 chain by {int8_off:.3g}, of {np.abs(want).max():.3g}")
@@ -263,7 +284,7 @@ def test_a_16bit_tensor_read_by_another_op_is_not_folded():
     DequantizeLinear -> Relu output): the QuantizeLinear stays a step, the layer reads its 16-bit output (the
     reference QConv then: no CPU kernel reads a stored 16-bit tensor), and the engine is still the graph."""
     from kiln.passes import PassOptions, optimize
-    rng = _rng("two readers")
+    rng = case_rng("two readers")
     model = _layer_model((1, 8, 6, 6), 8, 1, [1, 1], [0, 0, 0, 0], 1, "uint16", "Clip", False, rng)
     graph = model.graph
     graph.node.extend([helper.make_node("DequantizeLinear", ["q", "s", "z"], ["xd2"]),

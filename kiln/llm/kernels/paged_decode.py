@@ -132,6 +132,15 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, seq_lens, partia
                     mask=valid[:, None] & d_ok[None, :], other=0.0).to(q.dtype)
         acc = accumulate(acc, alpha, p, v, IEEE)
 
+    _store_split(acc, m, l, out_ptr, partial_ptr, lse_ptr, b, heads, row_ok, d, d_ok, split, split_len, seq_len,
+                 stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh)
+
+
+@triton.jit
+def _store_split(acc, m, l, out_ptr, partial_ptr, lse_ptr, b, heads, row_ok, d, d_ok, split, split_len, seq_len,
+                 stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh):
+    """Both split kernels' close: the rows' softmax-weighted sum of values (acc / l) as the partial and its
+    log-sum-exp (m + log l; -inf for rows that saw no key), for _merge_splits_kernel."""
     has_keys = l > 0
     out = acc / tl.where(has_keys, l, 1.0)[:, None]
     if split_len >= seq_len:
@@ -205,16 +214,8 @@ def _decode_packed_kernel(q_ptr, k_cache, v_cache, block_tables, seq_lens, parti
                     other=0.0).to(q.dtype)
         acc = accumulate(acc, alpha, p, v, IEEE)
 
-    has_keys = l > 0
-    out = acc / tl.where(has_keys, l, 1.0)[:, None]
-    if split_len >= seq_len:
-        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & d_ok[None, :])
-        return
-    lse = tl.where(has_keys, m + tl.log(tl.where(has_keys, l, 1.0)), float("-inf"))
-    tl.store(partial_ptr + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + d[None, :], out,
-             mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=row_ok)
+    _store_split(acc, m, l, out_ptr, partial_ptr, lse_ptr, b, heads, row_ok, d, d_ok, split, split_len, seq_len,
+                 stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh)
 
 
 @triton.jit

@@ -44,6 +44,17 @@ def _float_inputs(inputs: list[InputMeta]) -> str | None:
     return None
 
 
+def _computed_float_inputs(inputs: list[InputMeta], fewest: int) -> str | None:
+    """Why `inputs` are not `fewest` to EW_INPUTS float32 tensors computed at run time (None: they are)."""
+    if (why := _float_inputs(inputs)) is not None:
+        return why
+    if not fewest <= len(inputs) <= kernels.EW_INPUTS:
+        return f"{len(inputs)} inputs: {fewest} to {kernels.EW_INPUTS}"
+    if any(m.constant for m in inputs):
+        return "a constant input (folded or left to the default)"
+    return None
+
+
 # ---- kiln::Elementwise -------------------------------------------------------------------------------
 
 def _quantization(step: StepSpec, inputs: list[InputMeta]) -> kernels.Quantization | str:
@@ -102,12 +113,8 @@ register(Tactic(
 # ---- Concat ------------------------------------------------------------------------------------------
 
 def _concat_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
-    if (why := _float_inputs(inputs)) is not None:
+    if (why := _computed_float_inputs(inputs, 1)) is not None:
         return why
-    if not 1 <= len(inputs) <= kernels.EW_INPUTS:
-        return f"{len(inputs)} inputs: 1 to {kernels.EW_INPUTS}"
-    if any(m.constant for m in inputs):
-        return "a constant input (folded or left to the default)"
     rank, axis = len(inputs[0].shape), int(_attr(step, "axis", 0))
     if rank == 0 or not -rank <= axis < rank:
         return f"axis {axis} of a rank-{rank} tensor"
@@ -141,12 +148,8 @@ register(Tactic(
 # ---- Concat of NHWC images along channels ----------------------------------------------------------
 
 def _nhwc_concat_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
-    if (why := _float_inputs(inputs)) is not None:
+    if (why := _computed_float_inputs(inputs, 2)) is not None:
         return why
-    if not 2 <= len(inputs) <= kernels.EW_INPUTS:
-        return f"{len(inputs)} inputs: 2 to {kernels.EW_INPUTS}"
-    if any(m.constant for m in inputs):
-        return "a constant input (folded or left to the default)"
     shapes = [tuple(m.shape) for m in inputs]
     axis = int(_attr(step, "axis", 0))
     if any(len(s) != 4 for s in shapes) or not -4 <= axis < 4:
@@ -163,9 +166,12 @@ _IN_MEMORY = (0, 3, 1, 2)  # where each axis of [N, C, H, W] lies in its NHWC me
 def _nhwc_concat_prepare(step: StepSpec, constants: list[Any], device: torch.device):
     sizes = [tuple(size) for _, size in sorted((int(k), size) for k, size in step.tactic_config["input_sizes"])]
     axis = int(_attr(step, "axis", 0)) % 4
-    output_size = tuple(sum(s[axis] for s in sizes) if d == axis else sizes[0][d] for d in range(4))
-    # NHWC memory: the concat of the row-major [N, H, W, C] views along the axis's place there (channels: rows)
-    kernel = kernels.Concat([(s[0], s[2], s[3], s[1]) for s in sizes], _IN_MEMORY[axis])
+
+    def nhwc_concat(at_sizes: list[tuple[int, ...]]) -> kernels.Concat:
+        # NHWC memory: the concat of the row-major [N, H, W, C] views along the axis's place there (channels: rows)
+        return kernels.Concat([(s[0], s[2], s[3], s[1]) for s in at_sizes], _IN_MEMORY[axis])
+
+    kernel = nhwc_concat(sizes)
 
     def launch(ctx, *xs, **_attributes):
         if [tuple(x.shape) for x in xs] != sizes:
@@ -179,7 +185,6 @@ def _nhwc_concat_prepare(step: StepSpec, constants: list[Any], device: torch.dev
                           reads={k: (size, _F32) for k, size in enumerate(at_sizes)}, channels_last=True)
 
     @resizable
-
     def native_at(read_sizes: dict[int, tuple[int, ...]]) -> NativeStep:
         # another batch of a concat off the first axis (Swin's shifted windows): the same concat of each image
         at_sizes = [tuple(read_sizes[k]) for k in range(len(sizes))]
@@ -187,7 +192,7 @@ def _nhwc_concat_prepare(step: StepSpec, constants: list[Any], device: torch.dev
             return native_of(sizes, kernel)
         if axis == 0 or any(len(s) != 4 or s[0] != at_sizes[0][0] or s[1:] != t[1:] for s, t in zip(at_sizes, sizes)):
             raise ValueError(f"Concat {step.name!r}: sizes {at_sizes} are not another batch of {sizes}")
-        return native_of(at_sizes, kernels.Concat([(s[0], s[2], s[3], s[1]) for s in at_sizes], _IN_MEMORY[axis]))
+        return native_of(at_sizes, nhwc_concat(at_sizes))
 
     launch.native = native_at({k: size for k, size in enumerate(sizes)})
     return launch

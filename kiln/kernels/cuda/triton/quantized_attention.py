@@ -271,36 +271,9 @@ def _chunk_scores(q, k_base, mask_base, offs_m, row_ok, start_n, T, stride_kt, s
         else:
             k = tl.where(k_ok, qmath.to_float(k) - k_zero, 0.0).to(tl.float16)  # exact: |k8 - z| <= 255
     x = tl.dot(q, k) * score_multiplier  # exact products summed in fp32, then q̂·k̂ᵀ·scale / s_score
-    if HAS_SCORE_Q:
-        if FLOAT8:
-            s = _e4m3_grid(x, True) * score_scale
-        else:
-            s = _integer_grid(x, score_zero, SCORE_MIN, SCORE_MAX) * score_scale
-    else:
-        s = x
-    if HAS_MASK and MASK_ROWS:  # one mask value per (query, key)
-        bias = tl.load(mask_base + offs_m[:, None] * stride_ms + offs_n[None, :] * stride_mt,
-                       mask=row_ok[:, None] & key_ok[None, :], other=0)
-        if MASK_BOOL:
-            s = tl.where(bias != 0, s, float("-inf"))
-        else:
-            s = s + bias.to(tl.float32)
-        s = tl.where(key_ok[None, :], s, float("-inf"))
-    elif HAS_MASK and FULL_BLOCKS:  # a padding mask, [.., 1, T]: one key vector for every row
-        bias = tl.load(mask_base + offs_n * stride_mt)
-        if MASK_BOOL:
-            s = tl.where((bias != 0)[None, :], s, float("-inf"))
-        else:
-            s = s + bias.to(tl.float32)[None, :]
-    elif HAS_MASK:  # the same, the keys past T folded into the vector
-        bias = tl.load(mask_base + offs_n * stride_mt, mask=key_ok, other=0)
-        if MASK_BOOL:
-            s = tl.where(((bias != 0) & key_ok)[None, :], s, float("-inf"))
-        else:
-            s = s + tl.where(key_ok, bias.to(tl.float32), float("-inf"))[None, :]
-    elif not FULL_BLOCKS:
-        s = tl.where(key_ok[None, :], s, float("-inf"))
-    return s
+    g, _code = _score_units(x, score_zero, SCORE_MIN, SCORE_MAX, HAS_SCORE_Q, FLOAT8, E4M3_ARITHMETIC)
+    return _masked(g * score_scale if HAS_SCORE_Q else g, mask_base, offs_m, row_ok, start_n, T, stride_ms, stride_mt,
+                   HAS_MASK, MASK_BOOL, MASK_ROWS, FULL_BLOCKS, BLOCK_N)
 
 
 @triton.jit
@@ -361,12 +334,8 @@ def _one_pass_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr,
                 v = tl.where(v_ok, v.to(tl.float16), 0.0)
             else:
                 v = tl.where(v_ok, qmath.to_float(v) - v_zero, 0.0).to(tl.float16)
-        if HAS_PROB_Q:
-            if FLOAT8:
-                p = _e4m3_grid(p, False)
-            else:
-                p = _integer_grid(p, prob_zero, PROB_MIN, PROB_MAX)
-            acc = tl.dot(p.to(tl.float16), v, acc)  # exact products: both on 8-bit grids
+        if HAS_PROB_Q:  # exact products: both on 8-bit grids
+            acc = tl.dot(_prob_units(p, prob_zero, PROB_MIN, PROB_MAX, FLOAT8, E4M3_ARITHMETIC), v, acc)
         else:
             acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
     _store_rows(acc, out_ptr, batch, head, offs_m, row_ok, stride_ob, stride_oh, stride_os, stride_od, pv_scale,
@@ -462,7 +431,7 @@ def _held(word, SHIFT: tl.constexpr, score_zero, SCORE_MIN: tl.constexpr, FLOAT8
 @triton.jit
 def _masked(s, mask_base, offs_m, row_ok, start_n, T, stride_ms, stride_mt, HAS_MASK: tl.constexpr,
             MASK_BOOL: tl.constexpr, MASK_ROWS: tl.constexpr, FULL_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keys [start_n, start_n + BLOCK_N)'s scores s with the mask applied (_chunk_scores' tail): -inf past T."""
+    """Keys [start_n, start_n + BLOCK_N)'s scores s with the mask applied: -inf past T."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     key_ok = offs_n < T
     if HAS_MASK and MASK_ROWS:  # one mask value per (query, key)
@@ -479,7 +448,7 @@ def _masked(s, mask_base, offs_m, row_ok, start_n, T, stride_ms, stride_mt, HAS_
             s = tl.where((bias != 0)[None, :], s, float("-inf"))
         else:
             s = s + bias.to(tl.float32)[None, :]
-    elif HAS_MASK:
+    elif HAS_MASK:  # the same, the keys past T folded into the vector
         bias = tl.load(mask_base + offs_n * stride_mt, mask=key_ok, other=0)
         if MASK_BOOL:
             s = tl.where(((bias != 0) & key_ok)[None, :], s, float("-inf"))
