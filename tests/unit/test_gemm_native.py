@@ -456,6 +456,31 @@ def test_rows_of_rank_4_run_outside_native_segments():
         assert hasattr(launch, "native") == (native and onednn.available()), lead
 
 
+def test_the_launch_writes_a_given_output_of_its_form_and_a_fresh_one_otherwise():
+    """Program.run's `into` (execute()'s bound outputs, kiln/runtime/context.py): the launch outside a segment (GPT-2's
+    logits) writes a contiguous float32 tensor of its output's shape; another (shape, dtype, layout) it leaves, and
+    returns a fresh output. Oracle: float64."""
+    from kiln.tactics import registry
+
+    g = torch.Generator().manual_seed(16)
+    x, w, b, _ = data(g, (2, 3, 5), 40, 24)
+    tactic = next(t for t in registry.candidates("FusedGemm", "kiln", "cpu", 5) if t.name == NAME)
+    step = dataclasses.replace(make_step("FusedGemm", "kiln", 3), tactic=NAME,
+                               tactic_config={"input_size": [2, 3, 5, 40], "residual": False})
+    launch = tactic.prepare(step, [None, w, b], torch.device("cpu"))
+    assert launch.writes_into
+    want, scale = oracle(x, w, b, None, "", 1)
+    given = torch.full((2, 3, 5, 24), float("nan"))
+    got = launch(None, x, w, b, into=[given])
+    assert got.data_ptr() == given.data_ptr() and got.shape == given.shape
+    assert_close(given, want, scale)
+    for other in (torch.zeros(2, 3, 5, 25), torch.zeros(2, 3, 5, 24, dtype=torch.float64),
+                  torch.zeros(24, 5, 3, 2).permute(3, 2, 1, 0)):
+        got = launch(None, x, w, b, into=[other])
+        assert got.data_ptr() != other.data_ptr() and not other.any()
+        assert_close(got, want, scale)
+
+
 def _ffn(k: int, hidden: int, activation: str, residual: bool, lead: tuple[int, int] = (2, 7)
          ) -> tuple[ProgramSpec, dict]:
     """x [.., k] -> FusedGemm(activation) [.., hidden] (SwiGLU: [.., hidden / 2]) -> FusedGemm (+ x) [.., k], both

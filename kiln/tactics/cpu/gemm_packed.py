@@ -71,8 +71,14 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
     tuned = tuple(step.tactic_config["input_size"])
     bound: dict[int, gemm_native.BoundRows] = {}
 
-    def launch(ctx, x, w_=None, b_=None, residual=None, **_attributes):
-        return layer(x, residual if with_residual else None)  # x: [..., K] -> [..., N]
+    def launch(ctx, x, w_=None, b_=None, residual=None, into=None, **_attributes):
+        out = into[0] if into else None  # Program.run's: a bound output of exactly this output's form, written there
+        if out is not None and (out.dtype != torch.float32 or not out.is_contiguous()
+                                or tuple(out.shape) != (*x.shape[:-1], layer.n)):
+            out = None
+        return layer(x, residual if with_residual else None, out)  # x: [..., K] -> [..., N]
+
+    launch.writes_into = True
 
     def rows_of(size: tuple[int, ...]) -> int:
         if len(size) not in (2, 3) or size[-1] != tuned[-1]:
