@@ -151,7 +151,8 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
 
     def execute(self) -> dict[str, torch.Tensor]:
         """Run on the bound tensors (set_tensor_address): every input must be bound; outputs that are bound are
-        written there, the others come back as this context's buffers, overwritten by its next run. On the GPU the
+        written there (on the CPU in place where the layer computing one can write it, _outputs_into; else copied
+        after the run), the others come back as this context's buffers, overwritten by its next run. On the GPU the
         call is enqueued on the current stream, as run() is. A fixed-shape CUDA engine with CUDA graphs runs the
         whole call (input casts, network, output copies) as one captured graph, built at the first execute():
         a call is then one graph launch, with no Python per layer or per binding (a control loop's worst call
@@ -192,8 +193,9 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
     def _outputs_into(self) -> dict[int, torch.Tensor] | None:
         """The bound outputs a CPU run may write in place (Program.run's `into`, by output slot): each whose memory
         no other bound tensor shares (an input the run still reads, another output), of an engine without boundary
-        casts. The program's step that computes one writes it where it can; execute() copies the others."""
-        if not self._bound or self.engine.internal_dtype:
+        casts or buckets (a padded run's outputs are crops). The program's step that computes one writes it where it
+        can; execute() copies the others."""
+        if not self._bound or self.engine.internal_dtype or self.buckets is not None:
             return None
         spans = {name: (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for name, t in self._bound.items()}
         into = {}
