@@ -588,7 +588,8 @@ def exit_tensors(exit_shapes: list[tuple], into: list | None = None) -> list[tor
     if into is None:
         return [torch.empty_strided(size, strides, dtype=dtype) for size, strides, dtype in exit_shapes]
     return [t if t is not None and t.dtype == dtype and t.shape == size and t.stride() == tuple(strides)
-            else torch.empty_strided(size, strides, dtype=dtype) for t, (size, strides, dtype) in zip(into, exit_shapes)]
+            else torch.empty_strided(size, strides, dtype=dtype)
+            for t, (size, strides, dtype) in zip(into, exit_shapes)]
 
 
 def _int32_stores(where64: np.ndarray, value64: np.ndarray, where32: np.ndarray, value32: np.ndarray,

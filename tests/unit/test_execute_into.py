@@ -41,10 +41,9 @@ def _model() -> onnx.ModelProto:
              helper.make_node("MatMul", ["y", "W3"], ["z"]), helper.make_node("Reshape", ["z", "flat"], ["flat_z"]),
              helper.make_node("ArgMax", ["y"], ["top"], axis=-1, keepdims=0)]
     info = helper.make_tensor_value_info
-    graph = helper.make_graph(nodes, "kinds", [info("x", TensorProto.FLOAT, ["b", "s", 16])],
-                              [info("y", TensorProto.FLOAT, ["b", "s", 16]), info("z", TensorProto.FLOAT, ["b", "s", 16]),
-                               info("flat_z", TensorProto.FLOAT, ["b", None]), info("top", TensorProto.INT64, ["b", "s"])],
-                              weights)
+    outputs = [info("y", TensorProto.FLOAT, ["b", "s", 16]), info("z", TensorProto.FLOAT, ["b", "s", 16]),
+               info("flat_z", TensorProto.FLOAT, ["b", None]), info("top", TensorProto.INT64, ["b", "s"])]
+    graph = helper.make_graph(nodes, "kinds", [info("x", TensorProto.FLOAT, ["b", "s", 16])], outputs, weights)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
 
 
