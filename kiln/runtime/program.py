@@ -394,7 +394,7 @@ def _writers(steps: list[BoundStep], into: dict[int, torch.Tensor]) -> dict[int,
     """Program.run's `into` per step that writes one of its slots and takes tensors to write into (`writes_into`):
     id of the step -> a tensor or None per output."""
     return {id(step): [into.get(s) for s in step.outputs] for step in steps
-            if getattr(step.fn, "writes_into", False) and any(s in into for s in step.outputs)}
+            if not into.keys().isdisjoint(step.outputs) and getattr(step.fn, "writes_into", False)}
 
 
 @dataclass
