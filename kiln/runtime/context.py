@@ -104,6 +104,7 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
         self._bucketed: dict[tuple, _BucketedRun] = {}  # bucketed runs: input signature -> what its shapes decide
         self._bound: dict[str, torch.Tensor] = {}  # set_tensor_address: caller-owned tensors by binding name
         self._io_graph: tuple[Any, dict[str, torch.Tensor]] | None = None  # execute()'s whole-call graph
+        self._into: dict[int, torch.Tensor] | None = None  # during execute() on the CPU: bound outputs by output slot
         self.warmed_up: WarmUp | None = None  # the last warm_up()'s report
         self._static_replay: StaticReplay | None = None  # run()'s path once a fixed-shape engine's graph is captured
         self._token_buckets: dict[int, torch.Tensor] = {}  # a padding-free run's token bucket by rows (its shape)
@@ -150,7 +151,8 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
 
     def execute(self) -> dict[str, torch.Tensor]:
         """Run on the bound tensors (set_tensor_address): every input must be bound; outputs that are bound are
-        written there, the others come back as this context's buffers, overwritten by its next run. On the GPU the
+        written there (on the CPU in place where the layer computing one can write it, _outputs_into; else copied
+        after the run), the others come back as this context's buffers, overwritten by its next run. On the GPU the
         call is enqueued on the current stream, as run() is. A fixed-shape CUDA engine with CUDA graphs runs the
         whole call (input casts, network, output copies) as one captured graph, built at the first execute():
         a call is then one graph launch, with no Python per layer or per binding (a control loop's worst call
@@ -169,7 +171,11 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
                 self._io_graph = captured
                 captured[0].replay()
                 return captured[1]
-        results = self.run(feeds)
+        self._into = self._outputs_into() if self.engine.device.type == "cpu" else None
+        try:
+            results = self.run(feeds)
+        finally:
+            self._into = None
         outputs = {}
         for name, value in results.items():
             bound = self._bound.get(name)
@@ -179,9 +185,26 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
             if tuple(value.shape) != tuple(bound.shape):
                 raise BindingError(f"output {name!r}: the run produced shape {list(value.shape)}, the bound tensor "
                                    f"is {list(bound.shape)}")
-            bound.copy_(value)
+            if value.data_ptr() != bound.data_ptr() or value.dtype != bound.dtype or value.stride() != bound.stride():
+                bound.copy_(value)  # (else the run wrote it there: Program.run's `into`)
             outputs[name] = bound
         return outputs
+
+    def _outputs_into(self) -> dict[int, torch.Tensor] | None:
+        """The bound outputs a CPU run may write in place (Program.run's `into`, by output slot): each whose memory
+        no other bound tensor shares (an input the run still reads, another output), of an engine without boundary
+        casts or buckets (a padded run's outputs are crops). The program's step that computes one writes it where it
+        can; execute() copies the others."""
+        if not self._bound or self.engine.internal_dtype or self.buckets is not None:
+            return None
+        spans = {name: (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for name, t in self._bound.items()}
+        into = {}
+        for binding, slot in zip(self.engine.outputs, self.program.output_slots):
+            span = spans.get(binding.name)
+            if span is not None and span[0] < span[1] and not any(
+                    other != binding.name and lo < span[1] and span[0] < hi for other, (lo, hi) in spans.items()):
+                into[slot] = self._bound[binding.name]
+        return into or None
 
     def _check(self, feeds: dict[str, Any]) -> None:
         expected = {b.name: b for b in self.engine.inputs}
@@ -319,9 +342,10 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
             return self.runner.run(args) if program is None else self.runner.run(args, program)
         if program is not None:
             return program.run(args)
+        into = self._into if rows is None else None  # (a packed program's outputs are its rows')
         if self._first_calls is not None:
-            return self._first_calls.run(args)
-        return self.program.run(args)
+            return self._first_calls.run(args, into)
+        return self.program.run(args, into=into)
 
     def _token_bucket(self, rows: int, device: torch.device) -> torch.Tensor:
         """A padding-free program's last input: `rows` bytes, read for its shape alone, made once per row count."""

@@ -170,19 +170,20 @@ class FirstCalls:
         self.rate_floor = float("inf")  # at most the ms / work of every bound shape (Hosts' bound)
         self._lock = threading.Lock()
 
-    def run(self, args: list[Any]) -> list[Any]:
+    def run(self, args: list[Any], into: dict[int, Any] | None = None) -> list[Any]:
+        """`into`: as Program.run's, for a run at the call's own sizes (a padded run's outputs are crops of its own)."""
         signature = input_signature(args)
         if signature is None:
-            return self.program.run(args)
+            return self.program.run(args, into=into)
         known = self.bound.get(signature)
         if known is not None:
-            return self._run_exact(args, signature, known)
+            return self._run_exact(args, signature, known, into)
         sizes = self._sizes(signature)
         host = self._host(args, signature, sizes)
         if host is not None:
             return self._run_padded(args, sizes, host)
         self._paid.pop(signature, None)
-        return self._run_exact(args, signature, None)
+        return self._run_exact(args, signature, None, into)
 
     def run_direct(self, arrays: list[np.ndarray], signature: tuple, direct: DirectRuns) -> list[np.ndarray] | None:
         """`run`'s choice for numpy inputs (C-contiguous, of `signature`) through `direct` (kiln/runtime/direct_run.py):
@@ -239,10 +240,11 @@ class FirstCalls:
                 self._add(BoundShape(signature, self._sizes(signature), 0, ms, ms))
         return results
 
-    def _run_exact(self, args: list[Any], signature: tuple, known: BoundShape | None) -> list[Any]:
+    def _run_exact(self, args: list[Any], signature: tuple, known: BoundShape | None,
+                   into: dict[int, Any] | None = None) -> list[Any]:
         """The program at the call's own size; its time recorded (a first run's: the shape's first_ms)."""
         t0 = time.thread_time_ns()
-        results = self.program.run(args)
+        results = self.program.run(args, into=into)
         ms = (time.thread_time_ns() - t0) / 1e6
         with self._lock:
             if known is None:

@@ -60,7 +60,7 @@ from kiln.runtime.native_batches import (PLANS, BatchPlan, another_batch, batch_
                                         planned_batch)
 from kiln.runtime.native_members import (_bind_member, _entry_forms, _form, _forms, _run_loop, reads_of, serial_calls,
                                          writes_of)
-from kiln.runtime.native_views import _PlanRewrite, _Resized
+from kiln.runtime.native_views import _PlanRewrite, _Resized, exit_tensors
 from kiln.runtime.step import BoundStep, call_step
 from kiln.tactics.tactic import NativeStep, native_strides, row_major_strides
 
@@ -701,25 +701,30 @@ class Segment:
                 return False
         return True
 
-    def __call__(self, ctx, *values):
+    writes_into = True  # Program.run may give __call__ tensors to write its exits into
+
+    def __call__(self, ctx, *values, into: list | None = None):
+        """One run; `into`: a tensor (or None) per exit that the run writes that exit into where it has the exit's
+        size, strides and dtype (exit_tensors; execute()'s bound outputs), on the planned sizes or a view; a batch in
+        runs and the layers one by one make their own."""
         key = _entry_key(values, self.entry_dtypes)  # the entries' sizes, in one pass (a repeated call's whole check)
         if key is not None:
             if key == self._planned_key:
-                return self._run_bound(values)
+                return self._run_bound(values, into)
             plan = self._batch_runs(key)
             if plan is not None:  # another batch: runs of this segment or its view, or that batch bound exactly
                 return call_batch(self, key, values, plan)  # once met often (native_batches.py)
-            return self.run_resized(key, values)
+            return self.run_resized(key, values, into)
         out = self.fallback(list(values))
         return tuple(out) if len(out) != 1 else out[0]
 
-    def run_resized(self, key: tuple, values: tuple) -> Any:
+    def run_resized(self, key: tuple, values: tuple, into: list | None = None) -> Any:
         """One run on entries of sizes `key` (not the planned ones) on this segment's view at them (_bind_sizes),
         or layer by layer where it has none."""
         with self._resize_lock:  # contexts of one engine share its segments
             other = self._bind_sizes(key)
         if other is not None:
-            return other._run_bound(values)
+            return other._run_bound(values, into)
         out = self.fallback(list(values))
         return tuple(out) if len(out) != 1 else out[0]
 
@@ -748,9 +753,9 @@ class Segment:
                     forget(self, *plans.popitem(last=False))
         return plan
 
-    def _run_bound(self, values: tuple) -> Any:
-        """One run on entries of the planned sizes and dtypes: fresh exit tensors."""
-        exits = [torch.empty_strided(size, strides, dtype=dtype) for size, strides, dtype in self.exit_shapes]
+    def _run_bound(self, values: tuple, into: list | None = None) -> Any:
+        """One run on entries of the planned sizes and dtypes: fresh exit tensors (or `into`'s, exit_tensors)."""
+        exits = exit_tensors(self.exit_shapes, into)
         # NCHW images go through the reorders at the head of the loop; other entries in another
         # layout are copied into a buffer of the segment's (no fresh pages per run)
         staged = bool(self._staged) and all(not self._laid_out(k, values[k]) and values[k].is_contiguous()

@@ -581,6 +581,17 @@ class _CallImage:
                 ctypes.c_int(-1))  # ctypes arrays over the numpy copies (which they keep alive)
 
 
+def exit_tensors(exit_shapes: list[tuple], into: list | None = None) -> list[torch.Tensor]:
+    """A run's exit tensors, (size, strides, dtype) each: fresh, or where `into` (one per exit, or None) holds a tensor
+    of exactly that size, strides and dtype, that tensor (execute()'s bound outputs, Program.run's `into`: the run
+    writes the caller's pages, no copy after)."""
+    if into is None:
+        return [torch.empty_strided(size, strides, dtype=dtype) for size, strides, dtype in exit_shapes]
+    return [t if t is not None and t.dtype == dtype and t.shape == size and t.stride() == tuple(strides)
+            else torch.empty_strided(size, strides, dtype=dtype)
+            for t, (size, strides, dtype) in zip(into, exit_shapes)]
+
+
 def _int32_stores(where64: np.ndarray, value64: np.ndarray, where32: np.ndarray, value32: np.ndarray,
                   remap: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """A view's plan stores as one: (int32 word of the plan buffer, int32 half of the values array) of every
@@ -749,8 +760,8 @@ class _Resized:
         return cls.from_members(template, owners, [b.calls() for b in owners], anew, [forms[s] for s in template.exits],
                                 _entry_forms(template.entries, template._entry_readers, natives), owners)
 
-    def _run_bound(self, values: tuple) -> Any:
-        exits = [torch.empty_strided(size, strides, dtype=dtype) for size, strides, dtype in self.exit_shapes]
+    def _run_bound(self, values: tuple, into: list | None = None) -> Any:
+        exits = exit_tensors(self.exit_shapes, into)
         entries = []
         for v, layout in zip(values, self.entry_layouts):
             laid_out = v.is_contiguous(memory_format=torch.channels_last) if layout == "nhwc" else v.is_contiguous()

@@ -244,8 +244,11 @@ class Program:
         copy.shape_plans = None  # ... and runs, shape steps included
         return copy
 
-    def run(self, inputs: list[Any], outer: dict[str, Any] | None = None, plan: Any = None) -> list[Any]:
-        """Run once. `plan` (a ShapePlan, kiln/runtime/host.py) is only used on CUDA."""
+    def run(self, inputs: list[Any], outer: dict[str, Any] | None = None, plan: Any = None,
+            into: dict[int, torch.Tensor] | None = None) -> list[Any]:
+        """Run once. `plan` (a ShapePlan, kiln/runtime/host.py) is only used on CUDA. `into` (the CPU): tensors by
+        output slot, each written by the step that computes that output where the step can (a kernel with
+        `writes_into`: a native segment's exit of the tensor's size, strides and dtype); the others are fresh."""
         if self.device is not None and self.device.type == "cuda":
             return self._run_on_device(inputs, outer, plan)
         env = list(self.template)
@@ -274,9 +277,13 @@ class Program:
                     steps = self.first_steps
                 except Exception:  # noqa: BLE001  the steps one by one: they name a failing layer
                     pass
+        writers = _writers(steps, into) if into else None
         for step in steps:
             args = [env[s] if s >= 0 else None for s in step.inputs]
-            result = call_step(step.fn, step.ctx, args, step.attributes)
+            if writers is not None and id(step) in writers:
+                result = call_step(step.fn, step.ctx, args, {**step.attributes, "into": writers[id(step)]})
+            else:
+                result = call_step(step.fn, step.ctx, args, step.attributes)
             out_slots = step.outputs
             if len(out_slots) == 1:
                 if isinstance(result, tuple):
@@ -381,6 +388,13 @@ class Program:
             for s in step.free:
                 env[s] = None
         return [env[s] for s in self.output_slots]
+
+
+def _writers(steps: list[BoundStep], into: dict[int, torch.Tensor]) -> dict[int, list]:
+    """Program.run's `into` per step that writes one of its slots and takes tensors to write into (`writes_into`):
+    id of the step -> a tensor or None per output."""
+    return {id(step): [into.get(s) for s in step.outputs] for step in steps
+            if not into.keys().isdisjoint(step.outputs) and getattr(step.fn, "writes_into", False)}
 
 
 @dataclass

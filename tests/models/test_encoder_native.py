@@ -140,8 +140,8 @@ def test_other_shapes_are_views_over_one_growing_template(bert, monkeypatch):
     segment._grown = None  # the segment is its own template again
     ran = []
     run_view = native._Resized._run_bound
-    monkeypatch.setattr(native._Resized, "_run_bound", lambda view, values: ran.append((view, values))
-                        or run_view(view, values))
+    monkeypatch.setattr(native._Resized, "_run_bound", lambda view, values, into=None: ran.append((view, values))
+                        or run_view(view, values, into))
     shapes = [(1, 5), (2, 9), (6, 80), (3, 33), (1, 80), (5, 2), (4, 61)]
     for b, s in shapes:
         x = feeds(b, s, padded_mask(b, s, "mixed"))

@@ -13,6 +13,7 @@ the tuned and other row counts, and an engine against onnxruntime.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import os
@@ -27,8 +28,10 @@ import torch
 
 from kiln.kernels.cpu import cpu_features, gemm_native, onednn
 from kiln.plan.spec import ProgramSpec, StepSpec
+from kiln.runtime import native
 from kiln.runtime.program import Program
 from tests.unit.oracle import ACTIVATION_ORACLE
+from tests.unit.test_native_binding import _calls
 from tests.unit.tactic_check import make_step, reason, run_against_reference
 
 NAME = "cpu.gemm.kiln_packed"
@@ -453,18 +456,44 @@ def test_rows_of_rank_4_run_outside_native_segments():
         assert hasattr(launch, "native") == (native and onednn.available()), lead
 
 
-def _ffn(k: int, hidden: int, activation: str, residual: bool) -> tuple[ProgramSpec, dict]:
+def test_the_launch_writes_a_given_output_of_its_form_and_a_fresh_one_otherwise():
+    """Program.run's `into` (execute()'s bound outputs, kiln/runtime/context.py): the launch outside a segment (GPT-2's
+    logits) writes a contiguous float32 tensor of its output's shape; another (shape, dtype, layout) it leaves, and
+    returns a fresh output. Oracle: float64."""
+    from kiln.tactics import registry
+
+    g = torch.Generator().manual_seed(16)
+    x, w, b, _ = data(g, (2, 3, 5), 40, 24)
+    tactic = next(t for t in registry.candidates("FusedGemm", "kiln", "cpu", 5) if t.name == NAME)
+    step = dataclasses.replace(make_step("FusedGemm", "kiln", 3), tactic=NAME,
+                               tactic_config={"input_size": [2, 3, 5, 40], "residual": False})
+    launch = tactic.prepare(step, [None, w, b], torch.device("cpu"))
+    assert launch.writes_into
+    want, scale = oracle(x, w, b, None, "", 1)
+    given = torch.full((2, 3, 5, 24), float("nan"))
+    got = launch(None, x, w, b, into=[given])
+    assert got.data_ptr() == given.data_ptr() and got.shape == given.shape
+    assert_close(given, want, scale)
+    for other in (torch.zeros(2, 3, 5, 25), torch.zeros(2, 3, 5, 24, dtype=torch.float64),
+                  torch.zeros(24, 5, 3, 2).permute(3, 2, 1, 0)):
+        got = launch(None, x, w, b, into=[other])
+        assert got.data_ptr() != other.data_ptr() and not other.any()
+        assert_close(got, want, scale)
+
+
+def _ffn(k: int, hidden: int, activation: str, residual: bool, lead: tuple[int, int] = (2, 7)
+         ) -> tuple[ProgramSpec, dict]:
     """x [.., k] -> FusedGemm(activation) [.., hidden] (SwiGLU: [.., hidden / 2]) -> FusedGemm (+ x) [.., k], both
-    on the tactic."""
+    on the tactic, tuned at rows `lead`."""
     g = torch.Generator().manual_seed(13)
     inner = hidden // 2 if activation == "SwiGLU" else hidden
     weights = {"w1": torch.randn(hidden, k, generator=g) / k ** 0.5, "b1": torch.randn(hidden, generator=g),
                "w2": torch.randn(k, inner, generator=g) / inner ** 0.5, "b2": torch.randn(k, generator=g)}
     up = StepSpec("FusedGemm", "up", ["x", "w1", "b1"], ["h"], {"activation": activation}, domain="kiln",
-                  tactic=NAME, tactic_config={"input_size": [2, 7, k], "residual": False})
+                  tactic=NAME, tactic_config={"input_size": [*lead, k], "residual": False})
     down = StepSpec("FusedGemm", "down", ["h", "w2", "b2"] + (["x"] if residual else []), ["y"],
                     {"residual_after_activation": 1}, domain="kiln", tactic=NAME,
-                    tactic_config={"input_size": [2, 7, inner], "residual": residual})
+                    tactic_config={"input_size": [*lead, inner], "residual": residual})
     return ProgramSpec(["x"], ["y"], [up, down], {s: s for s in weights}), weights
 
 
@@ -485,6 +514,46 @@ def test_a_transformer_ffn_runs_as_one_native_segment_at_every_row_count(activat
             h, _ = oracle(x, weights["w1"], weights["b1"], None, activation, 1)
         want, scale = oracle(h, weights["w2"], weights["b2"], x if residual else None, "", 1)
         assert_close(got, want, scale)
+
+
+@pytest.mark.skipif(not onednn.available(), reason="a native segment binds oneDNN memory objects")
+def test_a_swiglu_segment_tuned_past_the_rows_read_in_place_rewrites_its_views_up_to_its_rows():
+    """A SwiGLU layer bound past small_m rows stages C in its call's scratch (gemm.c's K-blocked path; AVX2's
+    small_m at a small K is 48 rows, the profile's largest of llama_tiny's MLP segments more). Its size rule keeps
+    that place (PackedLinear.c_rows): views at other rows up to the template's have every plan rewritten (the walk
+    traceable), each plan byte for byte the template call replanned there, and run as the float64 oracle says.
+    Before, the rule refused the template's own rows: every view of the segment walked and bound that layer
+    (~0.5 ms of each first call of llama_tiny on an AVX2 EPYC, bench/results/first-shape-2026-12-07.md)."""
+    small = gemm_native.small_rows(gemm_native.linear_kernel(), 48)
+    seq = small // 2 + 5  # the template: 2 x seq rows, past small_m
+    spec, weights = _ffn(48, 100, "SwiGLU", True, lead=(2, seq))
+    program = Program(spec, weights)
+    [segment] = program.segments
+    g = torch.Generator().manual_seed(15)
+    compared = 0
+    for shape in ((2, seq, 48), (1, 3, 48), (1, small, 48), (1, small + 7, 48), (2, seq - 2, 48), (3, 5, 48)):
+        x = torch.randn(*shape, generator=g)
+        with torch.inference_mode():
+            got = program.run([x])[0]
+        h, _ = swiglu_oracle(x, weights["w1"], weights["b1"], None)
+        want, scale = oracle(h, weights["w2"], weights["b2"], x, "", 1)
+        assert_close(got, want, scale)
+        key = (tuple(shape),)
+        if key == (tuple(segment.entry_sizes[0]),):
+            continue  # the template itself
+        rewritten = segment._rewritten(key)
+        assert rewritten is not None, shape
+        replanned = native._Resized.bound_at(segment, segment._natives_at(key).natives)
+        for a, b, owner in zip(_calls(rewritten), _calls(replanned), replanned._owned):
+            size = ctypes.sizeof(owner._plan)
+            assert a[0] == b[0] and ctypes.string_at(a[1], size) == ctypes.string_at(b[1], size), (shape, owner)
+            compared += 1
+    rewrite = segment._rewrite
+    assert all(member[0] is not None for member in rewrite._members)  # a rule for the SwiGLU layer too
+    assert rewrite._calls is not None and rewrite._whole.traceable
+    assert compared == 2 * 5
+    with pytest.raises(ValueError, match="needs scratch"):  # past the template's C place: the segment grows
+        segment._natives[0].plan_at((2, seq + 1, 48))
 
 
 def test_engine_on_kiln_gemm_matches_onnxruntime(monkeypatch):

@@ -180,7 +180,8 @@ def test_a_batch_met_often_is_bound_exactly_and_swapped_in(resnet, monkeypatch, 
     assert (key in segment._bound_batches) == (kept == "bound")
     served = []
     real_bound, real_runs = Segment._run_bound, native_batches.run_batches
-    monkeypatch.setattr(Segment, "_run_bound", lambda self, values: served.append("bound") or real_bound(self, values))
+    monkeypatch.setattr(Segment, "_run_bound",
+                        lambda self, values, into=None: served.append("bound") or real_bound(self, values, into))
     monkeypatch.setattr(native_batches, "run_batches",
                         lambda seg, values, p: served.append("runs") or real_runs(seg, values, p))
     _check(context, session, rng, batch)
@@ -442,7 +443,8 @@ def test_a_segment_without_batch_runs_binds_a_batch_met_often(resnet, monkeypatc
     assert plan.state == "bound"
     served = []
     real_bound = Segment._run_bound
-    monkeypatch.setattr(Segment, "_run_bound", lambda self, values: served.append(self) or real_bound(self, values))
+    monkeypatch.setattr(Segment, "_run_bound",
+                        lambda self, values, into=None: served.append(self) or real_bound(self, values, into))
     _check(context, session, rng, 5)
     assert plan.bound in served
     assert segment._batch_runs(((5, 3, 32, 32),)) is None

@@ -253,6 +253,20 @@ def test_gemm_row_fields_are_the_plan_fields_and_refuse_rows_that_need_scratch()
     assert swiglu.row_fields(swiglu.small_m)["M"] == swiglu.small_m
     with pytest.raises(ValueError, match="needs scratch"):
         swiglu.row_fields(swiglu.small_m + 1)  # SwiGLU's C before the gating: plan() makes it
+    # a plan past small_m rows holds C for its rows (c_rows): up to them, replans over its scratch keep that place
+    # and differ from it by row_fields' fields alone
+    rows = swiglu.small_m + 5
+    plan, scratch = swiglu.plan(rows)
+    assert swiglu.c_rows(rows) == rows and swiglu.c_rows(swiglu.small_m) == 0 and plan.c_scratch
+    for r in (1, swiglu.small_m, rows - 1, rows):
+        again, _ = swiglu.plan(r, scratch)
+        fields = swiglu.row_fields(r, rows)
+        assert fields == {"M": again.M, "threads": again.threads}, r
+        for name, value in fields.items():
+            setattr(plan, name, value)
+        assert bytes(plan) == bytes(again), r
+    with pytest.raises(ValueError, match="needs scratch"):
+        swiglu.row_fields(rows + 1, rows)
 
 
 

@@ -238,12 +238,16 @@ def plan_threads(rows: int, gemm_n: int, k: int) -> int:
     return 1 if rows * gemm_n * k <= PARALLEL_MACS else 0
 
 
-def row_fields(rows: int, k: int, gemm_n: int, small_m: int, pack_m: int, swiglu: bool) -> dict[str, int]:
+def row_fields(rows: int, k: int, gemm_n: int, small_m: int, pack_m: int, swiglu: bool,
+               c_rows: int = 0) -> dict[str, int]:
     """PackedLinear.row_fields of a layer with these constants, without packing its weight: a size rule of a layer
     that runs some row counts on kiln's GEMM (kiln/tactics/cpu/onednn_gemm.py OtherRows) answers before that layer
-    is packed. Arithmetic and comparisons of `rows` only (a traced rule follows it)."""
-    if rows > max(small_m, pack_m) or (swiglu and rows > small_m):
+    is packed. Arithmetic and comparisons of `rows` only (a traced rule follows it). `c_rows`: the rows of SwiGLU's
+    C that the template plan's scratch holds (PackedLinear.c_rows): up to them its c_scratch is kept, not written."""
+    if rows > max(small_m, pack_m) or (swiglu and rows > max(small_m, c_rows)):
         raise ValueError(f"kiln GEMM at {rows} rows needs scratch: plan() binds it")
+    if c_rows:
+        return {"M": rows, "threads": plan_threads(rows, gemm_n, k)}
     return {"M": rows, "threads": plan_threads(rows, gemm_n, k), "c_scratch": 0}
 
 
@@ -306,19 +310,29 @@ class PackedLinear:
                 K=self.k, N=self.gemm_n, kernel=self.kernel.index, small_m=self.small_m, pack_m=self.pack_m,
                 out_n=self.n, **self._epilogue)
         base = scratch.data_ptr() if scratch is not _NO_SCRATCH else 0
-        plan = _Plan(scratch=base, M=rows, threads=self._threads(rows), c_scratch=base + 4 * packed_a if c else None,
-                     **constants)
+        # SwiGLU's C place wherever the scratch holds C past small_m rows, at any row count (gemm.c reads it past
+        # small_m rows only): a replan at fewer rows over its call's scratch keeps it, as a view's plan does (c_rows)
+        holds_c = self.swiglu and scratch.numel() - packed_a > self.small_m * self.gemm_n
+        plan = _Plan(scratch=base, M=rows, threads=self._threads(rows),
+                     c_scratch=base + 4 * packed_a if holds_c else None, **constants)
         return plan, scratch
+
+    def c_rows(self, rows: int) -> int:
+        """The rows of SwiGLU's C that plan(rows) makes a place for at the scratch's start (no A packed before it),
+        or 0: a view at up to that many rows keeps the place (row_fields' c_rows); past them, or past the rows
+        read in place, a view's rule refuses and the segment binds or grows."""
+        return rows if self.swiglu and self.small_m < rows <= self.pack_m else 0
 
     def _threads(self, rows: int) -> int:
         """The plan's `threads`: 1 (the calling thread alone) for a product too small to share out, else 0 (all)."""
         return plan_threads(rows, self.gemm_n, self.k)
 
-    def row_fields(self, rows: int) -> dict[str, int]:
+    def row_fields(self, rows: int, c_rows: int = 0) -> dict[str, int]:
         """The fields of plan(rows, scratch) that follow the row count, where that plan needs no scratch (A read in
-        place, no SwiGLU staging): what a native segment's view writes into a copy of its template's plan.
+        place, no SwiGLU staging) or, over a template call's scratch holding SwiGLU's C for `c_rows` rows (c_rows()),
+        up to those rows: what a native segment's view writes into a copy of its template's plan.
         ValueError at row counts whose plan needs scratch (plan() makes those)."""
-        return row_fields(rows, self.k, self.gemm_n, self.small_m, self.pack_m, self.swiglu)
+        return row_fields(rows, self.k, self.gemm_n, self.small_m, self.pack_m, self.swiglu, c_rows)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:

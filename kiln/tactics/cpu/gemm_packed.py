@@ -71,8 +71,14 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
     tuned = tuple(step.tactic_config["input_size"])
     bound: dict[int, gemm_native.BoundRows] = {}
 
-    def launch(ctx, x, w_=None, b_=None, residual=None, **_attributes):
-        return layer(x, residual if with_residual else None)  # x: [..., K] -> [..., N]
+    def launch(ctx, x, w_=None, b_=None, residual=None, into=None, **_attributes):
+        out = into[0] if into else None  # Program.run's: a bound output of exactly this output's form, written there
+        if out is not None and (out.dtype != torch.float32 or not out.is_contiguous()
+                                or tuple(out.shape) != (*x.shape[:-1], layer.n)):
+            out = None
+        return layer(x, residual if with_residual else None, out)  # x: [..., K] -> [..., N]
+
+    launch.writes_into = True
 
     def rows_of(size: tuple[int, ...]) -> int:
         if len(size) not in (2, 3) or size[-1] != tuned[-1]:
@@ -87,14 +93,23 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
         if at_size is None or at_size.input_size != size:
             at_size = bound[rows] = layer.rows(size)
         return NativeStep(size, at_size.output_size, same_primitive(at_size),
-                          residual_input=3 if with_residual else None, plan_at=plan_at)
+                          residual_input=3 if with_residual else None, plan_at=plan_rule(layer.c_rows(rows)))
 
-    def sized(size: tuple[int, ...]) -> SizedPlan:  # native_at's sizes, without a BoundRows
-        return SizedPlan(((*size[:-1], layer.n),), layer.row_fields(rows_of(size)))
+    rules: dict[int, PlanRule] = {}
 
-    # row_fields follows these alone
-    plan_at = PlanRule(sized, ("kiln_gemm", layer.k, layer.n, layer.gemm_n, layer.small_m, layer.pack_m, layer.swiglu),
-                       traceable=True)
+    def plan_rule(c_rows: int) -> PlanRule:
+        """The size rule of the layer bound at rows whose plan holds SwiGLU's C for `c_rows` rows (0: none): a
+        SwiGLU layer's template past small_m rows (AVX2's 48 at small K: llama_tiny's grown MLP segments) is then
+        rewritten at new rows up to its own, not bound at each."""
+        rule = rules.get(c_rows)
+        if rule is None:
+            def sized(size: tuple[int, ...]) -> SizedPlan:  # native_at's sizes, without a BoundRows
+                return SizedPlan(((*size[:-1], layer.n),), layer.row_fields(rows_of(size), c_rows))
+
+            # row_fields follows these alone
+            rule = rules[c_rows] = PlanRule(sized, ("kiln_gemm", layer.k, layer.n, layer.gemm_n, layer.small_m,
+                                                    layer.pack_m, layer.swiglu, c_rows), traceable=True)
+        return rule
 
     # a segment points oneDNN memory objects at each run's buffers; its 4-D values are NHWC in memory,
     # so rows of rank 4 ([N, H, W, C] after a Transpose: ConvNeXt's MLP) run outside segments
