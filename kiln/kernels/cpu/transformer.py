@@ -54,9 +54,9 @@ def set_narrow_norm(on: bool) -> None:
 
 
 def set_attention_pair_work(work: int) -> int:
-    """Each (query, key) pair's softmax counted as `work` multiply-adds when attention.c decides whether a head's
-    work is worth a parallel loop (kiln_attention_pair_work; 0: the products only, as before), as a benchmark's
-    other side or a test's. Returns the value it replaced."""
+    """Each (query, key) pair's softmax of a quantized attention counted as `work` multiply-adds when attention.c
+    decides whether its heads are worth a parallel loop (kiln_attention_pair_work; 0: the products only, as
+    before), as a benchmark's other side or a test's. Returns the value it replaced."""
     lib = load()
     if lib is None:
         raise RuntimeError(f"kiln's transformer kernels are unavailable: {reason()}")
