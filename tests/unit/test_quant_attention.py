@@ -244,6 +244,56 @@ def test_the_c_kernel_s_one_score_pass_is_its_separate_passes(T, all_quantized):
             assert want[0].std() > 0.1 and (want[1] == 0).all()
 
 
+@pytest.mark.parametrize("quantized, h, d", [(True, 4, 16), (False, 4, 64)], ids=["uint8", "float"])
+def test_the_c_kernel_is_bit_identical_on_one_and_two_threads(quantized, h, d):
+    """The quantized BERT-tiny's attention (4 heads of 16, 128 tokens: 2M multiply-adds) splits over the engine's
+    threads since attention.c counts each (query, key) pair's softmax (kiln_attention_pair_work); before, it ran
+    on one. Its rows are independent: the same bits at 1 and 2 threads and with the pairs counted as before (one
+    thread), and within one output step of the torch reference. The float case: heads of 64, split either way.
+    Random q/k/v, an additive padding mask."""
+    from kiln.tactics.cpu.attention import attention_plan
+    from kiln.kernels.cpu import transformer as kernels
+
+    if not kernels.available():
+        pytest.skip(kernels.reason())
+    rng = np.random.default_rng(zlib.crc32(f"threads {quantized}".encode()))
+    b, t = 1, 128
+    attrs = {"scale": 0.25, "q_perm": [0, 2, 1, 3], "k_perm": [0, 2, 1, 3], "v_perm": [0, 2, 1, 3],
+             "out_perm": [0, 2, 1, 3]}
+    if quantized:
+        attrs |= {"q_quant": [0.02, 120.0], "k_quant": [0.03, 131.0], "v_quant": [0.05, 127.0],
+                  "score_quant": [0.04, 140.0, 0.0, 255.0], "prob_quant": [1 / 255, 0.0, 0.0, 255.0],
+                  "out_quant": [0.03, 128.0, 0.0, 255.0]}
+        q, k, v = (torch.from_numpy(rng.integers(0, 256, (b, t, h, d)).astype(np.uint8)) for _ in range(3))
+    else:
+        q, k, v = (torch.from_numpy(rng.normal(0, 1, (b, t, h, d)).astype(np.float32)) for _ in range(3))
+    m = np.zeros((b, 1, 1, t), np.float32)
+    m[..., 100:] = -np.inf  # padding: the last 28 keys hidden
+    mask = torch.from_numpy(m)
+    sizes = {0: (b, t, h, d), 1: (b, t, h, d), 2: (b, t, h, d), 3: (b, 1, 1, t)}
+    plan = attention_plan(attrs, sizes, torch.float32)
+    assert not isinstance(plan, str), plan
+    kernel = kernels.Attention(**plan)
+    feeds = {0: q, 1: k, 2: v, 3: mask}
+    threads, pair_work = torch.get_num_threads(), kernels.set_attention_pair_work(0)
+    try:
+        torch.set_num_threads(2)
+        as_before = kernel(feeds)
+        kernels.set_attention_pair_work(pair_work)
+        got = {n: (torch.set_num_threads(n), kernel(feeds))[1] for n in (1, 2)}
+    finally:
+        torch.set_num_threads(threads)
+        kernels.set_attention_pair_work(pair_work)
+    assert torch.equal(got[1], got[2]) and torch.equal(got[2], as_before)
+    want = reference_attention(None, q, k, v, mask, **attrs)
+    if quantized:
+        steps = (got[2].int() - want.int()).abs()
+        assert steps.max() <= 1 and steps.float().mean() < 0.02, (steps.max(), steps.float().mean())
+        assert want.float().std() > 5
+    else:
+        torch.testing.assert_close(got[2], want, rtol=1e-4, atol=1e-5)
+
+
 def test_a_partly_quantized_attention_is_refused_by_the_c_kernel():
     from kiln.tactics.cpu.attention import attention_plan
 

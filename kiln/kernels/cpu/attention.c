@@ -608,6 +608,12 @@ static long visible_keys(const attention_plan *p, const void *mask, long b, long
     return t > 0 ? t : T;
 }
 
+/* A quantized attention's (query, key) pair's softmax in multiply-adds' time: 1 thread, AVX2 Zen 3, ns per pair
+   = a + b (D + Dv) over D = 16 and 64 gave a / b = 77 (uint8 q/k/v, quantized scores and probabilities; float: 58).
+   0: the pairs counted by their products only (before; a benchmark's other side sets it,
+   transformer.set_attention_pair_work) */
+long kiln_attention_pair_work = 64;
+
 /* Item = (batch·head, run of query rows). */
 static void attention_item(void *loop, long item) {
     attention_loop *l = (attention_loop *)loop;
@@ -655,9 +661,14 @@ int kiln_attention(void *object, void *stream, int nargs, const void *args) {
             pairs += n * n;
         }
     }
-    /* one thread below ~4M multiply-adds (~0.1 ms): a parallel loop's end waits out any descheduled
-       thread of a loaded machine, which costs more than small work gains */
-    const int parallel = pairs * p->H * (p->D + p->Dv) > (4L << 20) && (heads > 1 || p->S > 8 * QB);
+    /* one thread below ~4M multiply-adds' time (~0.1 ms): a parallel loop's end waits out any descheduled
+       thread of a loaded machine, which costs more than small work gains. Each (query, key) pair also costs
+       its softmax (scale, max, exp, sum; quantized: its score's and probability's rounding), at BERT-tiny's
+       16-wide heads most of the time: counted where the attention is quantized, whose engine's segment has a
+       form choice (its int8 matmuls' serial twins) that runs it on one thread when the machine is busy. A float
+       segment may have none (BERT-tiny's): there the count stays the products' (bench/results/quant-threads) */
+    const long work = pairs * p->H * (p->D + p->Dv + (p->quantized ? kiln_attention_pair_work : 0));
+    const int parallel = work > (4L << 20) && (heads > 1 || p->S > 8 * QB);
     const int threads = parallel ? max_threads() : 1;
     /* work items: (batch, head, a run of query rows). Heads alone leave threads idle when they do not divide
        evenly (YOLOS's 3 heads on 2 threads: one thread does 2 heads, the other 1) and give a thread slowed by

@@ -53,6 +53,18 @@ def set_narrow_norm(on: bool) -> None:
         ctypes.c_int.in_dll(lib, "kiln_layer_norm_narrow").value = int(on)
 
 
+def set_attention_pair_work(work: int) -> int:
+    """Each (query, key) pair's softmax of a quantized attention counted as `work` multiply-adds when attention.c
+    decides whether its heads are worth a parallel loop (kiln_attention_pair_work; 0: the products only, as
+    before), as a benchmark's other side or a test's. Returns the value it replaced."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"kiln's transformer kernels are unavailable: {reason()}")
+    value = ctypes.c_long.in_dll(lib, "kiln_attention_pair_work")
+    before, value.value = value.value, int(work)
+    return before
+
+
 def _share_the_pool(lib: ctypes.CDLL) -> None:
     """attention's and Elementwise's loops on the GEMM's pool (pool.c), else OpenMP's."""
     ctypes.c_void_p.in_dll(lib, "kiln_shared_parallel_for").value = gemm_native.parallel_for_address()
