@@ -44,7 +44,7 @@ from kiln.passes._rewrite import (
     replace_with,
 )
 from kiln.passes.fusion.elementwise_dequantize import _zero_value
-from kiln.passes.fusion.qdq_propagate import dequantized, quantized_type
+from kiln.passes.fusion.qdq_propagate import QParams, dequantized, quantized_type
 
 RULE = "fuse_layer_norm_quantize"
 RULE_RESIDUAL = "fuse_dequantize_into_layer_norm_quantize"
@@ -111,13 +111,10 @@ def fuse_layer_norm_quantize(node: ir.Node, report: PassReport) -> bool:
 def fuse_dequantize_into_layer_norm_quantize(node: ir.Node, report: PassReport) -> bool:
     # LayerNormQuantize(x, γ, β, DQ(r_q; s_r), s, z) -> LayerNormQuantize(x, γ, β, r_q, s, z, s_r)
     """The E4M3 residual's DequantizeLinear into the LayerNormQuantize that adds it (module docstring)."""
-    if not is_op(node, "LayerNormQuantize", domain=KILN_DOMAIN) or len(node.inputs) != 6 or node.inputs[3] is None:
-        return False
-    found = dequantized(node.inputs[3])
+    found = _dequantized_residual(node)
     if found is None:
         return False
-    dq, params = found
-    r_q, value = dq.inputs[0], node.inputs[3]
+    dq, params, r_q, value = found
     why = None
     if r_q is None or r_q.dtype != ir.DataType.FLOAT8E4M3FN:
         why = "the residual is not dequantized from float8e4m3fn"
@@ -130,14 +127,33 @@ def fuse_dequantize_into_layer_norm_quantize(node: ir.Node, report: PassReport) 
     if why is not None:
         report.refuse(RULE_RESIDUAL, node, why)
         return False
+    _take_residual(node, dq, r_q, [params.scale_value])
+    return True
+
+
+def _dequantized_residual(node: ir.Node) -> tuple[ir.Node, QParams, ir.Value | None, ir.Value] | None:
+    """A LayerNormQuantize of six inputs whose residual comes from a DequantizeLinear: (the DQ, its parameters, its
+    quantized input, the dequantized residual), else None. Both residual rules (E4M3 and int8) start here."""
+    if not is_op(node, "LayerNormQuantize", domain=KILN_DOMAIN) or len(node.inputs) != 6 or node.inputs[3] is None:
+        return None
+    found = dequantized(node.inputs[3])
+    if found is None:
+        return None
+    dq, params = found
+    return dq, params, dq.inputs[0], node.inputs[3]
+
+
+def _take_residual(node: ir.Node, dq: ir.Node, r_q: ir.Value, parameters: list[ir.Value]) -> None:
+    """The norm reads the quantized residual `r_q` and the DQ's `parameters` (inputs 6, ...) in place of the DQ's
+    output; the DQ is recorded as fused and removed once nothing else reads it."""
     node.replace_input_with(3, r_q)
-    node.resize_inputs(7)
-    node.replace_input_with(6, params.scale_value)
+    node.resize_inputs(6 + len(parameters))
+    for k, value in enumerate(parameters, 6):
+        node.replace_input_with(k, value)
     node.metadata_props[FUSED_FROM] = json.dumps(json.loads(node.metadata_props.get(FUSED_FROM, "[]"))
                                                  + fused_from([dq]))
     if not dq.outputs[0].uses():
         node.graph.remove(dq, safe=True)
-    return True
 
 
 # ---- int8 / uint8 (CPU builds) ---------------------------------------------------------------------------------
@@ -188,13 +204,10 @@ def fuse_int8_dequantize_into_layer_norm_quantize(node: ir.Node, report: PassRep
     a LayerNormQuantize). Exact: the kernel dequantizes the row into a buffer with DequantizeLinear's own
     expression, (float32(r_q) - z_r)·s_r, before the norm adds it."""
     # LayerNormQuantize(x, γ, β, DQ(r_q; s_r, z_r), s, z) -> LayerNormQuantize(x, γ, β, r_q, s, z, s_r, z_r)
-    if not is_op(node, "LayerNormQuantize", domain=KILN_DOMAIN) or len(node.inputs) != 6 or node.inputs[3] is None:
-        return False
-    found = dequantized(node.inputs[3])
+    found = _dequantized_residual(node)
     if found is None:
         return False
-    dq, params = found
-    r_q, value = dq.inputs[0], node.inputs[3]
+    dq, params, r_q, value = found
     if r_q is None or r_q.dtype not in INT8_TYPES:
         return False
     why = None
@@ -209,12 +222,5 @@ def fuse_int8_dequantize_into_layer_norm_quantize(node: ir.Node, report: PassRep
     if why is not None:
         report.refuse(INT8_RULE_RESIDUAL, node, why)
         return False
-    node.replace_input_with(3, r_q)
-    node.resize_inputs(8)
-    node.replace_input_with(6, params.scale_value)
-    node.replace_input_with(7, _zero_value(dq, params))
-    node.metadata_props[FUSED_FROM] = json.dumps(json.loads(node.metadata_props.get(FUSED_FROM, "[]"))
-                                                 + fused_from([dq]))
-    if not dq.outputs[0].uses():
-        node.graph.remove(dq, safe=True)
+    _take_residual(node, dq, r_q, [params.scale_value, _zero_value(dq, params)])
     return True
