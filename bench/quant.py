@@ -138,6 +138,31 @@ def ort_qdq(path: Path, calibration: list[dict], out: Path, text: bool) -> None:
                     op_types_to_quantize=["MatMul", "Gemm"] if text else None)
 
 
+def onnxruntime_qdq(model: str, prefix: str) -> tuple[str, zoo.Export, Path]:
+    """(label, the zoo's float export at batch 1, onnxruntime's QDQ model of it calibrated on 8 inputs) for the A/B
+    benches of one MODELS entry; the QDQ file in a fresh temporary folder named `prefix`."""
+    label, seq = MODELS[model]
+    exported = zoo.export(model, batch=1, seq=seq) if seq else zoo.export(model, batch=1)
+    qdq = Path(tempfile.mkdtemp(prefix=prefix)) / f"{model}-qdq.onnx"
+    ort_qdq(exported.path, inputs_for(exported, 8, seed=1), qdq, seq is not None)
+    return label, exported, qdq
+
+
+def first_output(outputs) -> np.ndarray:
+    """A run's first output as an array: kiln's dict or onnxruntime's list."""
+    return np.asarray(next(iter(outputs.values())) if isinstance(outputs, dict) else outputs[0])
+
+
+def ratio_cells(medians: dict[str, list[float]], *pairs: tuple[str, str]) -> str:
+    """A table's cells, one per (a, b) pair: a / b in each round of rotated_rounds' medians, the median ratio in bold,
+    then every round's."""
+    cells = []
+    for a, b in pairs:
+        per = [x / y for x, y in zip(medians[a], medians[b])]
+        cells.append(f"**{np.median(per):.2f}** ({', '.join(f'{v:.2f}' for v in per)})")
+    return " | ".join(cells)
+
+
 def session(path: Path, threads: int):
     import onnxruntime as ort
 
@@ -211,9 +236,8 @@ def run_model(name: str, args) -> Row:
                 f"{ran.count(p)} {p}" for p in sorted(set(ran))))
     sessions = {"onnxruntime fp32": session(exported.path, args.threads),
                 "onnxruntime int8": session(qdq, args.threads)}
-    first = lambda outputs: np.asarray(next(iter(outputs.values())) if isinstance(outputs, dict) else outputs[0])  # noqa: E731
-    runs = {**{p: (lambda f, e=e: first(e.run(f))) for p, e in engines.items()},
-            **{p: (lambda f, s=s: first(s.run(None, f))) for p, s in sessions.items()}}
+    runs = {**{p: (lambda f, e=e: first_output(e.run(f))) for p, e in engines.items()},
+            **{p: (lambda f, s=s: first_output(s.run(None, f))) for p, s in sessions.items()}}
     row.accuracy = accuracy({p: runs[p] for p in PEERS if p != "kiln fp32"}, runs["kiln fp32"], held_out, text)
     feeds = held_out[0]
     for _ in range(args.rounds):

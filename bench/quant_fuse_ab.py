@@ -36,7 +36,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -47,7 +46,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quant  # noqa: E402  bench/quant.py: models, inputs, the onnxruntime QDQ model
 
 import kiln  # noqa: E402
-from kiln import zoo  # noqa: E402
 from kiln.builder.timing_cache import cpu_name  # noqa: E402
 from kiln.passes import fusion  # noqa: E402
 from kiln.zoo.timing import time_samples  # noqa: E402
@@ -85,12 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--base", help="a checkout of the base commit: its engines against this tree's "
                         "(worker processes)")
     args = parser.parse_args(argv)
-    label, seq = quant.MODELS[args.model]
-    exported = zoo.export(args.model, batch=1, seq=seq) if seq else zoo.export(args.model, batch=1)
-    calibration = quant.inputs_for(exported, 8, seed=1)
+    label, exported, qdq = quant.onnxruntime_qdq(args.model, "kiln-q8fuse-")
     feeds = quant.inputs_for(exported, 4, seed=2)
-    qdq = Path(tempfile.mkdtemp(prefix="kiln-q8fuse-")) / f"{args.model}-qdq.onnx"
-    quant.ort_qdq(exported.path, calibration, qdq, seq is not None)
     if args.base:
         against_base(args, exported, qdq, feeds)
         return
@@ -102,9 +96,8 @@ def main(argv: list[str] | None = None) -> None:
                    "kiln QDQ, after": kiln.build(str(qdq))}
         steps = {p: len(e.program.steps) for p, e in engines.items()}  # layers (a native segment's members included)
         ort = quant.session(qdq, threads)
-        first = lambda out: np.asarray(next(iter(out.values())) if isinstance(out, dict) else out[0])  # noqa: E731
-        runs = {**{p: (lambda f, e=e: first(e.run(f))) for p, e in engines.items()},
-                "onnxruntime int8": lambda f: first(ort.run(None, f))}
+        runs = {**{p: (lambda f, e=e: quant.first_output(e.run(f))) for p, e in engines.items()},
+                "onnxruntime int8": lambda f: quant.first_output(ort.run(None, f))}
         for f in feeds:  # the fused steps compute what the separate ones did
             a, b, o = runs["kiln QDQ, before"](f), runs["kiln QDQ, after"](f), runs["onnxruntime int8"](f)
             print(f"  {threads} thread(s): max |after - before| {np.abs(a - b).max():.3g}, max |after - onnxruntime "
@@ -115,18 +108,12 @@ def main(argv: list[str] | None = None) -> None:
         medians, loads = quant.rotated_rounds(runs, PEERS, feed, rounds=args.rounds, iterations=args.iterations,
                                               budget=args.budget, clock=clock, label=f"{threads} thread(s), ")
 
-        def ratio(a: str, b: str) -> str:
-            per = [x / y for x, y in zip(medians[a], medians[b])]
-            return f"**{np.median(per):.2f}** ({', '.join(f'{v:.2f}' for v in per)})"
-
         tables.append(
             f"| {threads} | {clock_name} | {min(loads):.1f}-{max(loads):.1f} | "
             f"{steps['kiln QDQ, before']} -> {steps['kiln QDQ, after']} | "
             + " | ".join(f"{np.median(medians[p]):.3f}" for p in PEERS) + " | "
-            + " | ".join(ratio(a, b) for a, b in (("kiln QDQ, after", "kiln QDQ, before"),
-                                                  ("kiln QDQ, before", "kiln fp32"),
-                                                  ("kiln QDQ, after", "kiln fp32"),
-                                                  ("kiln QDQ, after", "onnxruntime int8"))) + " |")
+            + quant.ratio_cells(medians, ("kiln QDQ, after", "kiln QDQ, before"), ("kiln QDQ, before", "kiln fp32"),
+                                ("kiln QDQ, after", "kiln fp32"), ("kiln QDQ, after", "onnxruntime int8")) + " |")
     print(f"\n{label}, wall clock ms, medians of {args.rounds} interleaved rounds' medians, CPU {cpu_name()}\n")
     print("| threads | clock | load (1-min) | QDQ steps | " + " | ".join(f"{p}" for p in PEERS)
           + " | after / before | before / kiln fp32 | after / kiln fp32 | after / ORT int8 |")
@@ -143,12 +130,11 @@ def worker(argv: list[str]) -> None:
     torch.set_num_threads(threads)
     engines = {"fp32": kiln.build(fp32), "qdq": kiln.build(qdq)}
     print(json.dumps({"ready": True}), flush=True)
-    first = lambda out: np.asarray(next(iter(out.values())) if isinstance(out, dict) else out[0])  # noqa: E731
     for line in sys.stdin:
         command, name, path, *rest = line.split()
         feed = dict(np.load(path))
         if command == "run":
-            np.save(path + f".{name}.out.npy", first(engines[name].run(feed)))
+            np.save(path + f".{name}.out.npy", quant.first_output(engines[name].run(feed)))
             print(json.dumps({"done": True}), flush=True)
         else:
             clock = time.thread_time if rest[2] == "thread" else time.perf_counter
@@ -218,15 +204,10 @@ def against_base(args, exported, qdq: Path, feeds: list[dict]) -> None:
             p.stdin.close()
             p.wait(timeout=60)
 
-        def ratio(a: str, b: str) -> str:
-            per = [x / y for x, y in zip(medians[a], medians[b])]
-            return f"**{np.median(per):.2f}** ({', '.join(f'{v:.2f}' for v in per)})"
-
         tables.append(f"| {threads} | {clock_name} | {min(loads):.1f}-{max(loads):.1f} | "
                       + " | ".join(f"{np.median(medians[p]):.3f}" for p in peers) + " | "
-                      + " | ".join(ratio(a, b) for a, b in (("branch QDQ", "base QDQ"), ("base QDQ", "base fp32"),
-                                                            ("branch QDQ", "branch fp32"),
-                                                            ("branch QDQ", "onnxruntime int8"))) + " |")
+                      + quant.ratio_cells(medians, ("branch QDQ", "base QDQ"), ("base QDQ", "base fp32"),
+                                          ("branch QDQ", "branch fp32"), ("branch QDQ", "onnxruntime int8")) + " |")
     print(f"\nBERT-tiny (seq 128), base {args.base} vs this tree, ms, medians of {args.rounds} interleaved "
           f"rounds' medians, CPU {cpu_name()}\n")
     print("| threads | clock | load (1-min) | " + " | ".join(peers)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quant  # noqa: E402  bench/quant.py: models, inputs, the onnxruntime QDQ model
 
 import kiln  # noqa: E402
-from kiln import zoo  # noqa: E402
 from kiln.builder.timing_cache import cpu_name  # noqa: E402
 from kiln.kernels.cpu import transformer  # noqa: E402
 from kiln.kernels.cpu.form_choice import PARALLEL  # noqa: E402
@@ -46,13 +44,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     after = transformer.set_attention_pair_work(0)
     transformer.set_attention_pair_work(after)
-    label, seq = quant.MODELS[args.model]
-    exported = zoo.export(args.model, batch=1, seq=seq) if seq else zoo.export(args.model, batch=1)
-    calibration = quant.inputs_for(exported, 8, seed=1)
+    label, exported, qdq = quant.onnxruntime_qdq(args.model, "kiln-pairwork-")
     feed = quant.inputs_for(exported, 1, seed=2)[0]
-    qdq = Path(tempfile.mkdtemp(prefix="kiln-pairwork-")) / f"{args.model}-qdq.onnx"
-    quant.ort_qdq(exported.path, calibration, qdq, seq is not None)
-    first = lambda out: np.asarray(next(iter(out.values())) if isinstance(out, dict) else out[0])  # noqa: E731
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
         paths = {"kiln fp32": exported.path, "kiln QDQ": qdq}
@@ -64,10 +57,11 @@ def main(argv: list[str] | None = None) -> None:
 
         def side(peer, engine):
             work = after if peer.endswith("after") else 0
-            return lambda f: (transformer.set_attention_pair_work(work), first(engine.run(f)))[1]
+            return lambda f: (transformer.set_attention_pair_work(work), quant.first_output(engine.run(f)))[1]
 
         ort = quant.session(qdq, threads)
-        runs = {**{p: side(p, e) for p, e in engines.items()}, "onnxruntime int8": lambda f: first(ort.run(None, f))}
+        runs = {**{p: side(p, e) for p, e in engines.items()},
+                "onnxruntime int8": lambda f: quant.first_output(ort.run(None, f))}
         for a, b in (("kiln fp32, before", "kiln fp32, after"), ("kiln QDQ, before", "kiln QDQ, after")):
             print(f"  {threads} threads: max |{b} - {a}| {np.abs(runs[b](feed) - runs[a](feed)).max():.3g}")
         medians, loads = quant.rotated_rounds(runs, PEERS, feed, rounds=args.rounds, iterations=args.iterations,
@@ -76,17 +70,13 @@ def main(argv: list[str] | None = None) -> None:
               f"1-min load {min(loads):.1f}-{max(loads):.1f}, form {args.form}; segments' form counts: "
               + "; ".join(f"{p} {[c.runs for c in cs]}" for p, cs in choosers.items()) + "\n")
 
-        def ratio(a: str, b: str) -> str:
-            per = [x / y for x, y in zip(medians[a], medians[b])]
-            return f"**{np.median(per):.2f}** ({', '.join(f'{v:.2f}' for v in per)})"
-
         print("| " + " | ".join(f"{p} ms" for p in PEERS) + " | fp32 after / before | QDQ after / before | "
               "QDQ after / fp32 after |")
         print("|" + "---|" * (len(PEERS) + 3))
         print("| " + " | ".join(f"{np.median(medians[p]):.3f}" for p in PEERS) + " | "
-              + " | ".join(ratio(a, b) for a, b in (("kiln fp32, after", "kiln fp32, before"),
-                                                    ("kiln QDQ, after", "kiln QDQ, before"),
-                                                    ("kiln QDQ, after", "kiln fp32, after"))) + " |\n", flush=True)
+              + quant.ratio_cells(medians, ("kiln fp32, after", "kiln fp32, before"),
+                                  ("kiln QDQ, after", "kiln QDQ, before"),
+                                  ("kiln QDQ, after", "kiln fp32, after")) + " |\n", flush=True)
     transformer.set_attention_pair_work(after)
 
 

@@ -18,7 +18,6 @@ import argparse
 import collections
 import os
 import sys
-import tempfile
 import statistics
 import time
 from pathlib import Path
@@ -28,7 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quant  # noqa: E402  bench/quant.py: models, inputs, the onnxruntime QDQ model
 
 import kiln  # noqa: E402
-from kiln import zoo  # noqa: E402
 from kiln.kernels.cpu import transformer  # noqa: E402
 from kiln.kernels.cpu.form_choice import PARALLEL  # noqa: E402
 from kiln.runtime import profiler  # noqa: E402
@@ -63,12 +61,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     if args.pair_work is not None:
         transformer.set_attention_pair_work(args.pair_work)
-    label, seq = quant.MODELS[args.model]
-    exported = zoo.export(args.model, batch=1, seq=seq) if seq else zoo.export(args.model, batch=1)
-    calibration = quant.inputs_for(exported, 8, seed=1)
+    label, exported, qdq = quant.onnxruntime_qdq(args.model, "kiln-qsteps-")
     feeds = quant.inputs_for(exported, 1, seed=2)[0]
-    qdq = Path(tempfile.mkdtemp(prefix="kiln-qsteps-")) / f"{args.model}-qdq.onnx"
-    quant.ort_qdq(exported.path, calibration, qdq, seq is not None)
     paths = {"kiln fp32": exported.path, "kiln QDQ": qdq}
     print(f"# {label}, {args.threads} threads, CPU ms per step (median of {args.runs}), load "
           f"{os.getloadavg()[0]:.2f}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quant  # noqa: E402  bench/quant.py: models, inputs, the onnxruntime QDQ model
 
 import kiln  # noqa: E402
-from kiln import zoo  # noqa: E402
 from kiln.builder.timing_cache import cpu_name  # noqa: E402
 from kiln.kernels.cpu import onednn_int8  # noqa: E402
 
@@ -71,20 +69,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget", type=float, default=1.5)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    label, seq = quant.MODELS[args.model]
-    exported = zoo.export(args.model, batch=1, seq=seq) if seq else zoo.export(args.model, batch=1)
-    calibration = quant.inputs_for(exported, 8, seed=1)
+    label, exported, qdq = quant.onnxruntime_qdq(args.model, "kiln-q8thr-")
     feeds = quant.inputs_for(exported, 4, seed=2)
-    qdq = Path(tempfile.mkdtemp(prefix="kiln-q8thr-")) / f"{args.model}-qdq.onnx"
-    quant.ort_qdq(exported.path, calibration, qdq, seq is not None)
     engines = {"kiln fp32": kiln.build(str(exported.path)), "kiln QDQ, before": build_parallel_only(qdq),
                "kiln QDQ, after": kiln.build(str(qdq))}
     print(f"segments with a form choice: before {len(choosers(engines['kiln QDQ, before']))}, "
           f"after {len(choosers(engines['kiln QDQ, after']))}")
     ort = quant.session(qdq, args.threads)
-    first = lambda out: np.asarray(next(iter(out.values())) if isinstance(out, dict) else out[0])  # noqa: E731
-    runs = {**{p: (lambda f, e=e: first(e.run(f))) for p, e in engines.items()},
-            "onnxruntime int8": lambda f: first(ort.run(None, f))}
+    runs = {**{p: (lambda f, e=e: quant.first_output(e.run(f))) for p, e in engines.items()},
+            "onnxruntime int8": lambda f: quant.first_output(ort.run(None, f))}
     # agreement on held-out inputs: the serial form computes the same thing (max abs difference, before vs after)
     for f in feeds:
         a, b, o = runs["kiln QDQ, before"](f), runs["kiln QDQ, after"](f), runs["onnxruntime int8"](f)
@@ -97,18 +90,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n{label} at {args.threads} threads, wall clock ms, {args.rounds} interleaved rounds, CPU {cpu_name()}, "
           f"1-min load {min(loads):.1f}-{max(loads):.1f}; after's segment ran {after[0].runs if after else None}\n")
 
-    def ratio(a: str, b: str) -> str:
-        per = [x / y for x, y in zip(medians[a], medians[b])]
-        return f"**{np.median(per):.2f}** ({', '.join(f'{v:.2f}' for v in per)})"
-
     print("| " + " | ".join(f"{p} ms" for p in PEERS) + " | after / before | before / ORT int8 | after / ORT int8 | "
           "after / kiln fp32 |")
     print("|" + "---|" * (len(PEERS) + 4))
     print("| " + " | ".join(f"{np.median(medians[p]):.3f}" for p in PEERS) + " | "
-          + " | ".join(ratio(a, b) for a, b in (("kiln QDQ, after", "kiln QDQ, before"),
-                                                ("kiln QDQ, before", "onnxruntime int8"),
-                                                ("kiln QDQ, after", "onnxruntime int8"),
-                                                ("kiln QDQ, after", "kiln fp32"))) + " |")
+          + quant.ratio_cells(medians, ("kiln QDQ, after", "kiln QDQ, before"),
+                              ("kiln QDQ, before", "onnxruntime int8"), ("kiln QDQ, after", "onnxruntime int8"),
+                              ("kiln QDQ, after", "kiln fp32")) + " |")
 
 
 if __name__ == "__main__":

@@ -95,9 +95,8 @@ def run_model(name: str, args) -> list[str]:
                "kiln QDQ, after": kiln.build(str(qdq))}
     sessions = {"onnxruntime int8": quant.session(qdq, args.threads),
                 "onnxruntime int8, nudged": quant.session(nudged_embeddings(qdq, work / "nudged.onnx"), args.threads)}
-    first = lambda o: np.asarray(next(iter(o.values())) if isinstance(o, dict) else o[0])  # noqa: E731
-    runs = {**{p: (lambda f, e=e: first(e.run(f))) for p, e in engines.items()},
-            **{p: (lambda f, s=s: first(s.run(None, f))) for p, s in sessions.items()}}
+    runs = {**{p: (lambda f, e=e: quant.first_output(e.run(f))) for p, e in engines.items()},
+            **{p: (lambda f, s=s: quant.first_output(s.run(None, f))) for p, s in sessions.items()}}
     lines = [f"### {label} (seq {seq}), {args.threads} thread(s)", ""]
     for peer in ("kiln QDQ, before", "kiln QDQ, after"):
         tactics = engines[peer].plan.header.get("tactics") or {}
