@@ -6,6 +6,7 @@ the idle instances, the turn), never by a time: instances go inline by their cal
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import zlib
 from pathlib import Path
 
@@ -69,6 +70,20 @@ async def _warm(core: ServerCore, model, generator, rows: int = 1) -> None:
     assert model.batcher.instances[0].inline
 
 
+@contextlib.asynccontextmanager
+async def _warmed(repository: Path, generator, name: str = "double", models: list[str] | None = None, rows: int = 1):
+    """A started core (`models`: start's list, None: every model) whose model `name` is warmed until its instance
+    runs inline: (the core, the model, the count of requests queued from then on); the core closed after."""
+    core = ServerCore(ModelRepository(repository))
+    await core.start(models)
+    model = core.model(name)
+    try:
+        await _warm(core, model, generator, rows)
+        yield core, model, _counting_submit(model.batcher)
+    finally:
+        await core.close()
+
+
 def test_an_idle_models_lone_request_runs_at_once_without_the_queue(double_repository):
     """One request per turn of the loop, the model idle: each is answered by run_now (never submit), with its own
     rows (fresh inputs, read-only ones as a received message's views), a timeout or none, and recorded as the
@@ -76,12 +91,7 @@ def test_an_idle_models_lone_request_runs_at_once_without_the_queue(double_repos
     generator = np.random.default_rng(zlib.crc32(b"direct-lone"))
 
     async def main() -> None:
-        core = ServerCore(ModelRepository(double_repository))
-        await core.start()
-        model = core.model("double")
-        try:
-            await _warm(core, model, generator)
-            queued = _counting_submit(model.batcher)
+        async with _warmed(double_repository, generator) as (core, model, queued):
             stats = model.stats
             calls, successes, queue = stats.execution_count, stats.success.count, (stats.queue.count, stats.queue.ns)
             n = 24
@@ -102,8 +112,6 @@ def test_an_idle_models_lone_request_runs_at_once_without_the_queue(double_repos
             assert stats.execution_count - calls == n and stats.success.count - successes == n
             assert (stats.queue.count, stats.queue.ns) == (queue[0] + n, queue[1])
             assert model.batcher.idle == model.batcher.instances and not model.batcher.pending
-        finally:
-            await core.close()
 
     asyncio.run(main())
 
@@ -114,12 +122,7 @@ def test_a_burst_in_one_turn_still_merges_behind_the_first(double_repository):
     generator = np.random.default_rng(zlib.crc32(b"direct-burst"))
 
     async def main() -> None:
-        core = ServerCore(ModelRepository(double_repository))
-        await core.start()
-        model = core.model("double")
-        try:
-            await _warm(core, model, generator)
-            queued = _counting_submit(model.batcher)
+        async with _warmed(double_repository, generator) as (core, model, queued):
             calls = model.stats.execution_count
             xs = [generator.standard_normal((1, 8)).astype(np.float32) for _ in range(5)]
             tasks = [asyncio.get_running_loop().create_task(core.infer(InferRequest("double", inputs={"x": x}), model))
@@ -129,8 +132,6 @@ def test_a_burst_in_one_turn_still_merges_behind_the_first(double_repository):
                 np.testing.assert_array_equal(response.outputs[0][1], 2 * x)
             assert len(queued) == 4  # all but the first
             assert model.stats.execution_count - calls == 2  # the first alone, the other four merged
-        finally:
-            await core.close()
 
     asyncio.run(main())
 
@@ -142,13 +143,8 @@ def test_a_direct_calls_error_is_its_callers_alone(double_repository):
     generator = np.random.default_rng(zlib.crc32(b"direct-error"))
 
     async def main() -> None:
-        core = ServerCore(ModelRepository(double_repository))
-        await core.start()
-        model = core.model("double")
-        instance = model.batcher.instances[0]
-        try:
-            await _warm(core, model, generator)
-            queued = _counting_submit(model.batcher)
+        async with _warmed(double_repository, generator) as (core, model, queued):
+            instance = model.batcher.instances[0]
             real = instance.context.run
 
             def failing(feeds):
@@ -167,13 +163,13 @@ def test_a_direct_calls_error_is_its_callers_alone(double_repository):
             np.testing.assert_array_equal(response.outputs[0][1], 2 * x)
             assert queued == []
             model.batcher.closing = True  # as close() sets it: nothing more runs, directly or queued
-            await asyncio.sleep(0)
-            with pytest.raises(Unavailable):
-                await core.infer(InferRequest("double", inputs={"x": x}), model)
-            assert queued == [1]
-        finally:
-            model.batcher.closing = False
-            await core.close()
+            try:
+                await asyncio.sleep(0)
+                with pytest.raises(Unavailable):
+                    await core.infer(InferRequest("double", inputs={"x": x}), model)
+                assert queued == [1]
+            finally:
+                model.batcher.closing = False
 
     asyncio.run(main())
 
@@ -184,12 +180,7 @@ def test_a_request_its_profile_holds_only_padded_goes_through_the_queue(double_r
     generator = np.random.default_rng(zlib.crc32(b"direct-padded"))
 
     async def main() -> None:
-        core = ServerCore(ModelRepository(double_repository))
-        await core.start(["padded"])
-        model = core.model("padded")
-        try:
-            await _warm(core, model, generator, rows=4)
-            queued = _counting_submit(model.batcher)
+        async with _warmed(double_repository, generator, "padded", ["padded"], rows=4) as (core, model, queued):
             for k, rows in enumerate([1, 2, 4, 1, 4]):
                 x = generator.standard_normal((rows, 8)).astype(np.float32)
                 outputs = dict((await core.infer(InferRequest("padded", inputs={"x": x}), model)).outputs)
@@ -198,7 +189,5 @@ def test_a_request_its_profile_holds_only_padded_goes_through_the_queue(double_r
                 assert len(queued) == [1, 2, 2, 3, 3][k]
                 await asyncio.sleep(0)
             assert set(model.stats.batches) == {4}  # every call 4 rows
-        finally:
-            await core.close()
 
     asyncio.run(main())
