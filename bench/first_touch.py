@@ -36,6 +36,7 @@ SHAPES = "3x5,5x33,6x41,7x47,8x53,5x59,6x61,7x37,8x45,5x50,6x29,8x38,7x60"
 
 
 def faults() -> int:
+    """This thread's minor page faults so far."""
     return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import statistics
 import sys
 import time
@@ -30,9 +29,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from first_call_direct import span_timer, warm_context  # noqa: E402
+from first_touch import SHAPES, faults  # noqa: E402
 from kiln.runtime import first_calls, native_views  # noqa: E402
 
-SHAPES = "3x5,5x33,6x41,7x47,8x53,5x59,6x61,7x37,8x45,5x50,6x29,8x38,7x60"
 POOLED_FROM = 1 << 18  # bytes: smaller exits (the segments' [b, s, 64] between them) stay torch's: the logits only
 
 
@@ -73,10 +72,6 @@ class _Torch:
 
     def __getattr__(self, name):
         return self._pool.empty_strided if name == "empty_strided" else getattr(torch, name)
-
-
-def faults() -> int:
-    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
 
 
 def main() -> None:
