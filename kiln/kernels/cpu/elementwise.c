@@ -12,7 +12,8 @@
  * Evaluation runs over chunks of at most CHUNK elements of y's last axis (after kiln/kernels/cpu/elementwise.py
  * merged the dims every operand walks contiguously): each input's chunk is read in place (stride 1), splatted
  * (stride 0) or gathered, then each line of the program is one loop over the chunk that the compiler
- * vectorises. Past `grain` elements the chunks are shared among the threads (parallel_items: gemm.c's pool).
+ * vectorises. Past `grain` elements (an 8-bit chain: kiln_quantized_split, transformer.c) the chunks are shared
+ * among the threads (parallel_items: gemm.c's pool).
  */
 
 #define EW_INPUTS 8   /* EW_INPUTS in elementwise.py */
@@ -33,7 +34,8 @@ typedef struct {
     long strides[EW_INPUTS][MAXD];      /* elements, 0 where the input broadcasts */
     int inputs, lines;
     int code[EW_LINES][3];              /* op, operand a, operand b: k < EW_INPUTS input k, else line k - EW_INPUTS */
-    long grain;                         /* elements past which the chunks are shared among the threads */
+    long grain;                         /* elements past which the chunks are shared among the threads (a float
+                                           program's; one reading or writing 8 bits: kiln_quantized_split) */
     /* An explicitly quantized graph's chain (kiln/passes/fusion/elementwise_dequantize.py, int8 rules): input k of
        in_type 1 (uint8) or 2 (int8) is read as DequantizeLinear's (x - z)·s; out_type 1/2: y stored as
        QuantizeLinear's saturate(round(r / s) + z) (quantize_row, attention.c) of the last line r. */
@@ -272,16 +274,19 @@ int kiln_elementwise(void *object, void *stream, int nargs, const void *args) {
     long outer = 1;
     for (int d = 0; d < MAXD - 1; ++d) outer *= p->dims[d];
     if (n <= 0 || outer <= 0) return 0;
+    int eight_bit = p->out_type != 0;  /* a quantized graph's chain: kiln_quantized_split's grain (transformer.c) */
+    for (int k = 0; k < p->inputs; ++k) eight_bit |= p->in_type[k] == 1 || p->in_type[k] == 2;
+    const int threads = outer * n > (eight_bit ? kiln_quantized_split : p->grain) ? max_threads() : 1;
     if (p->table != NULL) {
         table_loop t = {p, (const unsigned char *)in[p->table_input], (unsigned char *)y, n, outer};
-        parallel_items((outer + 15) / 16, outer * n > p->grain ? max_threads() : 1, table_item, &t);
+        parallel_items((outer + 15) / 16, threads, table_item, &t);
         return 0;
     }
     const long per_row = (n + EW_CHUNK - 1) / EW_CHUNK;
     /* items of 16 chunks: a few hundred of them at most past the grain, each ~4k elements */
     elementwise_loop l = {p, in, y, n, per_row, outer * per_row};
     const long items = (l.chunks + 15) / 16;
-    parallel_items(items, outer * n > p->grain ? max_threads() : 1, elementwise_item, &l);
+    parallel_items(items, threads, elementwise_item, &l);
     return 0;
 }
 

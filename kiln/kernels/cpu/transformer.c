@@ -40,8 +40,15 @@ typedef void (*kiln_item_fn)(void *ctx, long item);
    kiln/kernels/cpu/transformer.py when the GEMM library is built; NULL: an OpenMP loop. */
 void (*kiln_shared_parallel_for)(long count, int threads, kiln_item_fn fn, void *ctx) = NULL;
 
+/* the loops of more than one item the calling thread ran on more than one thread: what a test reads to see a
+   layer split (kiln_parallel_loops; transformer.parallel_loops) */
+static __thread long parallel_loops;
+
+long kiln_parallel_loops(void) { return parallel_loops; }
+
 /* fn(ctx, item) for each item in [0, count) on up to `threads` threads */
 static void parallel_items(long count, int threads, kiln_item_fn fn, void *ctx) {
+    if (threads > 1 && count > 1) ++parallel_loops;
     if (kiln_shared_parallel_for != NULL && threads > 1 && count > 1) {
         kiln_shared_parallel_for(count, threads, fn, ctx);
         return;
@@ -66,7 +73,7 @@ typedef struct {
     long rows, n;
     long residual_rows;  /* the residual's rows: row r of x adds residual row r % residual_rows */
     float epsilon;
-    long grain;  /* rows per OpenMP chunk; rows <= grain: one thread */
+    long grain;  /* rows per OpenMP chunk; rows <= grain: one thread (kiln_layer_norm_quantize: kiln_quantized_split) */
     int rms;     /* RMSNorm: no mean taken out, s / sqrt(mean(s²) + eps) */
     /* kiln_layer_norm_quantize only (kiln::LayerNormQuantize, CPU): */
     int residual_8bit;     /* 0: the residual is float32; 1: uint8, 2: int8, dequantized (r - z)·s as it is read */
@@ -199,6 +206,15 @@ static int max_threads(void) {
 #endif
 }
 
+/* Elements of a quantized transformer's 8-bit layers (an Elementwise chain that reads or writes 8 bits, a
+   LayerNormQuantize) past which their rows are shared among the threads, below which one thread runs them. They
+   cost ~0.7-1 ns an element on one thread (AVX2 Zen 3); the split starts to pay on 2 threads past this many
+   (bench/qdq_split_sweep.py, bench/results/qdq-threads-2026-12-07.md). Float layers keep their plans' grain
+   (PARALLEL_ELEMENTS): a float segment may have no serial form to fall back on when the other cores are busy, a
+   quantized one has its int8 matmuls' serial twins (as attention.c's kiln_attention_pair_work). Set by
+   transformer.set_quantized_split (a benchmark's other side, a test's). */
+long kiln_quantized_split = 16384;
+
 int kiln_layer_norm(void *object, void *stream, int nargs, const void *args) {
     (void)stream; (void)nargs; (void)args;
     const ln_plan *p = (const ln_plan *)object;
@@ -311,7 +327,7 @@ int kiln_layer_norm_quantize(void *object, void *stream, int nargs, const void *
         free(probe);
     }
     const long blocks = (p->rows + l.per_block - 1) / l.per_block;
-    parallel_items(blocks, p->rows > p->grain ? max_threads() : 1, lnq_block, &l);
+    parallel_items(blocks, p->rows * p->n > kiln_quantized_split ? max_threads() : 1, lnq_block, &l);
     return 0;
 }
 

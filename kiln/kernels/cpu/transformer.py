@@ -57,11 +57,35 @@ def set_attention_pair_work(work: int) -> int:
     """Each (query, key) pair's softmax of a quantized attention counted as `work` multiply-adds when attention.c
     decides whether its heads are worth a parallel loop (kiln_attention_pair_work; 0: the products only, as
     before), as a benchmark's other side or a test's. Returns the value it replaced."""
+    return _swap_long("kiln_attention_pair_work", work)
+
+
+def set_quantized_split(elements: int) -> int:
+    """The elements past which a quantized transformer's 8-bit Elementwise chains and LayerNormQuantize layers share
+    their rows among the threads (transformer.c kiln_quantized_split), as a benchmark's other side or a test's.
+    Returns the value it replaced."""
+    return _swap_long("kiln_quantized_split", elements)
+
+
+def parallel_loops() -> int:
+    """How many loops of these kernels the calling thread has run on more than one thread (a layer that split its
+    work: a test's count; other threads' loops are not in it)."""
+    function = _loaded().kiln_parallel_loops
+    function.restype = ctypes.c_long
+    return function()
+
+
+def _loaded() -> ctypes.CDLL:
     lib = load()
     if lib is None:
         raise RuntimeError(f"kiln's transformer kernels are unavailable: {reason()}")
-    value = ctypes.c_long.in_dll(lib, "kiln_attention_pair_work")
-    before, value.value = value.value, int(work)
+    return lib
+
+
+def _swap_long(name: str, value: int) -> int:
+    """Set the library's C long `name` to `value`; returns the value it replaced."""
+    variable = ctypes.c_long.in_dll(_loaded(), name)
+    before, variable.value = variable.value, int(value)
     return before
 
 
