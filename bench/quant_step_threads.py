@@ -9,7 +9,8 @@ segments timing each layer by the calling thread's CPU clock, then by the proces
 profile_segments); "other threads" is the difference of their medians. The pool's workers poll ~30 µs after a
 loop (kiln/kernels/cpu/pool.c), which the process clock charges to the next layer: read a few µs as 0.
 `--pair-work 0` counts attention's (query, key) pairs by their products only, as before attention.c's
-kiln_attention_pair_work.
+kiln_attention_pair_work; `--quantized-split 1048576` keeps the 8-bit Elementwise chains and LayerNormQuantize on one
+thread below 1M elements, as before transformer.c's kiln_quantized_split.
 """
 
 from __future__ import annotations
@@ -57,10 +58,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--peers", default="kiln fp32,kiln QDQ")
     parser.add_argument("--pair-work", type=int, help="attention.c's kiln_attention_pair_work (0: as before)")
+    parser.add_argument("--quantized-split", type=int,
+                        help="transformer.c's kiln_quantized_split (1048576: as before)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.pair_work is not None:
         transformer.set_attention_pair_work(args.pair_work)
+    if args.quantized_split is not None:
+        transformer.set_quantized_split(args.quantized_split)
     label, exported, qdq = quant.onnxruntime_qdq(args.model, "kiln-qsteps-")
     feeds = quant.inputs_for(exported, 1, seed=2)[0]
     paths = {"kiln fp32": exported.path, "kiln QDQ": qdq}
