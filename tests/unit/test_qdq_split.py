@@ -39,9 +39,9 @@ PROGRAMS = {
 }
 # (rows, n) below and past the threshold, each of at least two work items (so that "always split" would show):
 # a table's items are 16 rows, an evaluated chain's 4096 elements, LayerNormQuantize's 4096 elements' rows
-SIZES = {"scale_table": ((64, 64), (256, 384)), "gelu_table": ((64, 128), (128, 1024)),
-         "dequantize_add": ((32, 256), (128, 768)), "requantizing_add": ((16, 768), (256, 256)),
-         "layer_norm_quantize": ((128, 64), (128, 768))}
+SIZES = {"scale_table": ((64, 64), (256, 768)), "gelu_table": ((64, 128), (256, 1024)),
+         "dequantize_add": ((32, 256), (256, 768)), "requantizing_add": ((16, 768), (512, 512)),
+         "layer_norm_quantize": ((128, 64), (256, 768))}
 
 
 def _threshold() -> int:
