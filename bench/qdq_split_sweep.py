@@ -4,7 +4,7 @@ the size, or 0).
 
     python bench/qdq_split_sweep.py --threads 2 --rounds 9
     python bench/qdq_split_sweep.py --between gemm      (a 2-thread torch GEMM before every call, as in an engine)
-    python bench/qdq_split_sweep.py --clock thread      (the calling thread's CPU time: what a loaded machine moves less)
+    python bench/qdq_split_sweep.py --clock thread      (the calling thread's CPU time: a loaded machine moves it less)
 
 The kernels (kiln/kernels/cpu/elementwise.py, transformer.py) are the ones onnxruntime's QDQ BERT builds, with
 random constants: `table` (DQ -> bias -> scale -> Q: one 8-bit value in and out, a lookup table from 64 rows on),
@@ -13,8 +13,9 @@ random constants: `table` (DQ -> bias -> scale -> Q: one 8-bit value in and out,
 matmul (OpenMP, like the engine's oneDNN int8 GEMMs) before each timed call, so the pool's worker has gone to
 sleep and OpenMP's spins on the other core, as inside an engine run; `none` calls back to back (the worker still
 polling from the call before). Wall clock (or the calling thread's CPU clock) of each call (the ctypes call on a
-bound plan), the median of each block; blocks alternate serial / split, the order swapped every round. Prints µs per call, split / serial per round, how many
-rounds the split won, and the ns per element of the serial side; checks both sides' outputs are the same bits.
+bound plan), the median of each block; blocks alternate serial / split, the order swapped every round. Prints µs
+per call, split / serial per round, how many rounds the split won, and the ns per element of the serial side;
+checks both sides' outputs are the same bits.
 """
 
 from __future__ import annotations
@@ -78,7 +79,11 @@ def bound_call(kernel, inputs: dict[int, torch.Tensor]):
     bound = kernel.bind_reads(y.data_ptr(), {k: v.data_ptr() for k, v in inputs.items()})
     function = getattr(kernel.library, kernel.FUNCTION)
     address = ctypes.addressof(bound.plan)
-    return (lambda: (bound, inputs) and function(address, None, 0, None)), y
+
+    def call(_alive=(bound, inputs)):  # the plan and the operands it points at live as long as the call
+        return function(address, None, 0, None)
+
+    return call, y
 
 
 def block_us(call, between, calls: int, clock) -> float:

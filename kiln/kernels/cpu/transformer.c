@@ -210,9 +210,10 @@ static int max_threads(void) {
    LayerNormQuantize) past which their rows are shared among the threads; below, one thread runs them. They cost
    ~0.5-1.3 ns an element on one thread (AVX2 Zen 3), so this is ~0.1 ms of work (attention.c's rule). Measured
    alone at 2 threads after a torch GEMM (the engine's order: the pool's worker asleep, OpenMP's spinning), load
-   7-10: the split lost at every size below 98K elements (+20-40 µs a call at BERT-tiny's 8-33K), was mixed from
-   98K to 393K (0.72-1.24x) (bench/qdq_split_sweep.py, bench/results/qdq-threads-2026-12-07.md). Float layers keep their plans' grain
-   (PARALLEL_ELEMENTS). Set by transformer.set_quantized_split (a benchmark's other side, a test's). */
+   7-10: the split lost at every size below 98K elements (+20-40 µs a call at BERT-tiny's 8-33K) and was mixed from
+   98K to 393K (0.72-1.24x; bench/qdq_split_sweep.py, bench/results/qdq-threads-2026-12-07.md). Float layers keep
+   their plans' grain (PARALLEL_ELEMENTS). Set by transformer.set_quantized_split (a benchmark's other side, a
+   test's). */
 long kiln_quantized_split = 131072;
 
 int kiln_layer_norm(void *object, void *stream, int nargs, const void *args) {
