@@ -9,13 +9,15 @@ at every run), saved under --out; prints the layers whose tactic differs between
 `spin`: one saved engine, each configuration in its own fresh process, the configurations interleaved
 (A B C ... A B C ..., `--processes` rounds): in each process kiln and onnxruntime (2 threads, the same input) in
 `--rounds` alternating blocks of `--runs` calls (50 ms slept before each block: onnxruntime's pool spins after
-its block). A configuration is libgomp's wait (`governed`: kiln's per-call governor, as users get it; or a
-fixed GOMP_SPINCOUNT with the governor off) and whether a busy neighbour runs (`+hog`: one process spinning in
+its block). A configuration is libgomp's wait (`governed`: kiln's per-call governor, as users get it, or told
+that nothing else is runnable, as on a quiet machine, with this checkout's kiln or --baseline's; or a fixed
+GOMP_SPINCOUNT with the governor off) and whether a busy neighbour runs (`+hog`: one process spinning in
 a loop, as another program on a 2-vCPU machine). Each process runs at nice -20 (root), the hog too: on a VM
 other helpers load, their tasks then take ~1% of a core each and the two cases are "quiet" and "quiet with
 one busy program". Prints per configuration the kiln / onnxruntime ratio of the block medians (p10 / p50 /
 p90 over every block of every process, and the spread of the per-process medians), kiln's and onnxruntime's
-own block medians, and the share of kiln's calls the governor ran under the short spin.
+own block medians, the share of kiln's calls the governor ran under the short spin, and in how many processes
+the governor governed (located libgomp's count).
 """
 
 from __future__ import annotations
@@ -80,8 +82,10 @@ def spin_child(model: str, engine_path: str, rounds: int, runs: int) -> None:
     options = ort.SessionOptions()
     options.intra_op_num_threads = 2
     session = ort.InferenceSession(str(exported.path), options, providers=["CPUExecutionProvider"])
-    engine = kiln.load(engine_path)
     governor = omp_governor.governor()
+    if os.environ.get("KILN_SCATTER_QUIET") == "1":
+        governor._runnable = lambda readings=1: 1  # before the engine's load locates the count and reads
+    engine = kiln.load(engine_path)
     short = [0, 0]  # kiln calls begun under the short spin, all kiln calls
 
     def run_kiln():
@@ -105,7 +109,7 @@ def spin_child(model: str, engine_path: str, rounds: int, runs: int) -> None:
                 block.append(time.perf_counter() - start)
             medians[name].append(1e3 * statistics.median(block))
     print(json.dumps({"medians": medians, "short_share": short[0] / max(short[1], 1),
-                      "governor": governor.describe()}))
+                      "governed": governor.governed() is True, "governor": governor.describe()}))
 
 
 def hog() -> subprocess.Popen:
@@ -130,8 +134,15 @@ def session_first(nice: int = -20):
 CONFIGS = {
     "governed": {},
     "governed+hog": {"hog": True},
+    # the governor reading "nothing else runnable", as on a quiet machine (here the other sessions' tasks stay runnable
+    # at their low weight, and it would read them): the count it sets where the team fits the free cores
+    "governed quiet": {"env": {"KILN_SCATTER_QUIET": "1"}},
+    "governed quiet (baseline)": {"env": {"KILN_SCATTER_QUIET": "1"}, "baseline": True},
     "spin 4000": {"env": {"KILN_OMP_GOVERN": "0", "GOMP_SPINCOUNT": "4000"}},
     "spin 4000+hog": {"env": {"KILN_OMP_GOVERN": "0", "GOMP_SPINCOUNT": "4000"}, "hog": True},
+    "spin 16000": {"env": {"KILN_OMP_GOVERN": "0", "GOMP_SPINCOUNT": "16000"}},
+    "spin 40000": {"env": {"KILN_OMP_GOVERN": "0", "GOMP_SPINCOUNT": "40000"}},
+    "spin 100000": {"env": {"KILN_OMP_GOVERN": "0", "GOMP_SPINCOUNT": "100000"}},
     "spin 300000": {"env": {"KILN_OMP_GOVERN": "0", "GOMP_SPINCOUNT": "300000"}},
     "spin 128": {"env": {"KILN_OMP_GOVERN": "0", "GOMP_SPINCOUNT": "128"}},
     "spin 128+hog": {"env": {"KILN_OMP_GOVERN": "0", "GOMP_SPINCOUNT": "128"}, "hog": True},
@@ -145,7 +156,8 @@ def spin(args) -> None:
     for p in range(args.processes):
         for name in chosen[p % len(chosen):] + chosen[:p % len(chosen)]:
             config = CONFIGS[name]
-            env = {**os.environ, "PYTHONPATH": str(ROOT), **config.get("env", {})}
+            checkout = args.baseline if config.get("baseline") else str(ROOT)
+            env = {**os.environ, "PYTHONPATH": checkout, **config.get("env", {})}
             neighbour = hog() if config.get("hog") else None
             loads.append(os.getloadavg()[0])
             try:
@@ -161,8 +173,8 @@ def spin(args) -> None:
     print(f"\n{args.model}, engine {args.engine}, {cpu_model()}, 2 threads, {args.processes} processes per "
           f"configuration x {args.rounds} blocks of {args.runs} calls; 1-min load {min(loads):.1f}-{max(loads):.1f}")
     print("| configuration | kiln / ort p10 | p50 | p90 | per-process medians | kiln ms p50 | ort ms p50 "
-          "| short-spin share |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| short-spin share | processes governed |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, results in found.items():
         ratios = [a / b for r in results for a, b in zip(r["medians"]["kiln"], r["medians"]["onnxruntime"])]
         per_process = sorted(statistics.median(a / b for a, b in zip(r["medians"]["kiln"], r["medians"]["onnxruntime"]))
@@ -172,7 +184,7 @@ def spin(args) -> None:
         ort_ms = statistics.median(m for r in results for m in r["medians"]["onnxruntime"])
         share = statistics.mean(r["short_share"] for r in results)
         print(f"| {name} | {q[0]:.2f} | {q[1]:.2f} | {q[2]:.2f} | " + ", ".join(f"{x:.2f}" for x in per_process)
-              + f" | {kiln_ms:.2f} | {ort_ms:.2f} | {share:.0%} |")
+              + f" | {kiln_ms:.2f} | {ort_ms:.2f} | {share:.0%} | {sum(r['governed'] for r in results)}/{len(results)} |")
 
 
 def cpu_model() -> str:
@@ -201,6 +213,7 @@ def main() -> None:
     s.add_argument("--rounds", type=int, default=6)
     s.add_argument("--runs", type=int, default=20)
     s.add_argument("--configs", default="", help="comma-separated names of CONFIGS (default: all)")
+    s.add_argument("--baseline", default="", help="a checkout whose kiln the '(baseline)' configurations run")
     args = parser.parse_args()
     if args.what == "build":
         return builds(args)
