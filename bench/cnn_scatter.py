@@ -34,8 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+ROOT = Path(__file__).resolve().parents[1]  # the checkout whose kiln the children import (PYTHONPATH), --baseline aside
 SETTLE_S = 0.05
 
 
@@ -58,7 +57,8 @@ def builds(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     paths = [str(out / f"{args.model}_{i}.kiln") for i in range(args.builds)]
     for path in paths:
-        subprocess.run([sys.executable, __file__, "build-child", args.model, path], check=True)
+        subprocess.run([sys.executable, __file__, "build-child", args.model, path], check=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
     picks = [json.loads(Path(p + ".picks.json").read_text()) for p in paths]
     layers = sorted(set().union(*picks))
     differ = [name for name in layers if len({p.get(name) for p in picks}) > 1]
