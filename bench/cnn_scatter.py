@@ -134,6 +134,7 @@ def session_first(nice: int = -20):
 CONFIGS = {
     "governed": {},
     "governed+hog": {"hog": True},
+    "governed+hog (baseline)": {"hog": True, "baseline": True},
     # the governor reading "nothing else runnable", as on a quiet machine (here the other sessions' tasks stay runnable
     # at their low weight, and it would read them): the count it sets where the team fits the free cores
     "governed quiet": {"env": {"KILN_SCATTER_QUIET": "1"}},
