@@ -152,6 +152,8 @@ CONFIGS = {
 
 def spin(args) -> None:
     chosen = args.configs.split(",") if args.configs else list(CONFIGS)
+    if any(CONFIGS[name].get("baseline") for name in chosen) and not args.baseline:
+        raise SystemExit("a '(baseline)' configuration needs --baseline CHECKOUT")
     found: dict[str, list[dict]] = {c: [] for c in chosen}
     loads = []
     for p in range(args.processes):
@@ -171,29 +173,28 @@ def spin(args) -> None:
                     neighbour.wait()
             found[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
         print(f"process round {p + 1}/{args.processes} done, 1-min load {os.getloadavg()[0]:.1f}", flush=True)
-    print(f"\n{args.model}, engine {args.engine}, {cpu_model()}, 2 threads, {args.processes} processes per "
+    from kiln.builder.timing_cache import cpu_name
+
+    print(f"\n{args.model}, engine {args.engine}, {cpu_name()}, 2 threads, {args.processes} processes per "
           f"configuration x {args.rounds} blocks of {args.runs} calls; 1-min load {min(loads):.1f}-{max(loads):.1f}")
     print("| configuration | kiln / ort p10 | p50 | p90 | per-process medians | kiln ms p50 | ort ms p50 "
           "| short-spin share | processes governed |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, results in found.items():
-        ratios = [a / b for r in results for a, b in zip(r["medians"]["kiln"], r["medians"]["onnxruntime"])]
-        per_process = sorted(statistics.median(a / b for a, b in zip(r["medians"]["kiln"], r["medians"]["onnxruntime"]))
-                             for r in results)
-        q = np.percentile(ratios, [10, 50, 90])
+        per_block = [by_block(r) for r in results]
+        q = np.percentile([x for blocks in per_block for x in blocks], [10, 50, 90])
+        per_process = sorted(statistics.median(blocks) for blocks in per_block)
         kiln_ms = statistics.median(m for r in results for m in r["medians"]["kiln"])
         ort_ms = statistics.median(m for r in results for m in r["medians"]["onnxruntime"])
         share = statistics.mean(r["short_share"] for r in results)
+        governed = sum(r["governed"] for r in results)
         print(f"| {name} | {q[0]:.2f} | {q[1]:.2f} | {q[2]:.2f} | " + ", ".join(f"{x:.2f}" for x in per_process)
-              + f" | {kiln_ms:.2f} | {ort_ms:.2f} | {share:.0%} | {sum(r['governed'] for r in results)}/{len(results)} |")
+              + f" | {kiln_ms:.2f} | {ort_ms:.2f} | {share:.0%} | {governed}/{len(results)} |")
 
 
-def cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown CPU"
+def by_block(result: dict) -> list[float]:
+    """kiln / onnxruntime of each round's block medians in one process."""
+    return [a / b for a, b in zip(result["medians"]["kiln"], result["medians"]["onnxruntime"])]
 
 
 def main() -> None:
@@ -216,6 +217,7 @@ def main() -> None:
     s.add_argument("--configs", default="", help="comma-separated names of CONFIGS (default: all)")
     s.add_argument("--baseline", default="", help="a checkout whose kiln the '(baseline)' configurations run")
     args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))  # the driver's own imports (kiln's cpu_name); its children import PYTHONPATH's
     if args.what == "build":
         return builds(args)
     with session_first():
