@@ -17,9 +17,16 @@ keeps it awake, counted by its voluntary context switches) before anything relie
 (`begin`; the outermost of calls that overlap):
 
 - where the team fits the cores free now (threads <= CPUs - other runnable tasks, read from /proc/loadavg every
-  REFRESH_S off the call path, the median of the last READINGS, this process's own threads not counted): CALL_SPIN, 4000
-  polls (~0.1 ms here, ~27 ns a poll): a thread waits for the next layer of the call spinning (the gaps inside a
-  native segment are microseconds), and sleeps ~0.1 ms after the call returns, on its own;
+  REFRESH_S off the call path, the median of the last READINGS, this process's own threads not counted): CALL_SPIN,
+  100000 polls (~3 ms on a Zen 3 VM, ~30 ns a poll): a thread waits for the next layer, and for the next call of a
+  caller that calls back to back, spinning, and sleeps ~3 ms after the last call returns, on its own. Not shorter:
+  at 4000 polls (~0.1 ms) a team thread fell asleep at every call's start (engine.run's Python between two calls
+  is ~0.1-0.25 ms: ~1.3 voluntary switches a call for each of the 2 threads at 4000, ~0.3 at 8000) and whenever a
+  neighbour's task took its partner's core for longer than that; each sleep hands the vCPU away (or halts it) and
+  the wake waits for it back. MobileNetV2 at 2 threads beside onnxruntime (which spins) then ran 1.39x its latency
+  with blocks spread 1.14-1.80x, against 0.91x (0.81-1.25) at 100000 and 0.92x at libgomp's 300000 (a Zen 3 VM
+  with the cores to itself, bench/cnn_scatter.py, bench/results/cnn-scatter-2026-12-07.md): the run-to-run scatter
+  of issue 11;
 - where it does not fit: the short spin (oversubscribed: a thread that sleeps at once gives its core back and,
   woken, preempts the other work); unless the calling thread runs at a realtime priority (SCHED_FIFO / RR: the
   other work waits for it). At SCHED_FIFO with the 1-min load at 8 (bench/omp_spin_ab.py --realtime),
@@ -64,7 +71,7 @@ from kiln import openmp
 log = logging.getLogger("kiln.runtime")
 
 LIBGOMP_DEFAULT = 300000  # gomp_spin_count_var when neither GOMP_SPINCOUNT nor OMP_WAIT_POLICY is set
-CALL_SPIN = 4000  # the count where the team fits the free cores: ~0.1 ms of polls
+CALL_SPIN = 100000  # the count where the team fits the free cores: ~3 ms of polls on a Zen 3 (~30 ns a poll)
 IDLE_SPIN = 0  # the count _check parks a team under
 REFRESH_S = 0.2  # how often the refresher reads the free cores again (~50-100 us a reading, off the call path)
 IDLE_STOP_S = 5.0  # the refresher parks this long after the last call began (the next call wakes it)
@@ -93,7 +100,12 @@ def _expected_count(environ) -> int | str:
 
 
 def _writable_ranges(address: int, maps: str = "/proc/self/maps") -> tuple[str, list[tuple[int, int]]]:
-    """The file holding `address` and its writable mappings (with the anonymous one right after them: .bss)."""
+    """The file holding `address` and its writable mappings, with the anonymous one that starts where they end (.bss).
+
+    Only one that starts there: the next line of /proc/self/maps may be any anonymous mapping placed after a gap
+    (oneDNN's JIT code, a heap), whose words hold the count's value by chance. With torch's libgomp and kiln's
+    short spin (128), 3 of 6 processes that imported numpy before kiln found it 26 times there, and each
+    ran ungoverned at 128 (bench/results/cnn-scatter-2026-12-07.md)."""
     with open(maps) as f:
         lines = [line.split() for line in f.read().splitlines()]
     path = None
@@ -104,14 +116,14 @@ def _writable_ranges(address: int, maps: str = "/proc/self/maps") -> tuple[str, 
             break
     if path is None:
         return "", []
-    ranges, previous = [], False
+    ranges, end = [], None  # end: where the file's last mapping ends (None: the line before was not the file's)
     for fields in lines:
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
         mine = len(fields) >= 6 and fields[5] == path
-        anonymous_after = previous and len(fields) == 5
-        if (mine or anonymous_after) and fields[1].startswith("rw"):
-            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        bss = len(fields) == 5 and lo == end
+        if (mine or bss) and fields[1].startswith("rw"):
             ranges.append((lo, hi))
-        previous = mine
+        end = hi if mine else None
     return path, ranges
 
 
@@ -427,7 +439,7 @@ class Governor:
     def describe(self) -> str:
         """What the governor does, in words (kiln inspect, the engine's log)."""
         if self._count is not None:
-            return (f"kiln governs libgomp's spin per call ({CALL_SPIN} polls, ~0.1 ms, where the team fits the free "
+            return (f"kiln governs libgomp's spin per call ({CALL_SPIN} polls, ~3 ms, where the team fits the free "
                     f"cores; {openmp.SHORT_SPIN} where oversubscribed); "
                     + (f"last: {self.last}" if self.last else "no call yet"))
         if self._reason is not None:
