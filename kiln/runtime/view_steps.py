@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -122,7 +121,7 @@ class SignatureViews:
             step = steps[i]
             recorder = _Recorder(step.fn, step.ctx.op_type)
             recorders.append(recorder)
-            steps[i] = replace(step, fn=recorder)
+            steps[i] = BoundStep(recorder, step.ctx, step.inputs, step.outputs, step.attributes, step.free)
         return steps, recorders
 
     def keep(self, signature: tuple, lean_steps: list[BoundStep], recorders: list[_Recorder]) -> None:
@@ -130,7 +129,8 @@ class SignatureViews:
         steps = list(lean_steps)
         for i, recorder in zip(self._positions, recorders):
             if recorder.made is not None:
-                steps[i] = replace(steps[i], fn=recorder.made, inputs=steps[i].inputs[:1], attributes={})
+                step = steps[i]
+                steps[i] = BoundStep(recorder.made, step.ctx, step.inputs[:1], step.outputs, {}, step.free)
         with self._lock:
             self._lists[signature] = steps
             while len(self._lists) > SIGNATURES:
