@@ -305,6 +305,8 @@ class Program:
                 env[s] = None
         if signature is not None:
             self._remember(signature, [(s, env[s]) for s in self.plan_slots])
+            if self.signature_views is not None:
+                self.signature_views.ran(signature)
         if recorders is not None:
             self.signature_views.keep(recorded, self.lean_steps, recorders)
         return [env[s] for s in self.output_slots]

@@ -8,8 +8,8 @@ signature, so what each gives is a function of its data input's sizes and stride
 (call_step, ints() of a target tensor, the op's own checks) each cost 4-30 µs: llama_tiny's 34 such layers ~0.5 ms
 of a call on a loaded Zen 3, against ~1.2 µs for one as_strided (bench/results/first-shape-views-2026-12-07.md).
 
-So a signature's first run with its shape plan known (its second run: the first computes the plan) records, per
-such layer, what it gave: the output's sizes, strides and storage offset from its input's where the output is a
+So a signature's second run (the first ran it plainly: most signatures met once never pay a recording; a plan
+made ahead at load is no run) records, per such layer, what it gave: the output's sizes, strides and storage offset from its input's where the output is a
 view of the input, or its sizes where a Reshape (Flatten) copied. Its later runs take a step list in which each
 recorded layer is one `as_strided` (one `reshape`) of its input, where the input has the sizes and strides it had
 when recorded; else (a value of a data-dependent size upstream) the layer's own op runs, on the same other inputs.
@@ -86,6 +86,7 @@ class SignatureViews:
         """`positions`: the view layers' indices in the program's lean steps (view_positions)."""
         self._positions = positions
         self._lists: OrderedDict[tuple, list[BoundStep]] = OrderedDict()
+        self._seen: OrderedDict[tuple, None] = OrderedDict()  # signatures run once (plainly), the newest SIGNATURES
         self._lock = threading.Lock()
 
     @classmethod
@@ -106,15 +107,26 @@ class SignatureViews:
     def __len__(self) -> int:
         return len(self._lists)
 
+    def ran(self, signature: tuple) -> None:
+        """`signature` ran once, plainly (Program.run's first run there, which computed its shape plan)."""
+        with self._lock:
+            self._seen[signature] = None
+            if len(self._seen) > SIGNATURES:
+                self._seen.popitem(last=False)
+
     def steps(self, signature: tuple, lean_steps: list[BoundStep]) -> tuple[list[BoundStep], list[_Recorder] | None]:
-        """(the steps a run at `signature` takes, the recorders to hand to `keep` after it or None): the signature's
-        recorded list, else `lean_steps` with each view layer recording."""
+        """(the steps a run at `signature` (its shape plan known) takes, the recorders to hand to `keep` after it or
+        None): the signature's recorded list; else, where it ran before, `lean_steps` with each view layer recording;
+        else `lean_steps` (its run counted: ran)."""
         found = self._lists.get(signature)
         if found is not None:
             with self._lock:
                 if signature in self._lists:
                     self._lists.move_to_end(signature)
             return found, None
+        if signature not in self._seen:
+            self.ran(signature)
+            return lean_steps, None
         steps = list(lean_steps)
         recorders = []
         for i in self._positions:
@@ -132,6 +144,7 @@ class SignatureViews:
                 step = steps[i]
                 steps[i] = BoundStep(recorder.made, step.ctx, step.inputs[:1], step.outputs, {}, step.free)
         with self._lock:
+            self._seen.pop(signature, None)
             self._lists[signature] = steps
             while len(self._lists) > SIGNATURES:
                 self._lists.popitem(last=False)
