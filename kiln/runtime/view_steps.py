@@ -8,11 +8,11 @@ signature, so what each gives is a function of its data input's sizes and stride
 (call_step, ints() of a target tensor, the op's own checks) each cost 4-30 µs: llama_tiny's 34 such layers ~0.5 ms
 of a call on a loaded Zen 3, against ~1.2 µs for one as_strided (bench/results/first-shape-views-2026-12-07.md).
 
-So a signature's second run (the first ran it plainly: most signatures met once never pay a recording; a plan
-made ahead at load is no run) records, per such layer, what it gave: the output's sizes, strides and storage offset from its input's where the output is a
-view of the input, or its sizes where a Reshape (Flatten) copied. Its later runs take a step list in which each
-recorded layer is one `as_strided` (one `reshape`) of its input, where the input has the sizes and strides it had
-when recorded; else (a value of a data-dependent size upstream) the layer's own op runs, on the same other inputs.
+So a signature's second run (its first runs plainly: a signature met once never pays a recording; a plan made
+ahead at load is no run) records, per such layer, what it gave: the output's sizes, strides and storage offset from
+its input's where the output is a view of the input, or its sizes where a Reshape (Flatten) copied. Its later runs
+take a step list (~10 KB for llama_tiny's 34 layers) in which each recorded layer is one `as_strided` (one `reshape`)
+of its input, where the input has the sizes and strides it had when recorded; else (a value of a data-dependent size upstream) the layer's own op runs, on the same other inputs.
 The same torch views and copies as the ops make: equal results, bit for bit. Step lists are kept per signature,
 least recently used out past SIGNATURES (as the shape plans are: program.SHAPE_PLANS).
 """
@@ -71,7 +71,7 @@ class _Recorder:
 
     def __call__(self, ctx, x, *rest, **attributes):
         y = self.fn(ctx, x, *rest, **attributes)
-        if type(x) is torch.Tensor and type(y) is torch.Tensor and x.device.type == "cpu" and y.dtype == x.dtype:
+        if type(x) is torch.Tensor and type(y) is torch.Tensor:  # (a CPU program's: SignatureViews.of)
             if y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
                 self.made = _Strided(x, y, self.fn, rest, attributes)
             elif self.op_type in COPYING and y.is_contiguous():
@@ -83,7 +83,7 @@ class SignatureViews:
     """One program's (one copy's: Program.with_own_arena) step lists per signature with its view layers recorded."""
 
     def __init__(self, positions: list[int]):
-        """`positions`: the view layers' indices in the program's lean steps (view_positions)."""
+        """`positions`: the view layers' indices in the program's lean steps (SignatureViews.of)."""
         self._positions = positions
         self._lists: OrderedDict[tuple, list[BoundStep]] = OrderedDict()
         self._seen: OrderedDict[tuple, None] = OrderedDict()  # signatures run once (plainly), the newest SIGNATURES
