@@ -136,13 +136,15 @@ class SignatureViews:
             steps[i] = BoundStep(recorder, step.ctx, step.inputs, step.outputs, step.attributes, step.free)
         return steps, recorders
 
-    def keep(self, signature: tuple, lean_steps: list[BoundStep], recorders: list[_Recorder]) -> None:
-        """The signature's list: `lean_steps` with each view layer whose recorder holds what it made taking it."""
-        steps = list(lean_steps)
+    def keep(self, signature: tuple, steps: list[BoundStep], recorders: list[_Recorder]) -> None:
+        """The signature's list: the recording run's `steps` (from `steps`, this signature's alone), each view layer
+        taking what its recorder made (its own launch where none holds)."""
         for i, recorder in zip(self._positions, recorders):
+            step = steps[i]
             if recorder.made is not None:
-                step = steps[i]
-                steps[i] = BoundStep(recorder.made, step.ctx, step.inputs[:1], step.outputs, {}, step.free)
+                step.fn, step.inputs, step.attributes = recorder.made, step.inputs[:1], {}
+            else:
+                step.fn = recorder.fn
         with self._lock:
             self._seen.pop(signature, None)
             self._lists[signature] = steps
