@@ -431,7 +431,7 @@ class _PlanRewrite:
         if self._calls is None or tuple(map(len, key)) != self._whole.ranks:
             return None
         whole = self._whole(key)
-        return self._assembled(template, key, whole[0], whole[1]) if whole is not None else None
+        return self._assembled(template, key, *whole) if whole is not None else None
 
     def _plans(self, values: list[int]) -> np.ndarray:
         """A view's plans: the template's, each rule's values written over (one array the collector does not
@@ -442,13 +442,19 @@ class _PlanRewrite:
             buffer.view(np.int32)[where] = np.array(values, np.int64).view(np.int32)[halves]
         return buffer
 
-    def _exit_shapes(self, exits: list[tuple[int, ...]]) -> list[tuple]:
-        """(size, strides, dtype) of each exit at sizes `exits`."""
-        return [(size, native_strides(size) if nhwc else row_major_strides(size), dtype)
-                for size, (_s, dtype, nhwc) in zip(exits, self._exits)]
+    def exit_strides(self, exits: list[tuple] | tuple[tuple, ...]) -> tuple[tuple, ...]:
+        """Each exit's strides at sizes `exits` (ints, or a traced walk's symbols: ViewTrace answers them)."""
+        return tuple(native_strides(size) if nhwc else row_major_strides(size)
+                     for size, (_s, _dtype, nhwc) in zip(exits, self._exits))
 
-    def _assembled(self, template: Any, key: tuple, values: list[int] | tuple[int, ...], exits: list[tuple[int, ...]]
-                   ) -> _Resized:
+    def _exit_shapes(self, exits: list[tuple[int, ...]], strides: tuple[tuple[int, ...], ...] | None = None
+                     ) -> list[tuple]:
+        """(size, strides, dtype) of each exit at sizes `exits` (`strides`: a traced walk's, else worked out)."""
+        strides = self.exit_strides(exits) if strides is None else strides
+        return [(size, stride, dtype) for size, stride, (_s, dtype, _nhwc) in zip(exits, strides, self._exits)]
+
+    def _assembled(self, template: Any, key: tuple, values: list[int] | tuple[int, ...], exits: list[tuple[int, ...]],
+                   strides: tuple[tuple[int, ...], ...] | None = None) -> _Resized:
         """The view whose every member's plan is rewritten (no oneDNN arguments, no member bound otherwise): its
         plans from `values` (in member order), the call image's arrays pointed at them. Where every call runs a
         rewritten plan, the plans and the calls' objects array are one buffer (_image_calls), its address asked of
@@ -457,7 +463,7 @@ class _PlanRewrite:
         the caches (bench/results/first-call-2026-12-06.md). Where it can, that buffer is a ctypes array written by
         one struct pack (view_pack.py: the numpy array, its image copy, stores and addresses were ~8 numpy calls,
         each slow on cold caches: ~10% of llama_tiny's views, bench/results/first-shape-2026-12-06.md, s27 h-views6).
-        The view owns the buffer (its last `owned`)."""
+        The view owns the buffer (its last `owned`). `strides`: the exits' (a traced walk's answer), else worked out."""
         image = self._image_calls
         if image is None:
             buffer = self._plans(values)
@@ -478,7 +484,8 @@ class _PlanRewrite:
                 self._stored(buffer, base, values)
             c = self._calls.over(base + plans * 8)
         entry_forms = ([*map(tuple, key)], template.entry_dtypes, template.entry_layouts)
-        return _Resized(template, {PARALLEL: c}, template._names, self._exit_shapes(exits), entry_forms, [buffer])
+        return _Resized(template, {PARALLEL: c}, template._names, self._exit_shapes(exits, strides), entry_forms,
+                        [buffer])
 
     def _stored(self, buffer: np.ndarray, base: int, values: list[int] | tuple[int, ...]) -> None:
         """_assembled's buffer (`buffer`, at address `base`, the template's plans and calls) by numpy: each rule's
@@ -516,8 +523,10 @@ class _CallImage:
     plan_calls: np.ndarray  # the calls running a rewritten plan ...
     plan_offsets: np.ndarray  # ... and where in a view's plan buffer it is (uintp)
     argument_calls: np.ndarray  # the oneDNN members' calls, in member order
-    addresses_type: type  # a view's run addresses array (nbind words) and its objects array over a buffer: the
-    objects_type: type  # ctypes array types, asked once (a first call's view pays each `c_void_p * n` cold)
+    addresses: ctypes.Array  # every view's run addresses (nbind words) and failed call: one of each for all the views,
+    failed: ctypes.c_int  # each run writes them under the template's lock (_run_loop) before the loop reads them
+    objects_type: type  # a view's objects array over a buffer: its ctypes array type, asked once (a first call's
+    # view pays each `c_void_p * n` cold)
 
     @classmethod
     def of(cls, template: Any, members: list[tuple]) -> _CallImage | None:
@@ -551,15 +560,15 @@ class _CallImage:
         return cls(loop, np.frombuffer(objects, np.uintp).copy(), np.frombuffer(nargs, np.int32).copy(),
                    np.frombuffer(args, np.uintp).copy(), np.array(plan_calls, np.intp),
                    np.array(plan_offsets, np.uintp), np.array(argument_calls, np.intp),
-                   ctypes.c_void_p * max(loop[3], 1), type(loop[8]))
+                   (ctypes.c_void_p * max(loop[3], 1))(), ctypes.c_int(-1), type(loop[8]))
 
     def over(self, objects: int) -> tuple:
         """The loop's arrays of a view whose every call runs a rewritten plan, its objects array (each call's plan
         address) at address `objects`, kept alive by the view (_PlanRewrite._assembled): the template's nargs and args
         arrays (no oneDNN member)."""
         run, functions, set_handle, nbind, memories, _addresses, moving, count, _objects, nargs, args, _ = self.loop
-        return (run, functions, set_handle, nbind, memories, self.addresses_type(), moving, count,
-                self.objects_type.from_address(objects), nargs, args, ctypes.c_int(-1))
+        return (run, functions, set_handle, nbind, memories, self.addresses, moving, count,
+                self.objects_type.from_address(objects), nargs, args, self.failed)
 
     def at(self, base: int, arguments: tuple[np.ndarray, np.ndarray, np.ndarray] | None) -> tuple:
         """The loop's arrays of a view whose plans are at `base` and whose oneDNN members' (primitives, nargs, args)
@@ -576,9 +585,9 @@ class _CallImage:
             nargs, args = self.nargs.copy(), self.args.copy()
             objects[self.argument_calls], nargs[self.argument_calls], args[self.argument_calls] = arguments
             nargs, args = type(_nargs).from_buffer(nargs), type(_args).from_buffer(args)
-        return (run, functions, set_handle, nbind, memories, (ctypes.c_void_p * max(nbind, 1))(), moving, count,
+        return (run, functions, set_handle, nbind, memories, self.addresses, moving, count,
                 type(_objects).from_buffer(objects), nargs, args,
-                ctypes.c_int(-1))  # ctypes arrays over the numpy copies (which they keep alive)
+                self.failed)  # ctypes arrays over the numpy copies (which they keep alive)
 
 
 def exit_tensors(exit_shapes: list[tuple], into: list | None = None) -> list[torch.Tensor]:

@@ -28,6 +28,7 @@ from kiln.runtime.native_runs import segments
 from kiln.runtime.shape_function import ShapeFunction, compile_shape_steps, computable_ahead
 from kiln.runtime.shapes import HOST_INPUTS, shape_only_steps
 from kiln.runtime.step import BoundStep, call_step, pinned_fp32
+from kiln.runtime.view_steps import SignatureViews
 from kiln.tactics.registry import launch_for
 
 
@@ -161,6 +162,9 @@ class Program:
         self.plan_slots = sorted({s for step in self.lean_steps for s in step.inputs if s in shape_slots}
                                  | (shape_slots & set(self.output_slots)))
         self.shape_plans: OrderedDict[tuple, list[tuple[int, Any]]] | None = OrderedDict() if shape_steps else None
+        # at a signature run before, the layers that view an activation as one torch view each (view_steps.py)
+        self.signature_views = SignatureViews.of(self.lean_steps, shape_slots | set(template_values)) \
+            if shape_steps and not on_cuda else None
         self._plan_sizes: dict[tuple, int] = {}
         # the plans' bytes and evictions (shape_plan_bytes, plan_evictions), in an object of their own: the copies of
         # with_own_arena share the plans, their lock and these counts by reference
@@ -231,6 +235,7 @@ class Program:
         copy.lean_steps = [twins.get(id(s), s) for s in self.lean_steps]
         copy.first_steps = [twins.get(id(s), s) for s in self.first_steps]
         copy.segments = [twins[id(s)].fn for s in self.run_steps if id(s) in twins]
+        copy.signature_views = self.signature_views.fresh() if self.signature_views is not None else None
         return copy
 
     def with_kernels(self, wrap: Callable[[int, Any], Any], keep_values: bool = False) -> Program:
@@ -257,7 +262,7 @@ class Program:
         if self.capture_slots:
             for name, s in self.capture_slots:
                 env[s] = outer[name]
-        steps, signature = self.run_steps, None
+        steps, signature, recorders, recorded = self.run_steps, None, None, None
         if self.shape_plans is not None:  # this signature's shape values, when known: their steps are skipped
             signature = input_signature(inputs)
             known = None
@@ -270,6 +275,9 @@ class Program:
                 for s, v in known:
                     env[s] = v
                 steps = self.lean_steps
+                if self.signature_views is not None:  # its view layers as recorded, or recording (view_steps.py)
+                    steps, recorders = self.signature_views.steps(signature, steps)
+                    recorded = signature
                 signature = None
             elif signature is not None and self.shape_function is not None:
                 try:
@@ -297,6 +305,10 @@ class Program:
                 env[s] = None
         if signature is not None:
             self._remember(signature, [(s, env[s]) for s in self.plan_slots])
+            if self.signature_views is not None:
+                self.signature_views.ran(signature)
+        if recorders is not None:
+            self.signature_views.keep(recorded, steps, recorders)
         return [env[s] for s in self.output_slots]
 
     def plan_ahead(self, inputs: list[Any], signature: tuple) -> bool:

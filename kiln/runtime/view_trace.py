@@ -28,7 +28,8 @@ from kiln.tactics.traced_rules import ClosedForms, Untraceable
 
 class ViewTrace:
     """A _PlanRewrite's walks at new sizes as closed forms of the entry dims: (the values its rules write, in member
-    order; each exit's sizes), or None off every traced path."""
+    order; each exit's sizes; each exit's strides), or None off every traced path. The strides follow the sizes
+    (_PlanRewrite.exit_strides on symbols): a view's exits cost no Python of their own."""
 
     def __init__(self, entries: list[int], ranks: tuple[int, ...]):
         """`entries`: the template's entry slots, `ranks` their ranks (a view's key has them: _PlanRewrite.view
@@ -51,7 +52,8 @@ class ViewTrace:
         """False once a trace failed or disagreed (ClosedForms.learn then adds no path)."""
         return self._forms.traceable
 
-    def __call__(self, key: tuple) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]] | None:
+    def __call__(self, key: tuple) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]
+                                            ] | None:
         try:
             return self._forms(tuple(chain.from_iterable(key)))
         except ArithmeticError:  # a closed form's division by zero: the view's walk raises it as the rule would
@@ -60,12 +62,13 @@ class ViewTrace:
     def learn(self, rewrite: Any, key: tuple, values: list[int], exits: list[tuple[int, ...]]) -> bool:
         """Trace `rewrite`'s walk (the _PlanRewrite's schedule, members, arena checks and exits) at `key`, where its
         view found `values` (in member order) and exit sizes `exits`."""
+        exits = tuple(tuple(size) for size in exits)
         return self._forms.learn(tuple(chain.from_iterable(key)), functools.partial(self._walk, rewrite),
-                                 (tuple(values), tuple(tuple(size) for size in exits)))
+                                 (tuple(values), exits, rewrite.exit_strides(exits)))
 
-    def _walk(self, rewrite: Any, dims: tuple) -> tuple[tuple, tuple] | None:
-        """`rewrite`'s view's walk on `dims` (symbols) where every member it evaluates has a rule: the values and
-        the exits' sizes, or None where a check refuses (the view would) or a rule has no traced path there."""
+    def _walk(self, rewrite: Any, dims: tuple) -> tuple[tuple, tuple, tuple] | None:
+        """`rewrite`'s view's walk on `dims` (symbols) where every member it evaluates has a rule: the values, the
+        exits' sizes and strides, or None where a check refuses (the view would) or a rule has no traced path there."""
         it = iter(dims)
         key = [tuple(next(it) for _ in range(rank)) for rank in self._ranks]
         sizes = dict(zip(self._entries, key))
@@ -102,4 +105,5 @@ class ViewTrace:
         for s, itemsize, capacity in rewrite._arena:
             if math.prod(sizes[s]) * itemsize > capacity:
                 return None
-        return tuple(values), tuple(tuple(sizes[s]) for s, _dtype, _nhwc in rewrite._exits)
+        exits = tuple(tuple(sizes[s]) for s, _dtype, _nhwc in rewrite._exits)
+        return tuple(values), exits, rewrite.exit_strides(exits)

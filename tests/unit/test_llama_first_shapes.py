@@ -340,15 +340,15 @@ def test_llama_views_past_the_planned_shapes_are_packed_as_the_stores_write_them
             packed.append(done)
         return done
 
-    def assembled(self, template, key, values, exits):
+    def assembled(self, template, key, values, exits, strides=None):
         try:
-            return checked(self, template, key, values, exits)
+            return checked(self, template, key, values, exits, strides)
         except Exception as error:  # (Segment._bind_sizes would take it for sizes the layers cannot bind)
             failures.append((key, repr(error)))
             raise
 
-    def checked(self, template, key, values, exits):
-        view = real_assembled(self, template, key, values, exits)
+    def checked(self, template, key, values, exits, strides):
+        view = real_assembled(self, template, key, values, exits, strides)
         if threading.get_ident() == caller and self._packed is not None:
             kept = self._packed
             refusing = type("Refusing", (), {"buffer_type": kept.buffer_type, "into": lambda *a: False})()

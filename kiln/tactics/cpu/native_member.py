@@ -163,8 +163,10 @@ class RewrittenLaunch:
     launch's tensors. A kernel at each new size (its fields' arithmetic, then a KernelBound's four oneDNN memory
     objects and its plan) cost llama_tiny's two mask Wheres ~90 µs each of a first call at a new shape, right after a
     run has cooled the caches (bench/results/first-shape-2026-12-06.md); a rewritten plan, a struct copy and the
-    rule. Plans kept per size (the oldest out past _KEPT); one run at a time (they share the memory objects). Made at
-    the layer's first launch (an engine's warm-up), with its rule's batch-1 / sequence-1 paths traced there (_ones)."""
+    rule. Plans kept per size (the oldest out past _KEPT), shared by the launches of one template plan and rule
+    (_KeptPlans: llama_tiny's second mask Where at a new size takes the first's plan); one run at a time (they share
+    the memory objects). Made at the layer's first launch (an engine's warm-up), with its rule's batch-1 / sequence-1
+    paths traced there (_ones)."""
 
     def __init__(self, kernel: kernels.NativeKernel, plan_at: PlanRule, reads: list[int]):
         """`kernel`: the layer at its tuned sizes, reading step inputs `reads`."""
@@ -178,7 +180,7 @@ class RewrittenLaunch:
         # broadcast's fields are ~7 µs of Python warm, several times that on a first call's cooled caches
         self._plan_at = _traced(plan_at) if plan_at.traceable else plan_at
         self._writes: dict[tuple, list[tuple[str, struct.Struct, int]]] = {}  # by the rule's field names
-        self._plans: OrderedDict[tuple, tuple[ctypes.Structure, tuple]] = OrderedDict()
+        self._kept = _kept_plans((self._plan_type, self._template, plan_at.key))
         self._lock = threading.Lock()
 
     @classmethod
@@ -240,13 +242,14 @@ class RewrittenLaunch:
         """The layer on `inputs` (contiguous, of `sizes`): new outputs, or None where the rule refuses these sizes
         (the caller builds the kernel: it says why, or runs them)."""
         key = tuple(sorted(sizes.items()))
-        found = self._plans.get(key)
+        kept = self._kept
+        found = kept.plans.get(key)
         if found is None:
             found = self._plan_of(sizes)
-            with self._lock:
-                self._plans[key] = found
-                while len(self._plans) > _KEPT:
-                    self._plans.popitem(last=False)
+            with kept.lock:
+                kept.plans[key] = found
+                while len(kept.plans) > _KEPT:
+                    kept.plans.popitem(last=False)
         if found is _REFUSED:
             return None
         plan, output_sizes = found
@@ -265,6 +268,7 @@ class RewrittenLaunch:
 
 _REFUSED = object()  # RewrittenLaunch's answer kept for sizes its rule refuses (the kernel there runs them)
 
+
 # traced rules by key, shared by the layers of one shape (llama_tiny's two mask Wheres trace one path per class of
 # sizes, not two), kept while a launch holds them
 _TRACED: weakref.WeakValueDictionary[tuple, TracedRule] = weakref.WeakValueDictionary()
@@ -276,6 +280,27 @@ def _traced(rule: PlanRule) -> TracedRule:
         found = _TRACED.get(rule.key)
         if found is None:
             found = _TRACED[rule.key] = TracedRule(rule)
+        return found
+
+
+class _KeptPlans:
+    """RewrittenLaunch's plans by input sizes, least recently used out past _KEPT: one for the launches of one
+    template plan (its bytes and type) and rule, whose plans at equal sizes are equal (the template with the rule's
+    fields written over). A plan is only read by a run."""
+
+    def __init__(self) -> None:
+        self.plans: OrderedDict[tuple, tuple[ctypes.Structure, tuple] | object] = OrderedDict()
+        self.lock = threading.Lock()
+
+
+_KEPT_PLANS: weakref.WeakValueDictionary[tuple, _KeptPlans] = weakref.WeakValueDictionary()  # while a launch holds it
+
+
+def _kept_plans(key: tuple) -> _KeptPlans:
+    with _TRACED_LOCK:
+        found = _KEPT_PLANS.get(key)
+        if found is None:
+            found = _KEPT_PLANS[key] = _KeptPlans()
         return found
 
 
