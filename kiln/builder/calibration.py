@@ -287,7 +287,8 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
                                            preprocessing=config.calibration_preprocessing, limit=wanted))
         if not evaluation:
             raise KilnError("--accuracy-target measures the error on calibration data: give it (--calib)")
-    # the int8 kernels of a CPU without VNNI: 7-bit weights (any two products with a uint8 activation fit int16)
+    # the int8 kernels of a CPU without VNNI: 7-bit weights (any two products with a uint8 activation fit int16),
+    # but for depthwise convolutions, whose kernel pairs no bytes (qdq.pairs_bytes)
     weight_max = 64.0 if cpu_kernels and not has_int8_dot_product() else None
     per_tensor_weights = per_tensor_fp8_weights(config)
     # layers between int8 and float (the accuracy target's) are W8A16 (int8 weights, the input at 16 bits: two int8
@@ -360,7 +361,7 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
                    # the weight-only layers whose input is 16-bit (W8A16, kiln/tactics/cpu/w8a16.py)
                    "w8a16": sorted(n for n in wide if n not in skipped),
                    "weights": f"{'7' if weight_max else '8'}-bit per {'tensor' if per_tensor_weights else 'channel'}"
-                   + (f" (this CPU: {cpu_features.describe()})" if weight_max else ""),
+                   + (f", depthwise 8-bit (this CPU: {cpu_features.describe()})" if weight_max else ""),
                    "ranges": {k: np.asarray(v).tolist() for k, v in sorted(ranges.items())},
                    "bias_correction": bool(channel_means),
                    "gptq": bool(moments),
