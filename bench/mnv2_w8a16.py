@@ -89,7 +89,8 @@ def main() -> None:
     if args.split_too and args.timing_cache is None:
         args.timing_cache = str(Path(tempfile.mkdtemp()) / "timing.json")
     torch.set_num_threads(args.threads)
-    clock, clock_name = (time.thread_time, "thread CPU time") if args.threads == 1 else (time.perf_counter, "wall clock")
+    one = args.threads == 1
+    clock, clock_name = (time.thread_time, "thread CPU time") if one else (time.perf_counter, "wall clock")
     images = photo_variants()
     calibration = [{"pixel_values": v} for v in images[::3]]
     held = [{"pixel_values": v} for i, v in enumerate(images) if i % 3] + \
