@@ -208,10 +208,10 @@ def test_pair_overflow_is_possible_exactly_past_128():
     assert pair_overflow_possible(w, torch.uint8)
     w[1, :2] = torch.tensor([-127, 127])  # opposite signs never add up
     assert not pair_overflow_possible(w, torch.uint8)
-    dense = torch.full((4, 1, 3, 3), 127, dtype=torch.int8)  # 4 channels in: any two of an output channel pair up
-    assert pair_overflow_possible(dense.reshape(4, 9)[:, None, :, None].expand(4, 4, 9, 1).contiguous(), torch.uint8)
-    assert not pair_overflow_possible(dense, torch.uint8, groups=4)  # depthwise: each product widened to int32
-    assert pair_overflow_possible(torch.cat([dense, dense]), torch.uint8, groups=4)  # 2 outputs a group: not depthwise
+    assert pair_overflow_possible(torch.full((4, 4, 3, 3), 127, dtype=torch.int8), torch.uint8)  # dense: pairs
+    depthwise = torch.full((4, 1, 3, 3), 127, dtype=torch.int8)
+    assert not pair_overflow_possible(depthwise, torch.uint8, groups=4)  # each product widened to int32
+    assert pair_overflow_possible(torch.cat([depthwise, depthwise]), torch.uint8, groups=4)  # 2 outputs a group
 
 
 @needs_onednn
