@@ -5,12 +5,16 @@ weight bits, the softmax KL from fp32 with it alone quantized (whole layer) and 
 calibration images of the lowest top-1 margins), its int8 and fp32 ms (layer_cost, 1 thread), and where the chosen
 plan put it.
 
-    python bench/int8_avx2_sensitivity.py [--top 20]
+    python bench/int8_avx2_sensitivity.py [--top 20] [--save PLAN.json]
+
+--save: the chosen plan's fp32 layers as JSON ({"fp32": [...]}), for bench/mnv2_w8a16.py --plan (the same engine
+built from pinned layers, without the search).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -44,6 +48,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--timing-cache", default=None)
+    parser.add_argument("--save", default=None, help="write the chosen plan's fp32 layers here (JSON)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     start = time.time()
@@ -60,6 +65,8 @@ def main() -> None:
     ms = accuracy.get("layer_ms", {})
     kept, wide = set(record["kept_float"]), set(record["w8a16"])
     eight = set(record["full_range_weights"])
+    if args.save:
+        Path(args.save).write_text(json.dumps({"fp32": sorted(kept), "w8a16": sorted(wide)}))
     print(f"{cpu_name()} ({cpu_features.describe()}), 1-min load {os.getloadavg()[0]:.1f}, "
           f"{time.time() - start:.0f} s; weights {record['weights']}")
     print(f"expected top-1: every layer int8 {accuracy.get('top1_all_quantized')}, chosen plan "

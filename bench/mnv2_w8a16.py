@@ -4,7 +4,7 @@ milliseconds per accuracy, against fp32, int8 every layer, the previous 97% engi
 fewest layers) and onnxruntime's QDQ int8 model.
 
     python bench/mnv2_w8a16.py [--rounds 5] [--target 0.97] [--margin 0.01] [--redraws 4] [--no-previous] [--threads 1]
-                               [--timing-cache PATH] [--rebuilds N] [--split-too]
+                               [--timing-cache PATH] [--rebuilds N] [--split-too] [--plan PLAN.json]
 
 Images as quantacc4 (kiln.quant.data.photo_variants: every third of 112 calibrates (38), held out: the other 74 and
 photo_variants(8, seed=1)'s 128 = 202). Agreement = top-1 equal to kiln fp32's top-1 on the same input; redraws:
@@ -24,6 +24,7 @@ given): the same plan, its 1x1 W8A16 layers on the split path (cpu.qconv.w8a16),
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -83,6 +84,8 @@ def main() -> None:
     parser.add_argument("--rebuilds", type=int, default=0, help="build the W8A16 engine this many more times")
     parser.add_argument("--threads", type=int, default=1, help="builds and runs at this many threads (above 1: "
                         "wall clock, not the thread's CPU time)")
+    parser.add_argument("--plan", default=None, help="a plan of bench/int8_avx2_sensitivity.py --save: the target's "
+                        "engine built with its layers pinned (layer_precision), without the search")
     parser.add_argument("--split-too", action="store_true",
                         help="the W8A16 engine again without the one-pass GEMM tactic (the same plan)")
     args = parser.parse_args()
@@ -98,18 +101,22 @@ def main() -> None:
     path = str(zoo.mobilenet_v2())
     common = dict(precision="int8", calibration=calibration, calibrator="percentile", gptq=True,
                   timing_cache=args.timing_cache)
+    target = f"kiln int8 + W8A16, target {args.target} + {args.margin}"
     builds = {
         "kiln fp32": dict(),
         "kiln int8 every layer": common,
-        f"kiln int8 + W8A16, target {args.target} + {args.margin}": dict(
-            common, accuracy_target=args.target, accuracy_metric="top1", accuracy_margin=args.margin),
+        target: dict(common, accuracy_target=args.target, accuracy_metric="top1", accuracy_margin=args.margin),
     }
     if args.split_too:
-        builds["kiln int8 + W8A16, split path only (the same plan)"] = dict(
-            builds[f"kiln int8 + W8A16, target {args.target} + {args.margin}"])
+        builds["kiln int8 + W8A16, split path only (the same plan)"] = dict(builds[target])
     if not args.no_previous:
         builds["kiln int8, target 0.98 float only (before)"] = dict(
             common, accuracy_target=0.98, accuracy_metric="top1", accuracy_margin=0.0, accuracy_weight_only=False)
+    if args.plan:
+        plan = json.loads(Path(args.plan).read_text())
+        builds.pop(target, None)
+        builds[f"kiln int8, a target's plan pinned ({len(plan['fp32'])} fp32, {len(plan['w8a16'])} w8a16)"] = dict(
+            common, layer_precision={**dict.fromkeys(plan["fp32"], "fp32"), **dict.fromkeys(plan["w8a16"], "w8a16")})
     runners, notes = {}, {}
     for label, options in builds.items():
         start = time.perf_counter()
