@@ -64,7 +64,6 @@ def main() -> None:
     full, inputs = accuracy.get("sensitivity", {}), accuracy.get("input_sensitivity", {})
     ms = accuracy.get("layer_ms", {})
     kept, wide = set(record["kept_float"]), set(record["w8a16"])
-    eight = set(record["full_range_weights"])
     if args.save:
         Path(args.save).write_text(json.dumps({"fp32": sorted(kept), "w8a16": sorted(wide)}))
     print(f"{cpu_name()} ({cpu_features.describe()}), 1-min load {os.getloadavg()[0]:.1f}, "
@@ -76,7 +75,7 @@ def main() -> None:
     print(f"\n| rank | layer | kind | weights | KL, layer alone int8 | KL, input alone | int8 ms | fp32 ms | plan |\n"
           "|---|---|---|---|---|---|---|---|---|")
     for rank, name in enumerate(list(full)[:args.top], 1):
-        bits = 8 if name in eight or not record["weights"].startswith("7") else 7
+        bits = 7 if record["weights"].startswith("7") and qdq.pairs_bytes(nodes[name]) else 8
         cost = ms.get(name, {})
         where = "fp32" if name in kept else "w8a16" if name in wide else "int8"
         print(f"| {rank} | {name} | {kinds.get(name, '?')} | {bits}-bit | {full[name]:.2e} | "
