@@ -3,16 +3,16 @@ and float run W8A16 (int8 weights, 16-bit inputs: two int8 convolutions on the i
 milliseconds per accuracy, against fp32, int8 every layer, the previous 97% engine (target 0.98, float layers only,
 fewest layers) and onnxruntime's QDQ int8 model.
 
-    python bench/mnv2_w8a16.py [--rounds 5] [--target 0.97] [--margin 0.01] [--redraws 4] [--no-previous]
-                               [--timing-cache PATH] [--rebuilds N] [--split-too]
+    python bench/mnv2_w8a16.py [--rounds 5] [--target 0.97] [--margin 0.01] [--redraws 4] [--no-previous] [--threads 1]
+                               [--timing-cache PATH] [--rebuilds N] [--split-too] [--plan PLAN.json]
 
 Images as quantacc4 (kiln.quant.data.photo_variants: every third of 112 calibrates (38), held out: the other 74 and
 photo_variants(8, seed=1)'s 128 = 202). Agreement = top-1 equal to kiln fp32's top-1 on the same input; redraws:
 every held-out input x (1 + 1e-6 N(0,1)) (far below a pixel's step; what a different float summation order does),
 fp32's top-1 taken again on each. Engines: real CPU builds (percentile, GPTQ). onnxruntime: quantize_static QDQ
-(MinMax, uint8 activations, per-channel int8 weights, reduce_range) on the same 38 images, ORT_ENABLE_ALL, one
-thread. Timing: interleaved rounds, one block per engine per round, thread CPU time at 1 thread, medians; ratios to
-kiln fp32 per round. Prints tables; CPU and load named.
+(MinMax, uint8 activations, per-channel int8 weights, reduce_range) on the same 38 images, ORT_ENABLE_ALL, --threads
+intra-op threads. Timing: interleaved rounds, one block per engine per round, thread CPU time at 1 thread (wall clock
+at more), medians; ratios to kiln fp32 per round. Prints tables; CPU and load named.
 
 --timing-cache: the builds' timing cache (the W8A16 search's layer times too: a second run with the same file makes
 the same plan); --rebuilds N: the W8A16 engine built N more times with that cache, each plan printed and compared
@@ -24,6 +24,7 @@ given): the same plan, its 1x1 W8A16 layers on the split path (cpu.qconv.w8a16),
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -50,7 +51,7 @@ from kiln.zoo.timing import time_samples  # noqa: E402
 GEMM = "cpu.qconv.w8a16_gemm"
 
 
-def ort_qdq_session(path: str, calibration: list[dict], folder: str):
+def ort_qdq_session(path: str, calibration: list[dict], folder: str, threads: int = 1):
     import onnxruntime as ort
     from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, \
         quantize_static
@@ -67,7 +68,7 @@ def ort_qdq_session(path: str, calibration: list[dict], folder: str):
                     weight_type=QuantType.QInt8, per_channel=True, reduce_range=True,
                     calibrate_method=CalibrationMethod.MinMax)
     options = ort.SessionOptions()
-    options.intra_op_num_threads, options.inter_op_num_threads = 1, 1
+    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     return ort.InferenceSession(out, options, providers=["CPUExecutionProvider"])
 
@@ -81,12 +82,18 @@ def main() -> None:
     parser.add_argument("--no-previous", action="store_true", help="leave out the previous 0.98 float-only engine")
     parser.add_argument("--timing-cache", default=None, help="the builds' timing cache (layer times of the search too)")
     parser.add_argument("--rebuilds", type=int, default=0, help="build the W8A16 engine this many more times")
+    parser.add_argument("--threads", type=int, default=1, help="builds and runs at this many threads (above 1: "
+                        "wall clock, not the thread's CPU time)")
+    parser.add_argument("--plan", default=None, help="a plan of bench/int8_avx2_sensitivity.py --save: the target's "
+                        "engine built with its layers pinned (layer_precision), without the search")
     parser.add_argument("--split-too", action="store_true",
                         help="the W8A16 engine again without the one-pass GEMM tactic (the same plan)")
     args = parser.parse_args()
     if args.split_too and args.timing_cache is None:
         args.timing_cache = str(Path(tempfile.mkdtemp()) / "timing.json")
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
+    one = args.threads == 1
+    clock, clock_name = (time.thread_time, "thread CPU time") if one else (time.perf_counter, "wall clock")
     images = photo_variants()
     calibration = [{"pixel_values": v} for v in images[::3]]
     held = [{"pixel_values": v} for i, v in enumerate(images) if i % 3] + \
@@ -94,18 +101,22 @@ def main() -> None:
     path = str(zoo.mobilenet_v2())
     common = dict(precision="int8", calibration=calibration, calibrator="percentile", gptq=True,
                   timing_cache=args.timing_cache)
+    target = f"kiln int8 + W8A16, target {args.target} + {args.margin}"
     builds = {
         "kiln fp32": dict(),
         "kiln int8 every layer": common,
-        f"kiln int8 + W8A16, target {args.target} + {args.margin}": dict(
-            common, accuracy_target=args.target, accuracy_metric="top1", accuracy_margin=args.margin),
+        target: dict(common, accuracy_target=args.target, accuracy_metric="top1", accuracy_margin=args.margin),
     }
     if args.split_too:
-        builds["kiln int8 + W8A16, split path only (the same plan)"] = dict(
-            builds[f"kiln int8 + W8A16, target {args.target} + {args.margin}"])
+        builds["kiln int8 + W8A16, split path only (the same plan)"] = dict(builds[target])
     if not args.no_previous:
         builds["kiln int8, target 0.98 float only (before)"] = dict(
             common, accuracy_target=0.98, accuracy_metric="top1", accuracy_margin=0.0, accuracy_weight_only=False)
+    if args.plan:
+        plan = json.loads(Path(args.plan).read_text())
+        builds.pop(target, None)
+        builds[f"kiln int8, a target's plan pinned ({len(plan['fp32'])} fp32, {len(plan['w8a16'])} w8a16)"] = dict(
+            common, layer_precision={**dict.fromkeys(plan["fp32"], "fp32"), **dict.fromkeys(plan["w8a16"], "w8a16")})
     runners, notes = {}, {}
     for label, options in builds.items():
         start = time.perf_counter()
@@ -142,7 +153,7 @@ def main() -> None:
         context = engine.create_execution_context()
         runners[label] = lambda feeds, c=context: np.asarray(next(iter(c.run(feeds).values())))
     with tempfile.TemporaryDirectory() as folder:
-        ort_session = ort_qdq_session(path, calibration, folder)
+        ort_session = ort_qdq_session(path, calibration, folder, args.threads)
         name = ort_session.get_inputs()[0].name
         runners["onnxruntime int8 QDQ"] = lambda feeds: ort_session.run(None, {name: feeds["pixel_values"]})[0]
         notes["onnxruntime int8 QDQ"] = {"ran": {}}
@@ -164,13 +175,13 @@ def main() -> None:
             medians = {}
             for label, run in runners.items():
                 block = time_samples(lambda: run(feeds), iterations=30, warmup=3, budget_s=3.0, min_runs=5,
-                                     clock=time.thread_time)
+                                     clock=clock)
                 samples[label] += block
                 medians[label] = float(np.median(block))
             for label in runners:
                 ratios[label].append(medians[label] / medians["kiln fp32"])
             print("round: " + ", ".join(f"{k} {v:.2f} ms" for k, v in medians.items()), flush=True)
-    print(f"\n{cpu_name()}, 1 thread, thread CPU time, 1-min load {min(loads):.1f}-{max(loads):.1f}, "
+    print(f"\n{cpu_name()}, {args.threads} thread(s), {clock_name}, 1-min load {min(loads):.1f}-{max(loads):.1f}, "
           f"{args.rounds} interleaved rounds, torch {torch.__version__}")
     print(f"| engine | layers (ran as) | top-1 = fp32 of {len(held)}: as is; {args.redraws} redraws (mean) | median ms "
           "| / kiln fp32 (median of rounds; per round) |")

@@ -287,7 +287,8 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
                                            preprocessing=config.calibration_preprocessing, limit=wanted))
         if not evaluation:
             raise KilnError("--accuracy-target measures the error on calibration data: give it (--calib)")
-    # the int8 kernels of a CPU without VNNI: 7-bit weights (any two products with a uint8 activation fit int16)
+    # the int8 kernels of a CPU without VNNI: 7-bit weights (any two products with a uint8 activation fit int16),
+    # but for depthwise convolutions, whose kernel pairs no bytes (qdq.pairs_bytes)
     weight_max = 64.0 if cpu_kernels and not has_int8_dot_product() else None
     per_tensor_weights = per_tensor_fp8_weights(config)
     # layers between int8 and float (the accuracy target's) are W8A16 (int8 weights, the input at 16 bits: two int8
@@ -348,6 +349,9 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
         say(f"w8a16: {len(stayed)} layer(s) moved up run weight-only (fp32 kernel), not W8A16: {narrow[stayed[0]]}")
     # readers kept float or weight-only (a float input): their Adds too
     adds = residual.plan(model.graph, exclude | sensitive | weight_only) if adds else []
+    # the layers whose weights keep 8 bits where the others' are 7 (qdq.pairs_bytes)
+    full_range = [t.node.name for t in qdq.targets(model.graph, exclude | sensitive)
+                  if weight_max and not qdq.pairs_bytes(t.node)]
     skipped = qdq.insert(model, ranges, dtype, exclude | sensitive, unsigned=unsigned, weight_max=weight_max,
                          channel_means=channel_means, lows=lows, per_tensor_weights=per_tensor_weights,
                          moments=moments, weight_only=weight_only - wide, wide=wide)
@@ -359,8 +363,9 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
                    "weight_only": {name: why for name, why in chosen_weight_only.items() if name not in skipped},
                    # the weight-only layers whose input is 16-bit (W8A16, kiln/tactics/cpu/w8a16.py)
                    "w8a16": sorted(n for n in wide if n not in skipped),
+                   "full_range_weights": sorted(set(full_range) - set(skipped)),
                    "weights": f"{'7' if weight_max else '8'}-bit per {'tensor' if per_tensor_weights else 'channel'}"
-                   + (f" (this CPU: {cpu_features.describe()})" if weight_max else ""),
+                   + (f", depthwise 8-bit (this CPU: {cpu_features.describe()})" if weight_max else ""),
                    "ranges": {k: np.asarray(v).tolist() for k, v in sorted(ranges.items())},
                    "bias_correction": bool(channel_means),
                    "gptq": bool(moments),
@@ -395,6 +400,7 @@ def summarize(program, tactics: dict, quantization: dict | None = None,
     tuned = tactics.get("layers", {})
     found: dict[str, dict[str, str]] = {}
     dtype = quantization.get("dtype", "int8")
+    full_range = set(quantization.get("full_range_weights") or ())
     by_target = {**{name: (storage, f"accuracy target: {why}") for name, why in
                     ((quantization.get("accuracy") or {}).get("kept_float") or {}).items()},
                  **{name: (f"{dtype} weights, {storage} input", why if why == "pinned" else f"accuracy target: {why}")
@@ -419,6 +425,8 @@ def summarize(program, tactics: dict, quantization: dict | None = None,
             faster = layer.get("runner_up_ms")
             why = f"int8 kernel {layer.get('time_ms', 0):.3f} ms" + (f", next {layer.get('runner_up')} "
                                                                    f"{faster:.3f} ms" if faster else "")
+            if step.name in full_range:
+                why += "; 8-bit weights (depthwise: its kernel widens each product, no byte pairs to saturate)"
             found[step.name] = {"precision": "int8", "tactic": chosen, "why": why}
         elif layer.get("reverted"):  # the tuner's pick, sent back by the whole-engine check (builder/accuracy.py)
             found[step.name] = {"precision": "int8 (reference)" if chosen == "default" else "fp32", "tactic": chosen,

@@ -240,7 +240,7 @@ class _Quantized:
 
 
 def _weight_width(record: dict) -> str:
-    return str(record.get("weights", "")).split(" (")[0]  # "7-bit per channel" / "8-bit per channel"
+    return str(record.get("weights", "")).split(" (")[0]  # "7-bit per channel, depthwise 8-bit" / "8-bit per channel"
 
 
 def _check_weight_width(built: dict, record: dict) -> None:

@@ -86,6 +86,13 @@ def targets(graph: ir.Graph, exclude: set[str] = frozenset()) -> list[Target]:
     return found
 
 
+def pairs_bytes(node: ir.Node) -> bool:
+    """Whether the CPU's int8 kernel of this layer multiplies u8·s8 byte pairs (vpmaddubsw without VNNI), which
+    insert's weight_max keeps from saturating int16: every layer but a depthwise convolution of one output channel
+    per group, whose kernel widens each product to int32 (kiln/kernels/cpu/onednn_int8.py pair_overflow_possible)."""
+    return not (is_depthwise(node) and node.inputs[1].const_value.shape[0] == node.attributes["group"].value)
+
+
 def is_depthwise(node: ir.Node) -> bool:
     """A Conv whose every group reads one input channel (group = C_in, weight [O, 1, *k])."""
     if node.op_type != "Conv" or node.inputs[1] is None or node.inputs[1].const_value is None:
@@ -169,8 +176,9 @@ def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, e
 
     unsigned (int8 only): an activation that cannot be negative (a Relu's, a ReLU6's) is quantized to
     uint8 with zero point 0, all 256 steps over [0, amax], instead of int8's 128. weight_max: the largest
-    quantized weight magnitude (64 keeps any two weights' products with a uint8 activation within
-    int16: the int8 kernels of a CPU without VNNI, kiln/kernels/cpu/onednn_int8.py). A range given as an
+    quantized weight magnitude of the layers whose kernels pair bytes (`pairs_bytes`; 64 keeps any two weights'
+    products with a uint8 activation within int16: the int8 kernels of a CPU without VNNI,
+    kiln/kernels/cpu/onednn_int8.py); a depthwise convolution's weights keep the full range. A range given as an
     array (one amax per channel, per_channel_activations) quantizes that activation along axis 1; a
     channel that was 0 on every batch gets the largest channel's scale (its values quantize to 0 either
     way). A range above a Clip's upper bound (a ReLU6's 6) is lowered to it: no value lies above.
@@ -265,7 +273,8 @@ def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, e
             dq = pairs[base] = quantize_dequantize(graph, t.node, t.activation, scale, zero, axis, base)
         t.node.replace_input_with(0, dq)
         h = (moments or {}).get(t.node.name) if dtype == "int8" and not per_tensor_weights else None
-        weight_dq = _quantized_weight(graph, t, dtype, weight_max or qmax, shared_amax.get(t.activation.name), h)
+        narrow = weight_max if weight_max and pairs_bytes(t.node) else qmax
+        weight_dq = _quantized_weight(graph, t, dtype, narrow, shared_amax.get(t.activation.name), h)
         mean = (channel_means or {}).get(t.activation.name)
         if mean is not None:
             _correct_bias(graph, t, weight_dq, mean)

@@ -34,7 +34,10 @@ def test_mobilenet_v2_int8_with_w8a16_layers_keeps_97_percent(capsys):
     assert accuracy["plans"][accuracy["chosen_plan"]]["ms"] == min(p["ms"] for p in accuracy["plans"].values())
     wide = set(record["w8a16"])
     steps = {s.name: s for s in engine.program.spec.steps}
-    assert wide and all(steps[name].tactic in w8a16_tactics.TACTICS for name in wide)
+    # a VNNI CPU's search chose 10-19 W8A16 layers; an AVX2-only one's (Zen 3: w16gemm's vpmaddwd slower than fp32 on
+    # most layers) the float plan, none (bench/results/int8-accuracy-avx2-2026-12-07.md): those chosen run W8A16
+    assert wide or accuracy["chosen_plan"] == "float"
+    assert all(steps[name].tactic in w8a16_tactics.TACTICS for name in wide)
     members = {m.ctx.name for segment in engine.program.segments for m in segment.members}
     assert wide <= members  # native-segment members, not steps that split the segments
     rng = np.random.default_rng(12)
@@ -49,5 +52,6 @@ def test_mobilenet_v2_int8_with_w8a16_layers_keeps_97_percent(capsys):
         print(f"\nMobileNetV2 int8 + W8A16, target 0.97 + 0.01: {len(wide)} W8A16, {len(record['kept_float'])} fp32 "
               f"layers; top-1 = fp32 on {counts} of {len(held)} (as is, 2 redraws)")
     # 97% of 202 on average over the draws, none below 96%: measured per build (the plan moves with the layer times
-    # timed at build) 198-200 (load 5), 195-197 (load 2); bench/results/quantacc4-2026-12-06.md
+    # timed at build) 198-200 (load 5), 195-197 (load 2); bench/results/quantacc4-2026-12-06.md. Zen 3 (no VNNI):
+    # 196, 196, 194 with 7-bit depthwise weights, 197, 196, 197 with 8-bit ones (int8-accuracy-avx2-2026-12-07.md)
     assert np.mean(counts) >= 196 and min(counts) >= 194

@@ -271,3 +271,31 @@ def test_a_segment_entered_by_8_bit_values_runs_its_native_loop():
     got = np.asarray(next(iter(engine.run({"x": x}).values())))
     want = np.asarray(next(iter(emulated.run({"x": x}).values())))
     assert np.abs(got - want).max() <= float(want.max() - want.min()) / 255 * 1.5  # torch's quantize is ONNX's
+
+
+@pytest.mark.skipif(not onednn.available(), reason="needs oneDNN")
+def test_without_int8_dot_products_the_depthwise_weights_keep_8_bits(monkeypatch):
+    """A CPU build without VNNI (this Zen 3; KILN_CPU_ISA=avx2 makes any x86 one): the dense convolutions' weights
+    7-bit (their kernels pair bytes), the depthwise one's 8-bit, run by the int8 depthwise kernel (which widens each
+    product: tests/unit/test_quant_kernels.py checks it exact at 127), and the record says which and why. The engine
+    against kiln's reference interpreter on the same Q/DQ model (the kernels' exact integer definition)."""
+    monkeypatch.setenv("KILN_CPU_ISA", "avx2")
+    rng = np.random.default_rng(5)
+    proto = _model(rng)
+    calibration = [{"x": rng.normal(size=(1, 3, 12, 12)).astype(np.float32)} for _ in range(4)]
+    config = BuildConfig(precision="int8", calibration=calibration, calibrator="minmax")
+    model, record = quantize(ir.from_proto(proto), config, lambda _m: None)
+    assert record["weights"].startswith("7-bit per channel, depthwise 8-bit (this CPU: ")
+    assert record["full_range_weights"] == ["depthwise"]
+    widest = {name: int(np.abs(model.graph.initializers[f"{name}_weight_q"].const_value.numpy()).max())
+              for name in ("stem", "depthwise", "project")}
+    assert widest == {"stem": 64, "depthwise": 127, "project": 64}
+    engine = kiln.build(proto, precision="int8", calibration=calibration, calibrator="minmax")
+    layer = engine.plan.header["quantization"]["layers"]["depthwise"]
+    assert layer["precision"] == "int8" and "8-bit weights (depthwise" in layer["why"], layer
+    x = rng.normal(size=(1, 3, 12, 12)).astype(np.float32)
+    want, _ = _run_fused(model, x)
+    got = next(iter(engine.run({"x": x}).values()))
+    # one uint8 step of the depthwise output on a near-tie (oneDNN rounds r·(1/s) in float32) moves the float
+    # projection by |w3| times that step: a few thousandths of the output's range
+    assert np.abs(got - want).max() <= 0.01 * np.abs(want).max()

@@ -208,6 +208,10 @@ def test_pair_overflow_is_possible_exactly_past_128():
     assert pair_overflow_possible(w, torch.uint8)
     w[1, :2] = torch.tensor([-127, 127])  # opposite signs never add up
     assert not pair_overflow_possible(w, torch.uint8)
+    assert pair_overflow_possible(torch.full((4, 4, 3, 3), 127, dtype=torch.int8), torch.uint8)  # dense: pairs
+    depthwise = torch.full((4, 1, 3, 3), 127, dtype=torch.int8)
+    assert not pair_overflow_possible(depthwise, torch.uint8, groups=4)  # each product widened to int32
+    assert pair_overflow_possible(torch.cat([depthwise, depthwise]), torch.uint8, groups=4)  # 2 outputs a group
 
 
 @needs_onednn
@@ -228,18 +232,20 @@ def test_the_int8_convolution_refuses_what_it_would_get_wrong_here():
     _within_one_step(_tactic_output("cpu.qconv.dequantized", "QConv", targs, attrs), want)
 
 
-def _worst_pairs_case(magnitude: int, layer: str) -> tuple[list, torch.Tensor]:
+def _worst_pairs_case(magnitude: int, layer: str, groups: int = 1) -> tuple[list, torch.Tensor]:
     """The largest pair sums vpmaddubsw can meet: every source byte 255 (zero point 0), every weight of an output
     channel `magnitude` with one sign (channel 0 +, channel 1 -, the rest random signs); float output. Returns
-    the args (QConv 3x3 over [2, 32, 6, 6] or QGemm over [5, 96]) and numpy's exact int64 sums, scaled."""
+    the args (QConv 3x3 over [2, 32, 6, 6], of `groups`, or QGemm over [5, 96]) and numpy's exact int64 sums,
+    scaled."""
     rng = np.random.default_rng(magnitude)
-    o = 16
-    w = rng.choice(np.array([-magnitude, magnitude]), (o, 32, 3, 3) if layer == "QConv" else (o, 96))
+    o = 16 if groups == 1 else groups
+    w = rng.choice(np.array([-magnitude, magnitude]), (o, 32 // groups, 3, 3) if layer == "QConv" else (o, 96))
     w[0], w[1] = magnitude, -magnitude
     x = np.full((2, 32, 6, 6) if layer == "QConv" else (5, 96), 255, np.int64)
     w_scale = rng.uniform(0.001, 0.01, o).astype(np.float32)
     if layer == "QConv":  # 'same' padding: the border sums fewer products
-        acc = torch.nn.functional.conv2d(torch.from_numpy(x).double(), torch.from_numpy(w).double(), padding=1)
+        acc = torch.nn.functional.conv2d(torch.from_numpy(x).double(), torch.from_numpy(w).double(), padding=1,
+                                         groups=groups)
         acc = acc * torch.from_numpy(w_scale).double().reshape(1, -1, 1, 1)
     else:
         acc = torch.from_numpy(x).double() @ torch.from_numpy(w).double().T * torch.from_numpy(w_scale).double()
@@ -251,17 +257,18 @@ def _worst_pairs_case(magnitude: int, layer: str) -> tuple[list, torch.Tensor]:
 
 @needs_onednn
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("layer", ["QConv", "QGemm"])
-def test_the_int8_kernels_are_exact_at_the_pair_bound_on_the_largest_sources(layer, threads):
+@pytest.mark.parametrize("layer, groups, magnitude", [("QConv", 1, 64), ("QGemm", 1, 64), ("QConv", 32, 127)])
+def test_the_int8_kernels_are_exact_at_the_pair_bound_on_the_largest_sources(layer, groups, magnitude, threads):
     """Weights of 64 (pair sums 255·128 = 32640, the largest that fits int16) on all-255 sources: exact here,
-    on vpmaddubsw (no VNNI) as on VNNI; what the refusal past 128 (pair_overflow_possible) relies on."""
+    on vpmaddubsw (no VNNI) as on VNNI; what the refusal past 128 (pair_overflow_possible) relies on. A depthwise
+    convolution (32 groups) at full range, 127: its kernel pairs no bytes, and the tactic takes it without VNNI."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        args, want = _worst_pairs_case(64, layer)
+        args, want = _worst_pairs_case(magnitude, layer, groups)
         attrs = {"activation": "", "alpha": 0.0, "beta": 0.0, "output_dtype": 1}
         if layer == "QConv":
-            attrs |= {"pads": [1, 1, 1, 1], "strides": [1, 1], "group": 1, "kernel_shape": [3, 3]}
+            attrs |= {"pads": [1, 1, 1, 1], "strides": [1, 1], "group": groups, "kernel_shape": [3, 3]}
         name = "cpu.qconv.onednn" if layer == "QConv" else "cpu.qgemm.onednn"
         got = _tactic_output(name, layer, args, attrs)
         torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))

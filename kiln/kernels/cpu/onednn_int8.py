@@ -94,11 +94,17 @@ def memory_desc(dims: list[int], dtype: torch.dtype, tag: int) -> _Handle:
     return onednn.memory_desc(dims, tag, dtype)
 
 
-def pair_overflow_possible(w: torch.Tensor, x_dtype: torch.dtype) -> bool:
+def pair_overflow_possible(w: torch.Tensor, x_dtype: torch.dtype, groups: int = 1) -> bool:
     """Whether vpmaddubsw (AVX2 without VNNI) can saturate on this weight: some output channel has
     two weights of one sign whose magnitudes times the largest activation sum past int16. Which two
     weights a kernel pairs depends on its blocking, so any two of a channel count (conservative).
-    s8 activations are shifted to u8 by oneDNN (+128), so both cases use 255."""
+    s8 activations are shifted to u8 by oneDNN (+128), so both cases use 255.
+
+    A depthwise convolution (`groups` of one input and one output channel each) pairs no bytes: oneDNN's
+    depthwise int8 kernel widens each product to int32 (vpmovzxbd, vpmulld), exact at any int8 weight
+    (127 on all-255 sources, tests/unit/test_quant_kernels.py)."""
+    if groups > 1 and tuple(w.shape[:2]) == (groups, 1):
+        return False
     flat = w.reshape(w.shape[0], -1).to(torch.int32)
     worst = 0
     for sign in (1, -1):

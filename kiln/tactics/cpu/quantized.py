@@ -74,11 +74,12 @@ def _common(step: StepSpec, inputs: list[InputMeta], w_rank: int) -> bool | str:
     return True
 
 
-def _safe_weight(w: torch.Tensor, w_zero: torch.Tensor, byte_pairs: bool = True) -> bool | str:
-    """byte_pairs: the kernel multiplies u8·s8 pairs (oneDNN's int8 kernels; not w16gemm's int16 products)."""
+def _safe_weight(w: torch.Tensor, w_zero: torch.Tensor, byte_pairs: bool = True, groups: int = 1) -> bool | str:
+    """byte_pairs: the kernel multiplies u8·s8 pairs (oneDNN's int8 kernels; not w16gemm's int16 products);
+    groups: a convolution's (a depthwise one pairs no bytes)."""
     if bool((w_zero != 0).any()):
         return "the weight's zero point is not 0"
-    if byte_pairs and not has_int8_dot_product() and onednn_int8.pair_overflow_possible(w, torch.uint8):
+    if byte_pairs and not has_int8_dot_product() and onednn_int8.pair_overflow_possible(w, torch.uint8, groups):
         return ("two weights of one output channel sum past 128 in magnitude: vpmaddubsw would saturate on this "
                 "CPU without VNNI (quantize weights to 7 bits, reduce_range, for its int8 kernels)")
     return True
@@ -164,13 +165,14 @@ class QConvParts:
 def qconv_parts(step: StepSpec, constants: list[Any], byte_pairs: bool = True) -> QConvParts:
     """The QConv's parts, its weight checked (_safe_weight: ValueError with the reason)."""
     x_scale, x_zero, w, w_scale, w_zero = constants[1:6]
-    safe = _safe_weight(w, w_zero, byte_pairs)
+    groups = int(_attr(step, "group", 1))
+    safe = _safe_weight(w, w_zero, byte_pairs, groups)
     if safe is not True:
         raise ValueError(safe)
     pads, strides, dilations = conv_geometry(step, tuple(w.shape))
     return QConvParts(float(x_scale.reshape(-1)[0]), int(x_zero.reshape(-1)[0]), x_zero.dtype, w, w_scale,
                       constants[8] if len(constants) > 8 else None, pads, strides, dilations,
-                      int(_attr(step, "group", 1)), _y(constants), _activation(step),
+                      groups, _y(constants), _activation(step),
                       tuple(step.tactic_config["input_size"]))
 
 
