@@ -3,6 +3,7 @@ against the 30 us poll of before, beside onnxruntime.
 
     python bench/lstm_follow_ab.py                      # 9 rounds of 30 calls, LSTMs pinned to the row split
     python bench/lstm_follow_ab.py --rounds 15 --follow 300000,1000000 --tuned
+    python bench/lstm_follow_ab.py --realtime           # the rounds at SCHED_FIFO priority (root)
 
 Why: the row split (cpu.lstm.fused) is two slices of ~1 ms, one a thread; a worker asleep on its futex when a call's
 first loop starts begins its slice late and the call waits for it (bench/results/lstm-zen3-2026-12-07.md). Each
@@ -29,7 +30,8 @@ import kiln  # noqa: E402
 from kiln import zoo  # noqa: E402
 from kiln.builder.timing_cache import cpu_name  # noqa: E402
 from kiln.kernels.cpu import gemm_native, recurrent  # noqa: E402
-from lstm_engine import lstm_picks, pinned  # noqa: E402  (bench/ is on sys.path: a script's folder)
+from kiln.zoo.timing import SETTLE_S  # noqa: E402
+from lstm_engine import lstm_picks, pinned, realtime  # noqa: E402  (bench/ is on sys.path: a script's folder)
 from lstm_layers import median_ms  # noqa: E402
 
 
@@ -39,6 +41,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=30, help="timed calls per block")
     ap.add_argument("--follow", default="1000000", help="follow windows (ns, comma separated) against 0")
     ap.add_argument("--tuned", action="store_true", help="the tuner's LSTM picks instead of the row split pinned")
+    ap.add_argument("--realtime", action="store_true", help="time the rounds at SCHED_FIFO priority (root)")
     args = ap.parse_args()
     import numpy as np
     import onnxruntime as ort
@@ -65,23 +68,27 @@ def main() -> None:
     cpu: dict[str, list[float]] = {k: [] for k in runners}
     sleeps: dict[str, list[float]] = {k: [] for k in runners}
     loads = [os.getloadavg()[0]]
-    for r in range(args.rounds):
-        for label in runners[r % len(runners):] + runners[:r % len(runners)]:
-            if label in windows:
-                gemm_native.set_pool_follow(windows[label])
-                fn = lambda: engine.run(feeds)  # noqa: E731
-            else:
-                fn = lambda: session.run(None, feeds)  # noqa: E731
-            parked, used = parks(), time.process_time()
-            ms[label].append(median_ms(fn, args.runs, time.perf_counter, warmup=5))
-            cpu[label].append((time.process_time() - used) * 1e3 / (args.runs + 5))
-            sleeps[label].append((parks() - parked) / (args.runs + 5))
-        loads.append(os.getloadavg()[0])
+    with realtime(args.realtime):
+        for r in range(args.rounds):
+            for label in runners[r % len(runners):] + runners[:r % len(runners)]:
+                if label in windows:
+                    gemm_native.set_pool_follow(windows[label])
+                    fn = lambda: engine.run(feeds)  # noqa: E731
+                else:
+                    fn = lambda: session.run(None, feeds)  # noqa: E731
+                time.sleep(SETTLE_S)  # here, not in median_ms: the CPU time below is of this block's calls only
+                parked, used = parks(), time.process_time()
+                ms[label].append(median_ms(fn, args.runs, time.perf_counter, warmup=5, settle=0.0))
+                cpu[label].append((time.process_time() - used) * 1e3 / (args.runs + 5))
+                sleeps[label].append((parks() - parked) / (args.runs + 5))
+            loads.append(os.getloadavg()[0])
     before = "kiln 30 us poll (before)"
     print(f"# LSTM forecaster (zoo lstm_forecaster, x 8x96x16), 2 threads, {cpu_name()} ({platform.machine()}), "
           f"kiln at {os.popen('git rev-parse --short HEAD').read().strip()}, onnxruntime {ort.__version__}, "
-          f"KILN_POOL={os.environ['KILN_POOL']}, LSTMs {lstm_picks(engine) if args.tuned else 'pinned to cpu.lstm.fused'}"
-          f"\n{args.rounds} rounds of {args.runs} calls, wall clock, 1-min load {min(loads):.2f}-{max(loads):.2f}\n")
+          f"KILN_POOL={os.environ['KILN_POOL']}, "
+          f"LSTMs {lstm_picks(engine) if args.tuned else 'pinned to cpu.lstm.fused'}"
+          f"\n{args.rounds} rounds of {args.runs} calls, wall clock{', SCHED_FIFO' if args.realtime else ''}, "
+          f"1-min load {min(loads):.2f}-{max(loads):.2f}\n")
     print("| runner | median ms | / onnxruntime (median of rounds) | process CPU ms a call | worker sleeps a call | "
           "rounds ahead of the 30 us poll |")
     print("|---|---|---|---|---|---|")

@@ -4,8 +4,6 @@ quiet machine, the process's CPU time where other work shares the CPUs."""
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable
 
 from kiln.openmp import runnable_tasks
 
@@ -64,32 +62,3 @@ def cpu_clock(threads: int, cpus: int | None = None, runnable: int | None = None
                 return WALL
     others = (runnable if runnable is not None else load) - threads
     return PROCESS_CPU if others >= BUSY_SHARE * cpus else WALL
-
-
-def process_cpu_reader(task_dir: str = "/proc/self/task") -> Callable[[], float]:
-    """A reader of this process's CPU time in seconds that counts every thread's time up to the read: the sum of each
-    thread's own CPU clock, the threads listed once here (a thread that ends later counts no more; one started later
-    is not counted: list after a warm-up). Off Linux, time.process_time.
-
-    Why not time.process_time: the kernel sums the other threads' time as of their last context switch or scheduler
-    tick, so a worker that ran through a whole call of 1-3 ms without either counted little or nothing of it, and the
-    least of the tuner's rounds was the round that counted least of the workers: on a busy 2-vCPU Zen 3 fresh builds
-    of the LSTM forecaster had one of kiln's LSTM loops or another 4-17% ahead of the rest (bench/results/
-    lstm-2t-2026-12-07.md). A thread's own clock (CLOCK_THREAD_CPUTIME_ID, read from another thread) adds its time
-    since. A read costs a clock_gettime a thread (~1 us each)."""
-    try:
-        tids = [int(t) for t in os.listdir(task_dir)]
-    except OSError:
-        return time.process_time
-    clocks = [(~tid << 3) | 6 for tid in tids]  # the kernel's MAKE_THREAD_CPUCLOCK(tid, CPUCLOCK_SCHED)
-
-    def read() -> float:
-        total = 0.0
-        for clock in clocks:
-            try:
-                total += time.clock_gettime(clock)
-            except OSError:  # the thread ended
-                continue
-        return total
-
-    return read
