@@ -9,7 +9,7 @@
  * counter (generation << 32 | next item), the caller claims too, and it waits only for the items claimed.
  *
  * Workers poll for a new loop a short while (SPIN_NS), then sleep on a futex; while loops keep coming back to back,
- * longer (pool_spin_window: twice the longest of the last gaps between loops, up to kiln_pool_follow_ns), so that
+ * longer (kiln_pool_spin_window: twice the longest of the last gaps between loops, up to kiln_pool_follow_ns), so that
  * the next call's first loop finds them awake. One loop at a time: a caller that finds the pool busy (another
  * thread's loop, or a loop inside an item) runs its items itself. After a fork the child has no workers: they are
  * started again. Compiled into each library that uses it.
