@@ -10,7 +10,8 @@ first loop starts begins its slice late and the call waits for it (bench/results
 round runs a block per runner (a SETTLE_S sleep, warm-up, then --runs calls back to back, as a user's loop calls),
 the order rotated by one each round; kiln's runners differ only in the pool's follow window, set before the block in
 every library with a pool (gemm_native.set_pool_follow; 0: the form before). kiln's loops run on pool.c (KILN_POOL=1
-unless set). Reported per runner: the median of its block medians (wall clock), the process CPU time a call, the
+unless set), with the OpenMP governor off (KILN_OMP_GOVERN=0), which would set the window itself (on where the
+threads fit the free cores, off where they do not). Reported per runner: the median of its block medians (wall clock), the process CPU time a call, the
 workers' sleeps a call (kiln_pool_parks of the LSTM's library), and per kiln runner the rounds it beat the 30 us poll.
 """
 
@@ -25,6 +26,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("KILN_POOL", "1")  # before kiln loads its libraries: the pool, whatever the load says
+os.environ["KILN_OMP_GOVERN"] = "0"  # the follow window is this bench's to set
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 import kiln  # noqa: E402
 from kiln import zoo  # noqa: E402

@@ -138,10 +138,14 @@ def open_library(stem: str, source: str, test_kernels: bool) -> ctypes.CDLL | st
     return lib
 
 
+# How long past a loop pool.c's workers may poll while an engine's calls come back to back, where its threads fit the
+# free cores (kiln/kernels/cpu/omp_governor.py decides; pool.c's kiln_pool_follow_ns says why and what it costs)
+POOL_FOLLOW_NS = 1_000_000
+
+
 def set_pool_follow(ns: int) -> None:
     """How long past a loop pool.c's workers may poll while loops keep coming back to back (kiln_pool_follow_ns), in
-    every library loaded with a pool: 0 is the form before 2026-12-07 (a 30 us poll after every loop), as a
-    benchmark's other side."""
+    every library loaded with a pool: POOL_FOLLOW_NS, or 0 (a 30 us poll after every loop, the default)."""
     for lib in _POOLED:
         ctypes.c_long.in_dll(lib, "kiln_pool_follow_ns").value = ns
 

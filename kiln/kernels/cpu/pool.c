@@ -132,14 +132,18 @@ static void *pool_worker(void *arg) {
     return NULL;
 }
 
-/* The longest a worker polls past a loop while loops keep coming (kiln_pool_spin_window); 0: SPIN_NS after every
-   loop, the form before 2026-12-07. Why: a worker asleep on the futex when an engine's next call starts its first
-   loop starts its item late, and where a loop is two items of ~1 ms (the LSTM's row split: one slice of the batch a
-   thread) the call waits for it: ~0.03 ms on a free core, ~0.75 ms on a loaded 2-vCPU Zen 3 at normal priority
-   (bench/results/lstm-zen3-2026-12-07.md). Cost: while calls come back to back, the workers poll through the gaps
-   between them (up to twice the longest recent gap, at most this, after the last one); idle, they sleep as before.
-   bench/lstm_follow_ab.py times it. */
-long kiln_pool_follow_ns = 1000000L;
+/* The longest a worker polls past a loop while loops keep coming (kiln_pool_spin_window), or 0 (the default): SPIN_NS
+   after every loop, the form before 2026-12-07. kiln/kernels/cpu/omp_governor.py sets it (gemm_native.POOL_FOLLOW_NS)
+   where an engine's threads fit the free cores, as it lets libgomp's threads spin, and 0 where they do not. Why: a
+   worker asleep on the futex when an engine's next call starts its first loop starts its item late, and where a loop
+   is two items of ~1 ms (the LSTM's row split: a slice of the batch a thread) the call waits for it. The zoo's LSTM
+   forecaster on a 2-vCPU Zen 3 at SCHED_FIFO (the cores its own): 2.71 ms against 3.28 following calls for up to
+   1 ms (onnxruntime 2.76; the worker asleep at 0.23 calls' starts in 1 against 1.54, no more CPU a call); at normal
+   priority at load 6-7 it lost (14.5 against 12.4 ms, 0.7 ms more CPU a call): a spinning worker takes a share of
+   the cores the others want (bench/results/lstm-2t-2026-12-07.md; bench/lstm_follow_ab.py times it). Cost: while
+   calls come back to back, the workers poll through the gaps between them, and after the last one up to twice the
+   longest recent gap (at most this); idle, they sleep as before. */
+long kiln_pool_follow_ns = 0;
 
 /* How many times the workers went to sleep on the futex (tests: the spin window kept them awake or not). */
 long kiln_pool_parks(void) {
