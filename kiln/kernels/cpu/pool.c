@@ -138,9 +138,9 @@ static void *pool_worker(void *arg) {
    worker asleep on the futex when an engine's next call starts its first loop starts its item late, and where a loop
    is two items of ~1 ms (the LSTM's row split: a slice of the batch a thread) the call waits for it. The zoo's LSTM
    forecaster on a 2-vCPU Zen 3 at SCHED_FIFO (the cores its own): 2.71 ms against 3.28 following calls for up to
-   1 ms (onnxruntime 2.76; the worker asleep at 0.23 calls' starts in 1 against 1.54, no more CPU a call); at normal
-   priority at load 6-7 it lost (14.5 against 12.4 ms, 0.7 ms more CPU a call): a spinning worker takes a share of
-   the cores the others want (bench/results/lstm-2t-2026-12-07.md; bench/lstm_follow_ab.py times it). Cost: while
+   1 ms (onnxruntime 2.76; the worker asleep 0.23 times a call against 1.54, no more CPU a call); at normal priority
+   on the quiet machine level (3.64 against 3.66 ms), at load 6-7 it lost (14.5 against 12.4 ms, 0.7 ms more CPU a
+   call): a spinning worker takes a share of the cores the others want (bench/results/lstm-2t-2026-12-07.md; bench/lstm_follow_ab.py times it). Cost: while
    calls come back to back, the workers poll through the gaps between them, and after the last one up to twice the
    longest recent gap (at most this); idle, they sleep as before. */
 long kiln_pool_follow_ns = 0;
