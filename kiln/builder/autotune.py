@@ -386,6 +386,7 @@ def _effective_ms(name: str, ms: float) -> float:
     tactic = registry.get(name) if name != DEFAULT else None
     if tactic is None:
         return ms
+    ms = ms / tactic.preference
     ms = ms / LAYOUT_PREFERENCE if tactic.layout else ms
     return ms / NATIVE_PREFERENCE - NATIVE_CREDIT_MS if tactic.native else ms
 

@@ -4,6 +4,8 @@ quiet machine, the process's CPU time where other work shares the CPUs."""
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 
 from kiln.openmp import runnable_tasks
 
@@ -46,8 +48,8 @@ def cpu_clock(threads: int, cpus: int | None = None, runnable: int | None = None
     share its work. Timed by the process's CPU time there, or under load by either clock, two threads that take
     turns on the cores measure the sum of their work: the LSTM forecaster's layers capped to AVX2 then timed
     cpu.lstm.lanes within 4% of cpu.lstm.fused, where with the cores free its per-step barrier made it 18-23%
-    slower (bench/results/tcn-2026-12-05c.md). The process's CPU time of a call also leaves out a worker's time
-    since its last context switch or scheduler tick: a worker that never sleeps in a 1 ms call counted nothing."""
+    slower (bench/results/tcn-2026-12-05c.md). The process's CPU time is read as every thread's own clock
+    (process_cpu_reader): time.process_time leaves out a worker's time since its last context switch or tick."""
     if has_cores is None:
         has_cores = real_time()
     if has_cores:
@@ -62,3 +64,33 @@ def cpu_clock(threads: int, cpus: int | None = None, runnable: int | None = None
                 return WALL
     others = (runnable if runnable is not None else load) - threads
     return PROCESS_CPU if others >= BUSY_SHARE * cpus else WALL
+
+
+def process_cpu_reader(task_dir: str = "/proc/self/task") -> Callable[[], float]:
+    """A reader of this process's CPU time in seconds that counts every thread's time up to the read: the sum of each
+    thread's own CPU clock, the threads listed once here (a thread that ends later counts no more; one started later
+    is not counted: list after a warm-up). Off Linux, time.process_time.
+
+    Why not time.process_time: the kernel sums the other threads' time as of their last context switch or scheduler
+    tick (4 ms at this VM's HZ 250), so a worker that ran through a whole call of 1-3 ms without either counted little
+    or nothing of it, and the least of the tuner's rounds took the round that counted least of it: on a busy 2-vCPU
+    Zen 3 one fresh build timed the forecaster's second LSTM layer on the block split at 1.58 ms of CPU, every other
+    loop at 2.6-3.0 ms (on one thread that layer's work takes 2.6 ms), and took it (bench/results/
+    lstm-2t-2026-12-07.md). A thread's own clock (CLOCK_THREAD_CPUTIME_ID, read from another thread) adds its time
+    since. A read costs a clock_gettime a thread (~1 us each)."""
+    try:
+        tids = [int(t) for t in os.listdir(task_dir)]
+    except OSError:
+        return time.process_time
+    clocks = [(~tid << 3) | 6 for tid in tids]  # the kernel's MAKE_THREAD_CPUCLOCK(tid, CPUCLOCK_SCHED)
+
+    def read() -> float:
+        total = 0.0
+        for clock in clocks:
+            try:
+                total += time.clock_gettime(clock)
+            except OSError:  # the thread ended
+                continue
+        return total
+
+    return read

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kiln.builder.cpu_clock import PROCESS_CPU, WALL
+from kiln.builder.cpu_clock import PROCESS_CPU, WALL, process_cpu_reader
 from kiln.runtime.host import host_sync_is_an_error
 
 WARMUP_RUNS = 2
@@ -25,7 +25,7 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_once(fn: Callable[[], Any], device: torch.device, clock: str = WALL) -> float:
+def _time_once(fn: Callable[[], Any], device: torch.device, read: Callable[[], float]) -> float:
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -33,7 +33,6 @@ def _time_once(fn: Callable[[], Any], device: torch.device, clock: str = WALL) -
         end.record()
         end.synchronize()
         return start.elapsed_time(end)
-    read = time.process_time if clock == PROCESS_CPU else time.perf_counter
     start_s = read()
     fn()
     return (read() - start_s) * 1e3
@@ -104,6 +103,8 @@ def measure(fns: dict[str, Callable[[], Any]], device: torch.device, runs: int =
         for fn in replays.values():
             fn()
         _synchronize(device)
+    # every thread's CPU time (cpu_clock.process_cpu_reader), the threads the warm-up started included
+    read = process_cpu_reader() if clock == PROCESS_CPU else time.perf_counter
     samples: dict[str, list[float]] = {name: [] for name in fns}
     order = list(fns.items())
     deadline = time.perf_counter() + budget_s
@@ -112,7 +113,7 @@ def measure(fns: dict[str, Callable[[], Any]], device: torch.device, runs: int =
             break
         shift = 0 if device.type == "cuda" else round_ % len(order)
         for name, fn in order[shift:] + order[:shift]:
-            samples[name].append(_time_once(fn, device, clock))
+            samples[name].append(_time_once(fn, device, read))
     if device.type == "cuda":
         return {name: statistics.median(s) / per_call[name] for name, s in samples.items()}
     return {name: min(s) for name, s in samples.items()}

@@ -157,6 +157,10 @@ class Tactic:
     # output giving None when it passes, else what differs; or None for a layer it judges as every tactic is (the
     # QConv tactics judge only a fused residual layer their way). None: the builder's check against the op
     checker: Callable[[Launch, Any, list[Any], dict[str, Any]], Callable[[Any], str | None] | None] | None = None
+    # what the autotuner divides its measured time by before comparing it (1: as measured): above 1 for the form kept
+    # where its rivals time within noise of it, so that the pick does not change from build to build by that noise
+    # (cpu.lstm.fused beside kiln's other LSTM loops)
+    preference: float = 1.0
 
     def check(self, step: StepSpec, inputs: list[InputMeta]) -> bool | str:
         """True when this tactic may run `step` with these inputs, else the reason it may not."""

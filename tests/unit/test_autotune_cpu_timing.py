@@ -136,3 +136,33 @@ def test_close_candidates_are_timed_again_and_keep_their_least_time(monkeypatch)
     assert autotune.contenders_again({"a": 1.0, "far": 9.0}, fns, CPU, runs=5, clock=autotune.PROCESS_CPU) \
         == {"a": 1.0, "far": 9.0}
     assert passes == []  # a clear winner: nothing timed again
+
+
+def test_the_process_cpu_reader_counts_a_running_workers_time_up_to_the_read():
+    """A thread that spins through the whole timed interval, never sleeping: the kernel's process total
+    (time.process_time) has its time only up to its last scheduler tick (4 ms at HZ 250), the reader every
+    microsecond of it, so 20 ms of the thread's own CPU time are all counted."""
+    go, done, stop = threading.Event(), threading.Event(), threading.Event()
+
+    def worker() -> None:
+        while not go.is_set():
+            pass
+        start = time.thread_time()
+        while time.thread_time() - start < 0.020:
+            pass
+        done.set()
+        while not stop.is_set():  # still running when the reader reads
+            pass
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    try:
+        read = cpu_clock.process_cpu_reader()
+        before = read()
+        go.set()
+        assert done.wait(timeout=60)
+        assert read() - before >= 0.020
+    finally:
+        go.set()
+        stop.set()
+        thread.join(timeout=60)

@@ -108,6 +108,22 @@ def test_a_forked_child_starts_its_own_workers(on_the_pool):
     assert queue.get(timeout=5) == want
 
 
+def test_the_workers_spin_window_follows_loops_that_come_back_to_back():
+    """pool.c's kiln_pool_spin_window: twice the longest of the last gaps between loops while all are under half the
+    follow limit, else the short 30 us poll; never under it."""
+    window = gemm_native.load().kiln_pool_spin_window
+
+    def spin(gaps: list[int], follow: int) -> int:
+        return window((ctypes.c_long * len(gaps))(*gaps), len(gaps), follow)
+
+    engine_calls = [4_000, 150_000, 3_000, 160_000]  # an LSTM's two layers a call, ~0.15 ms between calls
+    assert spin(engine_calls, 1_000_000) == 320_000  # awake through the next call's gap
+    assert spin(engine_calls, 300_000) == 30_000  # a gap past half the limit: calls are not back to back
+    assert spin(engine_calls, 0) == 30_000  # follow off: the form before
+    assert spin([1_000, 2_000, 500, 0], 1_000_000) == 30_000  # never under the short poll
+    assert spin([2**62, 1_000, 1_000, 1_000], 1_000_000) == 30_000  # after a first loop (no gap yet)
+
+
 def test_the_pool_is_kilns_default_only_on_a_busy_machine():
     kiln_pool_wanted = gemm_native.kiln_pool_wanted
     assert kiln_pool_wanted({}, load=0.3, cpus=2) is False  # quiet: OpenMP's loop

@@ -1,12 +1,16 @@
 """lstm_fused.c at two threads: the batch's rows split between the threads (each slice through every step, no barrier)
 where each gets two rows or more, else each step's unit blocks split (a barrier a step). Each form against
 onnxruntime's LSTM on fresh inputs (every batch from 1 to 17 rows: slices of 1 to 9 rows, even and uneven, both
-tiles; reverse, sequence_lens, initial states), and the two forms against each other.
+tiles; reverse, sequence_lens, initial states), and the two forms against each other; the row split's second thread
+kept awake between back-to-back calls (pool.c's follow window).
 
 Tolerance (fp32): test_tactics_cpu_lstm.py's (rational σ / tanh, sums in kiln's order, 7 steps of carried rounding).
 """
 
 from __future__ import annotations
+
+import ctypes
+import time
 
 import numpy as np
 import pytest
@@ -84,3 +88,51 @@ def test_an_unknown_split_is_refused():
     w, r = torch.zeros(4 * HIDDEN, FEATURES), torch.zeros(4 * HIDDEN, HIDDEN)
     with pytest.raises(ValueError, match="split 'columns'"):
         recurrent.FusedLSTMDirection(w, r, None, split="columns")
+
+
+@pytest.fixture
+def lstm_on_the_pool():
+    """recurrent.c's loops on kiln's pool (pool.c; the default only on a busy machine: kiln/openmp.py)."""
+    lib = recurrent.load()
+    enabled, follow = ctypes.c_int.in_dll(lib, "kiln_pool_enabled"), ctypes.c_long.in_dll(lib, "kiln_pool_follow_ns")
+    previous = enabled.value, follow.value
+    enabled.value = 1
+    yield lib
+    enabled.value, follow.value = previous
+
+
+def test_the_row_split_finds_its_worker_awake_between_back_to_back_calls(lstm_on_the_pool):
+    """pool.c's workers keep polling through the gaps between loops that come back to back (kiln_pool_follow_ns), so
+    that the next call's row split finds its second thread awake, and sleep on the futex once calls stop; with the
+    follow off (0, the form before 2026-12-07) they sleep in every gap. Every call's outputs are onnxruntime's.
+    Four gaps of 0.1 s come first: the window is then 0.2 s, so only a worker kept off its core that long would
+    sleep in the 2 ms gaps counted."""
+    lib = lstm_on_the_pool
+    rng = case_rng("fused-follow")
+    values = inputs(rng, steps=STEPS, batch=8, features=FEATURES, hidden=HIDDEN, directions=1, layout=0, bias=True,
+                    initial=True)
+    wants = oracle(values, {}, HIDDEN)
+    wants = [wants[0][:, 0], wants[1][0], wants[2][0]]
+
+    def calls(gaps: list[float]) -> None:
+        for gap in gaps:
+            time.sleep(gap)
+            slices: list[int] = []
+            got = run_fused(values, 8, reverse=False, lengths=None, row_split=True, slices=slices)
+            assert slices == [2]
+            for name, g, w in zip(["Y", "Y_h", "Y_c"], got, wants):
+                assert_close(g, w, TOLERANCE, f"gap {gap} s {name}")
+
+    slept = {}
+    for follow in (10**9, 0):
+        ctypes.c_long.in_dll(lib, "kiln_pool_follow_ns").value = follow
+        calls([0.0] + [0.1] * 4)
+        parked = lib.kiln_pool_parks()
+        calls([0.002] * 3)
+        slept[follow] = lib.kiln_pool_parks() - parked
+        if follow:  # calls stop: the worker sleeps after its window (0.2 s)
+            deadline = time.monotonic() + 10
+            while lib.kiln_pool_parks() == parked + slept[follow] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert lib.kiln_pool_parks() > parked + slept[follow], "the worker never went to sleep"
+    assert slept[10**9] <= 1 and slept[0] >= 2, slept

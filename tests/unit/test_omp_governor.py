@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from kiln import openmp
-from kiln.kernels.cpu import native_loop, omp_governor, onednn_ahead
+from kiln.kernels.cpu import gemm_native, native_loop, omp_governor, onednn_ahead
 
 pytestmark = pytest.mark.skipif(native_loop.load() is None or not sys.platform.startswith("linux"),
                                 reason="needs the native loop library (a C compiler) and Linux's /proc")
@@ -151,6 +151,27 @@ def test_oversubscribed_calls_run_the_short_spin(two_threads):
     g.end()
     assert g._count.value == int(openmp.SHORT_SPIN)
     g._count.value = g._original
+
+
+def test_kilns_pool_follows_calls_only_where_the_team_fits(two_threads):
+    """pool.c's workers poll through the gaps between back-to-back calls (gemm_native.POOL_FOLLOW_NS) where the team
+    fits the free cores, and 30 us after every loop (0) where it does not: the decision libgomp's count follows."""
+    if omp_governor._realtime():
+        pytest.skip("this thread runs at a realtime priority: the cores are its")
+    if gemm_native.load() is None:
+        pytest.skip(f"kiln's GEMM is not built: {gemm_native.reason()}")
+    follow = ctypes.c_long.in_dll(gemm_native.load(), "kiln_pool_follow_ns")
+    previous = follow.value
+    try:
+        cpus = len(os.sched_getaffinity(0))
+        for runnable, want in ((1, gemm_native.POOL_FOLLOW_NS), (cpus, 0)):  # only this reader; every core but one
+            g = _governor(lambda readings, n=runnable: n)
+            g.begin()
+            g.end()
+            assert follow.value == want, g.last
+            g._count.value = g._original
+    finally:
+        follow.value = previous
 
 
 _PROBE = ("import os, sys, time, torch; {first}; torch.set_num_threads(2); "

@@ -34,6 +34,7 @@ ACTIVATIONS = {"": 0, "Relu": 1, "Clip": 2, "LeakyRelu": 3, "Gelu": 4, "GeluTanh
 
 _LOADED: dict[bool, ctypes.CDLL] = {}
 _REASON: dict[bool, str] = {}
+_POOLED: list[ctypes.CDLL] = []  # every library open_library loaded: each has a pool.c of its own
 _LOAD_LOCK = threading.Lock()
 
 
@@ -126,11 +127,27 @@ def open_library(stem: str, source: str, test_kernels: bool) -> ctypes.CDLL | st
         return f"{type(e).__name__}: {e}"
     # pool.c's loops where the machine is busy, else OpenMP's (kiln_pool_wanted; KILN_POOL=1/0 decides)
     ctypes.c_int.in_dll(lib, "kiln_pool_enabled").value = int(kiln_pool_wanted())
+    lib.kiln_pool_spin_window.restype = ctypes.c_long
+    lib.kiln_pool_spin_window.argtypes = [ctypes.POINTER(ctypes.c_long), ctypes.c_int, ctypes.c_long]
+    lib.kiln_pool_parks.restype = ctypes.c_long
+    _POOLED.append(lib)
     lib.kiln_gemm_packed_floats.restype = ctypes.c_long
     lib.kiln_gemm_packed_floats.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_long]
     lib.kiln_gemm_pack_w.restype = None
     lib.kiln_gemm_pack_w.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
     return lib
+
+
+# How long past a loop pool.c's workers may poll while an engine's calls come back to back, where its threads fit the
+# free cores (kiln/kernels/cpu/omp_governor.py decides; pool.c's kiln_pool_follow_ns says why and what it costs)
+POOL_FOLLOW_NS = 1_000_000
+
+
+def set_pool_follow(ns: int) -> None:
+    """How long past a loop pool.c's workers may poll while loops keep coming back to back (kiln_pool_follow_ns), in
+    every library loaded with a pool: POOL_FOLLOW_NS, or 0 (a 30 us poll after every loop, the default)."""
+    for lib in _POOLED:
+        ctypes.c_long.in_dll(lib, "kiln_pool_follow_ns").value = ns
 
 
 def reason(test_kernels: bool = False) -> str | None:

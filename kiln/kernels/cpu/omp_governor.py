@@ -33,6 +33,10 @@ keeps it awake, counted by its voluntary context switches) before anything relie
   MobileNetV2 at 2 threads ran 1.00x onnxruntime under CALL_SPIN, 0.98x under libgomp's 300000 and 1.39x under the
   short spin; at normal priority at load 15-17, 0.50x short, 0.65x CALL_SPIN, 1.19x 300000.
 
+kiln's own pool (pool.c, where kiln's C loops run on a busy machine) follows the same decision: its workers poll
+through the gaps between back-to-back calls (up to gemm_native.POOL_FOLLOW_NS) where the team fits, else 30 us after
+every loop (pool.c's kiln_pool_follow_ns says what it gains and costs).
+
 The readings are taken by a daemon thread (`_refresh`), not by the call: a reading is an open and a read of
 /proc/loadavg (and a listing of /proc/self/task), ~50-100 us, which on the call path made one call in every
 REFRESH_S that much slower (a p99 spike). A call only consults the readings it finds and decides again when a new
@@ -67,6 +71,7 @@ import time
 import weakref
 
 from kiln import openmp
+from kiln.kernels.cpu import gemm_native
 
 log = logging.getLogger("kiln.runtime")
 
@@ -375,6 +380,8 @@ class Governor:
         realtime = _realtime()
         self._spinning = threads <= free or realtime
         self._spin = CALL_SPIN if self._spinning else int(openmp.SHORT_SPIN)
+        # kiln's own pool (pool.c) the same way: its workers awake between calls while they fit
+        gemm_native.set_pool_follow(gemm_native.POOL_FOLLOW_NS if self._spinning else 0)
         self._decided_on = self._taken
         seen = "" if others is None else f", {others} other task(s) runnable"
         seen += " (this thread at a realtime priority: the cores are its)" if realtime else ""

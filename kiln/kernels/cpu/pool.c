@@ -8,9 +8,11 @@
  * tasks no worker has started when the caller is done; this does the same: items are claimed from one
  * counter (generation << 32 | next item), the caller claims too, and it waits only for the items claimed.
  *
- * Workers poll for a new loop a short while (SPIN_NS), then sleep on a futex. One loop at a time: a caller
- * that finds the pool busy (another thread's loop, or a loop inside an item) runs its items itself. After
- * a fork the child has no workers: they are started again. Compiled into each library that uses it.
+ * Workers poll for a new loop a short while (SPIN_NS), then sleep on a futex; while loops keep coming back to back,
+ * longer (kiln_pool_spin_window: twice the longest of the last gaps between loops, up to kiln_pool_follow_ns), so that
+ * the next call's first loop finds them awake. One loop at a time: a caller that finds the pool busy (another
+ * thread's loop, or a loop inside an item) runs its items itself. After a fork the child has no workers: they are
+ * started again. Compiled into each library that uses it.
  */
 #include <limits.h>
 #include <pthread.h>
@@ -26,6 +28,7 @@ typedef void (*kiln_item_fn)(void *ctx, long item);
 
 #define POOL_MAX_WORKERS 63
 #define POOL_SPIN_NS 30000L  /* a worker's poll for the next loop before it sleeps (libgomp's short spin: ~10k polls) */
+#define POOL_GAPS 4          /* the gaps between loops a spin window follows: an engine call's loops and the call's gap */
 
 static struct {
     pthread_mutex_t lock;       /* held by the caller of the running loop */
@@ -40,7 +43,12 @@ static struct {
     int started;                /* workers running */
     pid_t pid;                  /* the process they run in */
     unsigned int last;          /* the last generation used (under lock) */
-} kiln_pool = {PTHREAD_MUTEX_INITIALIZER, 0, 0, 0, NULL, NULL, 0, 0, 0, 0, 0, 0};
+    long spin_ns;               /* how long a worker polls after the current loop before it sleeps */
+    long ended_ns;              /* when the last loop ended, or 0 (under lock) */
+    long gaps[POOL_GAPS];       /* ns between the last loops' end and the next one's start (under lock) */
+    long loops;                 /* loops run on the workers (under lock) */
+    long parks;                 /* the times a worker went to sleep on the futex */
+} kiln_pool = {PTHREAD_MUTEX_INITIALIZER, 0, 0, 0, NULL, NULL, 0, 0, 0, 0, 0, 0, POOL_SPIN_NS, 0, {0}, 0, 0};
 
 static inline void pool_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -87,6 +95,16 @@ static void pool_run_items(unsigned int g) {
     }
 }
 
+/* How long past a loop's end a worker polls for the next one while loops keep coming back to back: where the last
+   POOL_GAPS gaps between loops were all under half of kiln_pool_follow_ns, twice the longest of them (at least
+   SPIN_NS); else SPIN_NS. The one rule behind kiln_pool_follow_ns, exported for tests. */
+long kiln_pool_spin_window(const long *gaps, int n, long follow) {
+    long longest = 0;
+    for (int i = 0; i < n; ++i) longest = gaps[i] > longest ? gaps[i] : longest;
+    if (longest > follow / 2) return POOL_SPIN_NS;
+    return 2 * longest > POOL_SPIN_NS ? 2 * longest : POOL_SPIN_NS;
+}
+
 static void *pool_worker(void *arg) {
     const int id = (int)(long)arg;
     unsigned int seen = __atomic_load_n(&kiln_pool.generation, __ATOMIC_ACQUIRE);
@@ -94,13 +112,15 @@ static void *pool_worker(void *arg) {
         unsigned int g;
         long since = 0;
         int polls = 0;
+        const long window = __atomic_load_n(&kiln_pool.spin_ns, __ATOMIC_RELAXED);
         while ((g = __atomic_load_n(&kiln_pool.generation, __ATOMIC_ACQUIRE)) == seen) {
             pool_relax();
             if (++polls % 64) continue;
             const long now = pool_now_ns();
             if (since == 0) since = now;
-            if (now - since < POOL_SPIN_NS) continue;
+            if (now - since < window) continue;
             __atomic_add_fetch(&kiln_pool.sleepers, 1, __ATOMIC_SEQ_CST);
+            __atomic_add_fetch(&kiln_pool.parks, 1, __ATOMIC_RELAXED);
             if (__atomic_load_n(&kiln_pool.generation, __ATOMIC_SEQ_CST) == seen)
                 pool_wait(&kiln_pool.generation, seen);
             __atomic_sub_fetch(&kiln_pool.sleepers, 1, __ATOMIC_SEQ_CST);
@@ -110,6 +130,24 @@ static void *pool_worker(void *arg) {
         if (id < __atomic_load_n(&kiln_pool.limit, __ATOMIC_RELAXED)) pool_run_items(g);
     }
     return NULL;
+}
+
+/* The longest a worker polls past a loop while loops keep coming (kiln_pool_spin_window), or 0 (the default): SPIN_NS
+   after every loop, the form before 2026-12-07. kiln/kernels/cpu/omp_governor.py sets it (gemm_native.POOL_FOLLOW_NS)
+   where an engine's threads fit the free cores, as it lets libgomp's threads spin, and 0 where they do not. Why: a
+   worker asleep on the futex when an engine's next call starts its first loop starts its item late, and where a loop
+   is two items of ~1 ms (the LSTM's row split: a slice of the batch a thread) the call waits for it. The zoo's LSTM
+   forecaster on a 2-vCPU Zen 3 at SCHED_FIFO (the cores its own): 2.71 ms against 3.28 following calls for up to
+   1 ms (onnxruntime 2.76; the worker asleep 0.23 times a call against 1.54, no more CPU a call); at normal priority
+   on the quiet machine level (3.64 against 3.66 ms), at load 6-7 it lost (14.5 against 12.4 ms, 0.7 ms more CPU a
+   call): a spinning worker takes a share of the cores the others want (bench/results/lstm-2t-2026-12-07.md; bench/lstm_follow_ab.py times it). Cost: while
+   calls come back to back, the workers poll through the gaps between them, and after the last one up to twice the
+   longest recent gap (at most this); idle, they sleep as before. */
+long kiln_pool_follow_ns = 0;
+
+/* How many times the workers went to sleep on the futex (tests: the spin window kept them awake or not). */
+long kiln_pool_parks(void) {
+    return __atomic_load_n(&kiln_pool.parks, __ATOMIC_RELAXED);
 }
 
 /* 0: kiln_parallel_for is an OpenMP dynamic loop instead (KILN_POOL=0; kiln/kernels/cpu/gemm_native.py sets it) */
@@ -144,6 +182,10 @@ static void kiln_parallel_for(long count, int threads, kiln_item_fn fn, void *ct
     want = want < kiln_pool.started ? want : kiln_pool.started;
     if (++kiln_pool.last == 0) kiln_pool.last = 1;
     const unsigned int g = kiln_pool.last;
+    /* the gap since the last loop, and from it how long the workers poll after this one */
+    kiln_pool.gaps[kiln_pool.loops++ % POOL_GAPS] = kiln_pool.ended_ns ? pool_now_ns() - kiln_pool.ended_ns : LONG_MAX;
+    __atomic_store_n(&kiln_pool.spin_ns, kiln_pool_spin_window(kiln_pool.gaps, POOL_GAPS, kiln_pool_follow_ns),
+                     __ATOMIC_RELAXED);
     __atomic_store_n(&kiln_pool.fn, fn, __ATOMIC_RELAXED);
     __atomic_store_n(&kiln_pool.ctx, ctx, __ATOMIC_RELAXED);
     __atomic_store_n(&kiln_pool.count, count, __ATOMIC_RELAXED);
@@ -158,6 +200,7 @@ static void kiln_parallel_for(long count, int threads, kiln_item_fn fn, void *ct
         if (polls < 4096) pool_relax();
         else sched_yield();
     }
+    kiln_pool.ended_ns = pool_now_ns();
     pthread_mutex_unlock(&kiln_pool.lock);
 }
 

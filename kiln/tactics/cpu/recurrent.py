@@ -306,13 +306,24 @@ register(Tactic(
                 "inside each step's tile",
 ))
 
+# cpu.lstm.fused is kept unless a rival times this much faster. Why: timed alone on a shared 2-vCPU Zen 3, kiln's
+# four LSTM loops came within noise of each other at two threads (the process's CPU time, which a busy machine has the
+# tuner read: layer 2 of the zoo's forecaster 2.92-3.12 ms all four), so fresh builds took one or another from process
+# to process, where interleaved rounds of one layer had the fused loop's row split 10-46% ahead of its block split and
+# 14-26% of lanes (bench/results/lstm-zen3-2026-12-07.md, lstm-2t-2026-12-07.md). Within noise it is the form to
+# keep: ahead per core on every CPU measured, and its row split has no barrier a step, so a thread the OS takes off
+# its core costs it its lateness once a call rather than at every step. Where a rival is clearly faster (the block
+# split on the Zen 4 EPYC with AVX-512, 11-18%) it is still taken.
+FUSED_PREFERENCE = 1.1
+
 register(Tactic(
     name="cpu.lstm.fused", op_type="LSTM", domain="", device="cpu", dtypes=(torch.float32,),
     supports=_supports_default_cell, configure=_configure, prepare=_preparer("LSTM", "fused"),
-    available=recurrent.available, native=True,
+    available=recurrent.available, native=True, preference=FUSED_PREFERENCE,
     description="LSTM as kiln's C loop with a step's input projection, recurrent GEMM and cell in one register "
                 "tile per block of hidden units (four gate vectors) and group of batch rows",
 ))
+
 
 register(Tactic(
     name="cpu.lstm.fused_blocks", op_type="LSTM", domain="", device="cpu", dtypes=(torch.float32,),
