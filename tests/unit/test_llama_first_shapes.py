@@ -19,7 +19,6 @@ import pytest
 import torch
 
 import kiln
-from kiln import zoo
 from kiln.kernels.cpu import transformer as kernels
 from kiln.runtime import first_calls, native, native_views
 from kiln.tactics import registry
@@ -127,15 +126,6 @@ def test_last_axis_slice_size_rule_gives_the_walk_memory_walk_finds(x, axis_boun
                                           stride=(*(d[1] for d in walk), *rest)), size
     with pytest.raises(ValueError):
         rule((*x[:-1], x[-1] + 1))
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    exported = zoo.export("llama_tiny", batch=2, seq=8, dynamic=True)
-    engine = kiln.build(str(exported.path), profiles=[{"input_ids": "1x1,2x8,4x16"}])
-    path = tmp_path_factory.mktemp("llama") / "llama_tiny.kiln"
-    engine.save(str(path))
-    return exported, path
 
 
 def test_llama_first_calls_after_load_answer_from_the_traced_walk_and_match_onnxruntime(llama, monkeypatch):

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import kiln
-from kiln import zoo
 from kiln.errors import ExecutionError
 from kiln.ops import tensor as tensor_ops
 from kiln.runtime import view_steps
@@ -19,15 +18,6 @@ from kiln.runtime.view_steps import SignatureViews, _Reshaped, _Strided
 
 # fp32 logits of two decoder layers against onnxruntime's: summation orders differ (kiln's GEMMs, attention)
 RTOL = ATOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    exported = zoo.export("llama_tiny", batch=2, seq=8, dynamic=True)
-    engine = kiln.build(str(exported.path), profiles=[{"input_ids": "1x1,2x8,4x16"}])
-    path = tmp_path_factory.mktemp("llama_views") / "llama_tiny.kiln"
-    engine.save(str(path))
-    return exported, path
 
 
 def _context(path, monkeypatch):
