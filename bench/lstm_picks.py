@@ -2,6 +2,8 @@
 measured ms and effective ms (autotune._effective_ms: after the preference and native credits), and the pick.
 
     python bench/lstm_picks.py --processes 8
+    python bench/lstm_picks.py --processes 8 --before /work/main     # each process of this checkout after one of that
+
 
 Why: a pick that differs from process to process is read from one build's record; the header keeps each
 candidate's ms and the clock they were timed by, and this prints them side by side with the load around the build.
@@ -48,28 +50,28 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--processes", type=int, default=8)
     ap.add_argument("--clock", choices=["wall", "process cpu"], help="force the tuner's clock (default: its own)")
+    ap.add_argument("--before", help="another checkout of kiln: its fresh process runs before each of this one's")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(args.clock)
         return
-    env = {**os.environ, "PYTHONPATH": str(HERE.parents[1])}
+    runners = ([("before", args.before)] if args.before else []) + [("this", str(HERE.parents[1]))]
     print(f"cpu: {open('/proc/cpuinfo').read().split('model name')[1].split(':')[1].splitlines()[0].strip()}")
     for p in range(args.processes):
-        load = open("/proc/loadavg").read().split()[0]
-        out = subprocess.run([sys.executable, str(HERE), "--child",
-                              *(["--clock", args.clock] if args.clock else [])], env=env, capture_output=True, text=True,
-                             check=True).stdout.strip().splitlines()[-1]
-        picks = []
-        for i, layer in enumerate(json.loads(out)):
-            short = {k.removeprefix("cpu.lstm."): v for k, v in layer["ms"].items()}
-            effective = {k.removeprefix("cpu.lstm."): v for k, v in layer["effective"].items()}
-            print(f"process {p} load {load} layer {i + 1} clock {layer['clock']!r}: pick {layer['pick']}")
-            print("    ms        " + "  ".join(f"{k} {v:.3f}" for k, v in short.items()))
-            print("    effective " + "  ".join(f"{k} {v:.3f}" for k, v in effective.items()))
-            picks.append(layer["pick"].removeprefix("cpu.lstm."))
-        print(f"process {p} picks: {' '.join(picks)}", flush=True)
-
+        for runner, checkout in runners:
+            load = open("/proc/loadavg").read().split()[0]
+            out = subprocess.run([sys.executable, str(HERE), "--child", *(["--clock", args.clock] if args.clock else [])],
+                                 env={**os.environ, "PYTHONPATH": checkout}, capture_output=True, text=True,
+                                 check=True).stdout.strip().splitlines()[-1]
+            picks = []
+            for i, layer in enumerate(json.loads(out)):
+                print(f"{runner} process {p} load {load} layer {i + 1} clock {layer['clock']!r}: pick {layer['pick']}")
+                for row in ("ms", "effective"):
+                    print(f"    {row:9} " + "  ".join(f"{k.removeprefix('cpu.lstm.')} {v:.3f}"
+                                                    for k, v in layer[row].items()))
+                picks.append(layer["pick"].removeprefix("cpu.lstm."))
+            print(f"{runner} process {p} picks: {' '.join(picks)}", flush=True)
 
 if __name__ == "__main__":
     main()
