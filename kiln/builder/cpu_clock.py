@@ -44,11 +44,10 @@ def cpu_clock(threads: int, cpus: int | None = None, runnable: int | None = None
     Busy: other work at least BUSY_SHARE of the CPUs: the tasks runnable beside the reading thread (runnable_tasks,
     which leaves this process's other threads out) or, without /proc/loadavg's count, the 1-min load average beyond
     this process's `threads` (the average counts them, its OpenMP workers spinning between calls). Not `runnable`
-    less `threads`: with this process's threads already left out, that took one other task on 2 vCPUs for none, the
-    builds timed by the wall clock while a neighbour took a share of the cores, and the forecaster's LSTM picks
-    varied again (fused/fused in 8 of 10 fresh builds on a 2-vCPU Zen 3 at load ~1, one of fused's wall-clock
-    times 1.1-1.4x a rival's in 6 of ~80 layer timings; by the process's CPU time there, 1.03x at most:
-    bench/results/lstm-2t-2026-12-07.md, "the picks on merged main").
+    less `threads`: with this process's threads already left out, that took one other task on 2 vCPUs for none, and
+    timed by the wall clock while a neighbour took a share of the cores (by the process's CPU time, kiln's LSTM
+    loops timed within 1.03-1.08x of each other in every fresh build on a 2-vCPU Zen 3, by the wall clock up to
+    1.23x: bench/results/lstm-2t-2026-12-07.md, "the picks on merged main").
     Not where the build runs at a real-time priority (`has_cores`, by default real_time()): the other tasks wait,
     its threads run side by side as on a quiet machine, and only the wall clock sees how well a kernel's threads
     share its work. Timed by the process's CPU time there, or under load by either clock, two threads that take
