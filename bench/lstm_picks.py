@@ -73,5 +73,6 @@ def main() -> None:
                 picks.append(layer["pick"].removeprefix("cpu.lstm."))
             print(f"{runner} process {p} picks: {' '.join(picks)}", flush=True)
 
+
 if __name__ == "__main__":
     main()
