@@ -41,8 +41,13 @@ def cpu_clock(threads: int, cpus: int | None = None, runnable: int | None = None
     A wait that spins (libgomp's long spin, chosen as kiln is imported on a quiet machine) is CPU time too:
     neither clock sees past it (bench/results/zoo-cpu-avx2-2026-12-03.md, "the failure left").
 
-    Busy: tasks runnable beyond this process's `threads` (its OpenMP workers spin between calls) at least
-    BUSY_SHARE of the CPUs, from /proc/loadavg's count (runnable_tasks) or, without it, the 1-min load average.
+    Busy: other work at least BUSY_SHARE of the CPUs: the tasks runnable beside the reading thread (runnable_tasks,
+    which leaves this process's other threads out) or, without /proc/loadavg's count, the 1-min load average beyond
+    this process's `threads` (the average counts them, its OpenMP workers spinning between calls). Not `runnable`
+    less `threads`: with this process's threads already left out, that took one other task on 2 vCPUs for none, and
+    timed by the wall clock while a neighbour took a share of the cores (by the process's CPU time, kiln's LSTM
+    loops timed within 1.03-1.08x of each other in every fresh build on a 2-vCPU Zen 3, by the wall clock up to
+    1.23x: bench/results/lstm-2t-2026-12-07.md, "the picks on merged main").
     Not where the build runs at a real-time priority (`has_cores`, by default real_time()): the other tasks wait,
     its threads run side by side as on a quiet machine, and only the wall clock sees how well a kernel's threads
     share its work. Timed by the process's CPU time there, or under load by either clock, two threads that take
@@ -62,7 +67,7 @@ def cpu_clock(threads: int, cpus: int | None = None, runnable: int | None = None
                 load = os.getloadavg()[0]
             except OSError:
                 return WALL
-    others = (runnable if runnable is not None else load) - threads
+    others = runnable - 1 if runnable is not None else load - threads
     return PROCESS_CPU if others >= BUSY_SHARE * cpus else WALL
 
 

@@ -75,8 +75,10 @@ def test_each_round_starts_at_the_next_candidate():
 
 @pytest.mark.parametrize(("runnable", "load", "threads", "cpus", "clock"), [
     (1, None, 2, 2, autotune.WALL),  # only this reader: quiet
-    (2, None, 2, 2, autotune.WALL),  # this process's two threads (a worker still polling)
-    (3, None, 2, 2, autotune.PROCESS_CPU),  # one more task on 2 CPUs: busy (BUSY_SHARE 0.5)
+    # one other task on 2 CPUs: busy (BUSY_SHARE 0.5); runnable_tasks leaves this process's other threads out, so its
+    # 2 threads are not taken off again (they were: one neighbour counted as none, the LSTM picks varied at load ~1)
+    (2, None, 2, 2, autotune.PROCESS_CPU),
+    (3, None, 2, 2, autotune.PROCESS_CPU),
     (9, None, 2, 2, autotune.PROCESS_CPU),  # the shared VM's usual
     (4, None, 1, 8, autotune.WALL),  # 3 others on 8 CPUs: < half
     (5, None, 1, 8, autotune.PROCESS_CPU),

@@ -377,12 +377,16 @@ def test_native_tactics_win_within_the_timing_noise():
 def test_the_fused_lstm_is_kept_where_kilns_other_lstm_loops_time_within_noise():
     """Layer 2 of the zoo's LSTM forecaster as the tuner timed it in one build on a busy Zen 3 (process CPU time): the
     four loops within 1% and the block split first by 0.4%; fresh builds took any of them. cpu.lstm.fused's preference
-    keeps it within 10%; a rival clearly faster still wins (the block split on the Zen 4 with AVX-512, 11-18%)."""
+    keeps it within 25% (by the wall clock on a quiet Zen 3 a build timed it up to 1.23x a rival); a rival faster
+    than that still wins."""
     layer_2 = {"cpu.lstm.fused_blocks": 3.033, "cpu.lstm.native": 3.035, "cpu.lstm.fused": 3.045,
                "cpu.lstm.lanes": 3.055, "default": 7.076}
     assert autotune._choose(layer_2) == "cpu.lstm.fused"
     assert autotune._choose(layer_2 | {"cpu.lstm.fused_blocks": 3.045 / 1.09}) == "cpu.lstm.fused"
-    assert autotune._choose(layer_2 | {"cpu.lstm.fused_blocks": 3.045 / 1.12}) == "cpu.lstm.fused_blocks"
+    # layer 2 as one quiet wall-clock build timed it, the block split taken at a preference of 1.1
+    assert autotune._choose({"cpu.lstm.fused_blocks": 1.481, "cpu.lstm.native": 1.675, "cpu.lstm.fused": 1.827,
+                             "cpu.lstm.lanes": 1.752, "default": 2.407}) == "cpu.lstm.fused"
+    assert autotune._choose(layer_2 | {"cpu.lstm.fused_blocks": 3.045 / 1.3}) == "cpu.lstm.fused_blocks"
     assert autotune._choose_over([layer_2, layer_2 | {"cpu.lstm.lanes": 3.0}]) == "cpu.lstm.fused"
 
 

@@ -312,9 +312,12 @@ register(Tactic(
 # to process, where interleaved rounds of one layer had the fused loop's row split 10-46% ahead of its block split and
 # 14-26% of lanes (bench/results/lstm-zen3-2026-12-07.md, lstm-2t-2026-12-07.md). Within noise it is the form to
 # keep: ahead per core on every CPU measured, and its row split has no barrier a step, so a thread the OS takes off
-# its core costs it its lateness once a call rather than at every step. Where a rival is clearly faster (the block
-# split on the Zen 4 EPYC with AVX-512, 11-18%) it is still taken.
-FUSED_PREFERENCE = 1.1
+# its core costs it its lateness once a call rather than at every step. Not 1.1: by the wall clock on a quiet Zen 3
+# one build in ~6 timed the fused loop 1.1-1.23x its closest rival on one layer (the median 1.01x; timing again in
+# the same build did not remove it), and 3 of 10 fresh processes took a rival (bench/lstm_picks.py,
+# lstm-2t-2026-12-07.md "the picks on merged main"). The block split's 11-18% alone on the Zen 4 EPYC with AVX-512
+# falls within it now; a rival faster than this still wins.
+FUSED_PREFERENCE = 1.25
 
 register(Tactic(
     name="cpu.lstm.fused", op_type="LSTM", domain="", device="cpu", dtypes=(torch.float32,),
