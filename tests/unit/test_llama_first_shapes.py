@@ -23,6 +23,7 @@ from kiln.kernels.cpu import transformer as kernels
 from kiln.runtime import first_calls, native, native_views
 from kiln.tactics import registry
 from kiln.tactics.cpu import rotary, transformer  # noqa: F401  (their tactics registered)
+from tests.unit.llama_engine import llama  # noqa: F401  (the fixture)
 from tests.unit.tactic_check import make_step
 
 ort = pytest.importorskip("onnxruntime")

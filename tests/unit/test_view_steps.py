@@ -15,6 +15,7 @@ from kiln.errors import ExecutionError
 from kiln.ops import tensor as tensor_ops
 from kiln.runtime import view_steps
 from kiln.runtime.view_steps import SignatureViews, _Reshaped, _Strided
+from tests.unit.llama_engine import llama  # noqa: F401  (the fixture)
 
 # fp32 logits of two decoder layers against onnxruntime's: summation orders differ (kiln's GEMMs, attention)
 RTOL = ATOL = 1e-4

@@ -1,4 +1,4 @@
-"""Fixtures shared by the unit tests' modules."""
+"""The zoo's llama_tiny built with one profile and saved, a fixture for the unit tests that need it (import `llama`)."""
 
 from __future__ import annotations
 
