@@ -56,11 +56,12 @@ def kernel(kind: str, rows: int, n: int, x_kind: str, lookup: bool, max_columns:
     constants = {0: bias, step + 1: dq[0], step + 2: dq[1], step + 3: q[0], step + 4: q[1]}
     if kind == "scale":
         constants[1] = _scalar(0.25)
-    saved, elementwise.TABLE_MAX_COLUMNS = elementwise.TABLE_MAX_COLUMNS, max_columns
+    saved = elementwise.TABLE_MAX_COLUMNS, elementwise.TABLE_CHEAP_COLUMNS
+    elementwise.TABLE_MAX_COLUMNS = elementwise.TABLE_CHEAP_COLUMNS = max_columns  # a table wherever it can be
     try:
         k = elementwise.Elementwise(code, {step: (rows, n)}, constants, {step: torch.uint8}, lookup=lookup)
     finally:
-        elementwise.TABLE_MAX_COLUMNS = saved
+        elementwise.TABLE_MAX_COLUMNS, elementwise.TABLE_CHEAP_COLUMNS = saved
     if lookup and k._table is None:
         raise SystemExit(f"{kind} [{rows}, {n}]: no table")
     return k, {step: x}

@@ -143,6 +143,16 @@ static void ew_dequantize(const void *x, long s, int is_signed, float sc, float 
             _mm512_storeu_ps(r + j, _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(w), vz), vs));
         }
 #endif
+#ifdef KILN_AVX2
+        {   /* the scalar loop's steps on 8 lanes: exact int -> float, then (x - z)·s rounded as the scalar's two */
+            const __m256 vs = _mm256_set1_ps(sc), vz = _mm256_set1_ps(z);
+            for (; j + 8 <= n; j += 8) {
+                const __m128i b = _mm_loadl_epi64((const __m128i *)((const char *)x + j));
+                const __m256i w = is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+                _mm256_storeu_ps(r + j, _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(w), vz), vs));
+            }
+        }
+#endif
         if (is_signed) for (; j < n; ++j) r[j] = ((float)((const signed char *)x)[j] - z) * sc;
         else for (; j < n; ++j) r[j] = ((float)((const unsigned char *)x)[j] - z) * sc;
         return;
@@ -164,6 +174,22 @@ static void ew_quantize(const float *restrict r, const float *q, int is_signed, 
         v = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(v, z), lo), hi);  /* NaN: max gives lo, as quantize_row */
         const __m512i w = _mm512_cvtps_epi32(v);
         _mm_storeu_si128((__m128i *)((char *)y + j), is_signed ? _mm512_cvtsepi32_epi8(w) : _mm512_cvtusepi32_epi8(w));
+    }
+#elif defined(KILN_AVX2)
+    {   /* quantize_row's AVX2 steps (x·1 is exact: its c = 1 left out), then the integral floats packed to 8 bits
+           (exact: they are in [qmin, qmax]) in place of its float row and a scalar conversion; 32 a step */
+        const __m256 s = _mm256_set1_ps(q[0]), z = _mm256_set1_ps(q[1]), lo = _mm256_set1_ps(q[2]),
+                     hi = _mm256_set1_ps(q[3]);
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+#define EW_QUANTIZE8(k) _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_add_ps(_mm256_round_ps( \
+            _mm256_div_ps(_mm256_loadu_ps(r + j + (k)), s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), z), lo), hi))
+        for (; j + 32 <= n; j += 32) {
+            const __m256i a = _mm256_packs_epi32(EW_QUANTIZE8(0), EW_QUANTIZE8(8));    /* int16, lanes interleaved */
+            const __m256i b = _mm256_packs_epi32(EW_QUANTIZE8(16), EW_QUANTIZE8(24));
+            const __m256i bytes = is_signed ? _mm256_packs_epi16(a, b) : _mm256_packus_epi16(a, b);
+            _mm256_storeu_si256((__m256i *)((char *)y + j), _mm256_permutevar8x32_epi32(bytes, order));
+        }
+#undef EW_QUANTIZE8
     }
 #endif
     if (j < n) {

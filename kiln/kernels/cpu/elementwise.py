@@ -213,7 +213,14 @@ class Elementwise(NativeKernel):
 
 
 TABLE_MIN_ROWS = 64  # rows of y below which a program is evaluated (the table is 256 rows' worth of work at build)
-TABLE_MAX_COLUMNS = 1024  # a table of at most 256 KB, an L2's share
+# a table of at most 1 MB (BERT-base's and BERT-large's FFN widths, 3072 and 4096): read in 64-column blocks by
+# gathers (elementwise.c table_columns) it measured 0.55-0.65 ns an element from 128 to 3072 columns on a Zen 3
+# (AVX2), against 1.9-2.3 for a DQ -> bias -> Gelu -> Q evaluated (bench/results/qdq-avx2-2026-12-07.md)
+TABLE_MAX_COLUMNS = 4096
+# a program of one such line between its Dequantize and Quantize (DQ -> bias -> Q) is evaluated from
+# TABLE_CHEAP_COLUMNS columns on: there it measured 0.46-0.52 ns an element evaluated, the table 0.54-0.63
+CHEAP = {"Add", "Sub", "Mul", "Neg", "Abs", "Relu", "Max", "Min"}
+TABLE_CHEAP_COLUMNS = 256
 # the ops whose C form (ew_line) may round by where an element sits in its chunk (ew_gelu: the vector loops or
 # libm's erff for a chunk's last n % 8): a table of them is exact only where every chunk is a multiple of 8 long
 POSITIONAL = {"Gelu"}
@@ -235,6 +242,8 @@ def lookup_table(code: list[str], sizes: dict[int, tuple[int, ...]], constants: 
     contiguous = tuple(math.prod(dims[d + 1:]) if dims[d] > 1 else 0 for d in range(len(dims)))
     if k not in sizes or rows < TABLE_MIN_ROWS or n > TABLE_MAX_COLUMNS:
         return None
+    if len(quantized.code) == 1 and quantized.code[0].split()[0] in CHEAP and n >= TABLE_CHEAP_COLUMNS:
+        return None  # one cheap line: evaluating it costs less than a gather
     if tuple(s if dims[d] > 1 else 0 for d, s in enumerate(strides[k])) != contiguous:
         return None  # x broadcasts or is not y's layout
     used = {int(a[1:]) for line in quantized.code for a in line.split()[1:] if a[0] == "i"} - {k}
