@@ -132,3 +132,20 @@ def test_a_wide_gelu_table_is_its_evaluation_and_within_a_step_of_float64(spread
     want = np.clip(np.rint(gelu / np.float32(s_out)) + z_out, 0, 255)
     # one step: the C Gelu's erfc approximation (relative error < 1.2e-7) may flip a rounding tie's neighbour
     assert np.abs(got.numpy().astype(np.float64) - want).max() <= 1
+
+
+@needs_kernels
+def test_a_layers_kernels_at_other_row_counts_share_its_table():
+    """The tactic's kernels at each bound size pass one `tables` dict: a new batch or sequence length reuses the
+    width's table (no 256-row evaluation at bind), and still runs exactly what evaluating gives."""
+    code = DQ_BIAS_GELU_Q
+    constants, step, x, _ = _chain(code, 96, 512, torch.uint8, "shared table")
+    tables: dict = {}
+    first = kernels.Elementwise(code, {step: (1, 96, 512)}, constants, {step: torch.uint8}, tables=tables)
+    second = kernels.Elementwise(code, {step: (2, 80, 512)}, constants, {step: torch.uint8}, tables=tables)
+    assert first._table is not None and second._table is first._table and len(tables) == 1
+    x2 = torch.randint(0, 256, (2, 80, 512), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    evaluated = kernels.Elementwise(code, {step: (2, 80, 512)}, constants, {step: torch.uint8}, lookup=False)
+    assert torch.equal(second({step: x2}), evaluated({step: x2}))
+    few = kernels.Elementwise(code, {step: (1, 8, 512)}, constants, {step: torch.uint8}, tables=tables)
+    assert few._table is None  # below TABLE_MIN_ROWS: evaluated, as without the shared tables

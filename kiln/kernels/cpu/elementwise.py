@@ -171,12 +171,14 @@ def merged_dims(out: tuple[int, ...], strides: list[tuple[int, ...]]) -> tuple[t
 class Elementwise(NativeKernel):
     """y = the program over its inputs broadcast together (float32, y row-major). `sizes`: every input's size
     by index; `constants`: the inputs that are weights of the engine (baked into the plan; the others are
-    step inputs the segment binds)."""
+    step inputs the segment binds). `tables`: the lookup tables this layer's kernels made at other sizes, by row width
+    (a table depends on the columns only: a layer bound at a new batch or sequence length reuses its width's)."""
 
     PLAN, FUNCTION = _ElementwisePlan, "kiln_elementwise"
 
     def __init__(self, code: list[str], sizes: dict[int, tuple[int, ...]], constants: dict[int, torch.Tensor],
-                 dtypes: dict[int, torch.dtype] | None = None, lookup: bool = True):
+                 dtypes: dict[int, torch.dtype] | None = None, lookup: bool = True,
+                 tables: dict[tuple, torch.Tensor] | None = None):
         count = max([*sizes, *constants]) + 1
         super().__init__(f"elementwise {code} of {count} inputs")
         quantized = quantization(code, dtypes or {}, constants)
@@ -207,7 +209,8 @@ class Elementwise(NativeKernel):
             in_type=(ctypes.c_int * EW_INPUTS)(*quantized.in_types()),
             out_type=EIGHT_BIT[quantized.output[0]] if quantized.output is not None else 0,
             quant=self._quant.data_ptr())
-        self._table = lookup_table(code, sizes, constants, dtypes or {}, quantized, dims, strides) if lookup else None
+        self._table = lookup_table(code, sizes, constants, dtypes or {}, quantized, dims, strides,
+                                   tables) if lookup else None
         if self._table is not None:
             self.fields.update(table=self._table.data_ptr(), table_input=next(iter(quantized.inputs)))
 
@@ -228,13 +231,15 @@ POSITIONAL = {"Gelu"}
 
 def lookup_table(code: list[str], sizes: dict[int, tuple[int, ...]], constants: dict[int, torch.Tensor],
                  dtypes: dict[int, torch.dtype], quantized: Quantization, dims: tuple[int, ...],
-                 strides: list[tuple[int, ...]]) -> torch.Tensor | None:
+                 strides: list[tuple[int, ...]],
+                 tables: dict[tuple, torch.Tensor] | None = None) -> torch.Tensor | None:
     """y[o][j] = table[j][x[o][j]] for a program of one 8-bit activation x of y's shape, its other operands constants
     that vary along y's last (merged) axis at most, and an 8-bit output; None where that is not the program or a
     table would not pay. The table is this kernel's own program on every byte value of every column (a [256, n]
     input through the same C loop), so it holds exactly what the evaluation computes. Why: onnxruntime's QDQ
     transformers end every quantized GEMM in DQ -> bias -> Gelu / scale -> Q, one 8-bit value in and out per element;
-    the Gelu's polynomial and exp cost ~40 vector instructions per 16 elements, a gather one."""
+    the Gelu's polynomial and exp cost ~40 vector instructions per 16 elements, a gather one. `tables`: made at other
+    sizes, by the row's width (taken after the checks, which depend on the sizes; put there when made)."""
     if quantized.output is None or len(quantized.inputs) != 1 or len(sizes) != 1:
         return None
     (k,) = quantized.inputs
@@ -251,6 +256,10 @@ def lookup_table(code: list[str], sizes: dict[int, tuple[int, ...]], constants: 
         return None  # an operand varies along y's rows
     if n % 8 and any(line.split()[0] in POSITIONAL for line in code):
         return None
+    # past the checks every operand but x is a row of y's last axis: the table is the same at any count of rows
+    key = (n, tuple(s[-1] for s in strides))
+    if tables is not None and key in tables:
+        return tables[key]
     out = broadcast_sizes(*[tuple(sizes[j]) if j in sizes else tuple(constants[j].shape) for j in range(len(strides))
                             if j in sizes or j in constants])
     rowed = {}
@@ -259,7 +268,10 @@ def lookup_table(code: list[str], sizes: dict[int, tuple[int, ...]], constants: 
     values = torch.arange(256, dtype=torch.uint8).view(dtypes[k])  # every byte, read as x's type
     inner = Elementwise(code, {k: (256, n)}, rowed, {k: dtypes[k]}, lookup=False)
     y = inner({k: values[:, None].expand(256, n).contiguous()})  # [256 byte values, n columns]
-    return torch.cat([y.view(torch.uint8).t().reshape(-1), torch.zeros(3, dtype=torch.uint8)])
+    table = torch.cat([y.view(torch.uint8).t().reshape(-1), torch.zeros(3, dtype=torch.uint8)])
+    if tables is not None:
+        tables[key] = table
+    return table
 
 
 class _QuantizePlan(ctypes.Structure):  # quantize_plan
