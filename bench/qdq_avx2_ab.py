@@ -2,6 +2,7 @@
 processes that alternate A B A B, each timing its kiln engine and onnxruntime int8 interleaved in the same process.
 
     python bench/qdq_avx2_ab.py --before /work/main --after . --models minilm,bert_tiny --threads 1,2 --processes 4
+    python bench/qdq_avx2_ab.py --threads 1 --clock thread     (the calling thread's CPU time: load moves it less)
 
 The QDQ models are bench/quant.py's (onnxruntime quantize_static: uint8 activations, per-channel int8 weights,
 reduce_range; MatMul/Gemm layers; calibrated on 8 inputs), made once into a folder both sides read with one feed
@@ -44,16 +45,19 @@ def prepare(folder: Path, model: str) -> Path:
     return qdq
 
 
-def block_ms(run, feed, iterations: int) -> float:
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+
+
+def block_ms(run, feed, iterations: int, clock=time.perf_counter) -> float:
     samples = []
     for _ in range(iterations):
-        start = time.perf_counter()
+        start = clock()
         run(feed)
-        samples.append(1e3 * (time.perf_counter() - start))
+        samples.append(1e3 * (clock() - start))
     return statistics.median(samples)
 
 
-def child(folder: Path, model: str, threads: int, rounds: int, iterations: int, out: Path) -> None:
+def child(folder: Path, model: str, threads: int, rounds: int, iterations: int, out: Path, clock: str) -> None:
     import onnxruntime as ort
     import torch
 
@@ -76,7 +80,7 @@ def child(folder: Path, model: str, threads: int, rounds: int, iterations: int, 
     load = [os.getloadavg()[0]]
     for r in range(rounds):
         for peer in (("kiln", "onnxruntime") if r % 2 == 0 else ("onnxruntime", "kiln")):
-            times[peer].append(block_ms(runs[peer], feed, iterations))
+            times[peer].append(block_ms(runs[peer], feed, iterations, CLOCKS[clock]))
     load.append(os.getloadavg()[0])
     out.write_text(json.dumps({p: statistics.median(t) for p, t in times.items()} | {"load": load,
                                                                                      "kiln_path": kiln.__file__}))
@@ -92,11 +96,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iterations", type=int, default=30)
     parser.add_argument("--folder", help="where the QDQ models are (made if missing)")
+    parser.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
+                        help="thread: the calling thread's CPU time (1 thread only: both peers compute on it there)")
     parser.add_argument("--child", nargs=5, metavar=("FOLDER", "MODEL", "THREADS", "OUT", "_"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         folder, model, threads, out, _ = args.child
-        child(Path(folder), model, int(threads), args.rounds, args.iterations, Path(out))
+        child(Path(folder), model, int(threads), args.rounds, args.iterations, Path(out), args.clock)
         return
     folder = Path(args.folder or tempfile.mkdtemp(prefix="kiln-qdqavx2-"))
     folder.mkdir(parents=True, exist_ok=True)
@@ -105,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
                                  text=True).stdout.strip() for s, p in sides.items()}
     from kiln.builder.timing_cache import cpu_name
 
-    print(f"# CPU {cpu_name()}, before {sides['before']} ({commits['before']}), after {sides['after']} "
+    print(f"# CPU {cpu_name()}, {args.clock} clock, before {sides['before']} ({commits['before']}), after {sides['after']} "
           f"({commits['after']}), {args.processes} processes a side, {args.rounds} rounds of {args.iterations} calls\n")
     rows = []
     for model in args.models.split(","):
@@ -117,7 +123,8 @@ def main(argv: list[str] | None = None) -> None:
                 for side in (("before", "after") if p % 2 == 0 else ("after", "before")):
                     out = folder / f"{model}-{threads}-{side}-{p}.json"
                     env = os.environ | {"PYTHONPATH": sides[side]}
-                    subprocess.run([sys.executable, __file__, "--rounds", str(args.rounds), "--iterations",
+                    subprocess.run([sys.executable, __file__, "--clock", args.clock, "--rounds", str(args.rounds),
+                                    "--iterations",
                                     str(args.iterations), "--child", str(folder), model, str(threads), str(out), "-"],
                                    env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                     result = json.loads(out.read_text())
