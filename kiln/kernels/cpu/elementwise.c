@@ -13,7 +13,8 @@
  * merged the dims every operand walks contiguously): each input's chunk is read in place (stride 1), splatted
  * (stride 0) or gathered, then each line of the program is one loop over the chunk that the compiler
  * vectorises. Past `grain` elements (an 8-bit chain: kiln_quantized_split, transformer.c) the chunks are shared
- * among the threads (parallel_items: gemm.c's pool).
+ * among the threads (parallel_items: gemm.c's pool). A chain of one 8-bit activation and per-column constants with an
+ * 8-bit output is looked up instead (elementwise.py lookup_table; table_columns: 64-column blocks, gathers).
  */
 
 #define EW_INPUTS 8   /* EW_INPUTS in elementwise.py */
