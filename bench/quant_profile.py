@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="resnet50", choices=sorted(quant.MODELS))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=1, help="bench/quant.py's batch (1)")
     parser.add_argument("--peers", default="kiln int8,kiln int8 (ORT QDQ)")
     parser.add_argument("--calibrator", default="entropy")
     parser.add_argument("--gpu-log", help="a quant_gpu.log of GPU engine rows taken with --profile: print their "
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     onednn.load().lib.dnnl_set_verbose.argtypes = [ctypes.c_int]
     label, seq = quant.MODELS[args.model]
-    exported = zoo.export(args.model, seq=seq) if seq else zoo.export(args.model)
+    exported = zoo.export(args.model, batch=args.batch, seq=seq) if seq else zoo.export(args.model, batch=args.batch)
     calibration = quant.inputs_for(exported, 8, seed=1)
     feeds = quant.inputs_for(exported, 1, seed=2)[0]
     work = Path(tempfile.mkdtemp(prefix="kiln-qprof-"))
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
               "kiln int8": lambda: kiln.build(str(exported.path), precision="int8", calibration=calibration,
                                               calibrator=args.calibrator),
               "kiln int8 (ORT QDQ)": lambda: kiln.build(str(qdq))}
-    print(f"# {label}, {args.threads} thread(s), load {os.getloadavg()[0]:.2f}")
+    print(f"# {label} batch {args.batch}, {args.threads} thread(s), load {os.getloadavg()[0]:.2f}")
     for peer in [p for p in args.peers.split(",") if p]:
         engine = builds[peer]()
         inputs = engine.program_inputs(feeds)

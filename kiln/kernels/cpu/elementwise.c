@@ -13,7 +13,8 @@
  * merged the dims every operand walks contiguously): each input's chunk is read in place (stride 1), splatted
  * (stride 0) or gathered, then each line of the program is one loop over the chunk that the compiler
  * vectorises. Past `grain` elements (an 8-bit chain: kiln_quantized_split, transformer.c) the chunks are shared
- * among the threads (parallel_items: gemm.c's pool).
+ * among the threads (parallel_items: gemm.c's pool). A chain of one 8-bit activation and per-column constants with an
+ * 8-bit output is looked up instead (elementwise.py lookup_table; table_columns: 64-column blocks, gathers).
  */
 
 #define EW_INPUTS 8   /* EW_INPUTS in elementwise.py */
@@ -143,6 +144,16 @@ static void ew_dequantize(const void *x, long s, int is_signed, float sc, float 
             _mm512_storeu_ps(r + j, _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(w), vz), vs));
         }
 #endif
+#ifdef KILN_AVX2
+        {   /* the scalar loop's steps on 8 lanes: exact int -> float, then (x - z)·s rounded as the scalar's two */
+            const __m256 vs = _mm256_set1_ps(sc), vz = _mm256_set1_ps(z);
+            for (; j + 8 <= n; j += 8) {
+                const __m128i b = _mm_loadl_epi64((const __m128i *)((const char *)x + j));
+                const __m256i w = is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+                _mm256_storeu_ps(r + j, _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(w), vz), vs));
+            }
+        }
+#endif
         if (is_signed) for (; j < n; ++j) r[j] = ((float)((const signed char *)x)[j] - z) * sc;
         else for (; j < n; ++j) r[j] = ((float)((const unsigned char *)x)[j] - z) * sc;
         return;
@@ -164,6 +175,22 @@ static void ew_quantize(const float *restrict r, const float *q, int is_signed, 
         v = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(v, z), lo), hi);  /* NaN: max gives lo, as quantize_row */
         const __m512i w = _mm512_cvtps_epi32(v);
         _mm_storeu_si128((__m128i *)((char *)y + j), is_signed ? _mm512_cvtsepi32_epi8(w) : _mm512_cvtusepi32_epi8(w));
+    }
+#elif defined(KILN_AVX2)
+    {   /* quantize_row's AVX2 steps (x·1 is exact: its c = 1 left out), then the integral floats packed to 8 bits
+           (exact: they are in [qmin, qmax]) in place of its float row and a scalar conversion; 32 a step */
+        const __m256 s = _mm256_set1_ps(q[0]), z = _mm256_set1_ps(q[1]), lo = _mm256_set1_ps(q[2]),
+                     hi = _mm256_set1_ps(q[3]);
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+#define EW_QUANTIZE8(k) _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_add_ps(_mm256_round_ps( \
+            _mm256_div_ps(_mm256_loadu_ps(r + j + (k)), s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), z), lo), hi))
+        for (; j + 32 <= n; j += 32) {
+            const __m256i a = _mm256_packs_epi32(EW_QUANTIZE8(0), EW_QUANTIZE8(8));    /* int16, lanes interleaved */
+            const __m256i b = _mm256_packs_epi32(EW_QUANTIZE8(16), EW_QUANTIZE8(24));
+            const __m256i bytes = is_signed ? _mm256_packs_epi16(a, b) : _mm256_packus_epi16(a, b);
+            _mm256_storeu_si256((__m256i *)((char *)y + j), _mm256_permutevar8x32_epi32(bytes, order));
+        }
+#undef EW_QUANTIZE8
     }
 #endif
     if (j < n) {
@@ -237,26 +264,79 @@ typedef struct {
     long n, rows;
 } table_loop;
 
-/* Rows [16 item, 16 item + 16) of y through the table: one gather a byte. */
-static void table_item(void *loop, long item) {
-    const table_loop *l = (const table_loop *)loop;
-    const unsigned char *table = l->p->table;
-    for (long o = item * 16; o < (item + 1) * 16 && o < l->rows; ++o) {
-        const unsigned char *x = l->x + o * l->n;
-        unsigned char *y = l->y + o * l->n;
-        long j = 0;
+/* How a table is read (kiln/kernels/cpu/elementwise.py set_table_lookup; a benchmark's other side, a test's):
+   1, the default: columns in blocks of TABLE_BLOCK (each block's 256-byte columns stay in L1 while the item's 16
+   rows pass over them) and 8 or 16 bytes a gather (AVX2 vpgatherdd on ymm, AVX-512 on zmm); 0: the kernel before,
+   row by row (a byte at a time on AVX2, AVX-512's gather). The same bytes either way: every y[o][j] is
+   table[j][x[o][j]], whatever the order. */
+long kiln_table_lookup = 1;
+#define TABLE_BLOCK 64   /* columns: 16 KB of table, half an L1 data cache */
+
+/* y[j] = table[j·256 + x[j]] for j in [j0, j1): x and y a row's, the table padded by 3 bytes (a 4-byte gather
+   reads past the last column's byte 255). */
+static void table_columns(const unsigned char *restrict table, const unsigned char *restrict x,
+                          unsigned char *restrict y, long j0, long j1) {
+    long j = j0;
 #ifdef __AVX512F__
+    {
         const __m512i column_step = _mm512_set1_epi32(16 * 256);
         __m512i base = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                           _mm512_set1_epi32(256));
-        for (; j + 16 <= l->n; j += 16) {
+        base = _mm512_add_epi32(base, _mm512_set1_epi32((int)(j0 * 256)));
+        for (; j + 16 <= j1; j += 16) {
             const __m512i at = _mm512_add_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(x + j))), base);
             const __m512i g = _mm512_i32gather_epi32(at, (const void *)table, 1);  /* the byte at `at`, and 3 more */
             _mm_storeu_si128((__m128i *)(y + j), _mm512_cvtepi32_epi8(g));        /* (the low byte of each) */
             base = _mm512_add_epi32(base, column_step);
         }
+    }
+#elif defined(KILN_AVX2)
+    {   /* 32 columns: 4 gathers of 8 dwords from each column's 256 bytes, the low byte of each dword kept (vpshufb
+           takes dword k's byte 0 to byte k of its 128-bit lane), then the 4 x 8 bytes put back in column order */
+        const __m256i lane = _mm256_setr_epi32(0, 256, 512, 768, 1024, 1280, 1536, 1792);
+        const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                   0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+#define TABLE_GATHER8(c) _mm256_shuffle_epi8(_mm256_i32gather_epi32((const int *)(table + (c) * 256), \
+            _mm256_add_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(x + (c)))), lane), 1), low_bytes)
+        for (; j + 32 <= j1; j += 32) {
+            const __m256i g0 = TABLE_GATHER8(j), g1 = TABLE_GATHER8(j + 8), g2 = TABLE_GATHER8(j + 16),
+                          g3 = TABLE_GATHER8(j + 24);
+            /* g_k: columns j+8k..+3 in bytes 0-3 of lane 0, j+8k+4..+7 in bytes 0-3 of lane 1 */
+            const __m256i g01 = _mm256_unpacklo_epi32(g0, g1), g23 = _mm256_unpacklo_epi32(g2, g3);
+            const __m256i all = _mm256_permutevar8x32_epi32(_mm256_unpacklo_epi64(g01, g23), order);
+            _mm256_storeu_si256((__m256i *)(y + j), all);
+        }
+        for (; j + 8 <= j1; j += 8) {
+            const __m256i g = _mm256_permutevar8x32_epi32(TABLE_GATHER8(j), _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1));
+            _mm_storel_epi64((__m128i *)(y + j), _mm256_castsi256_si128(g));
+        }
+#undef TABLE_GATHER8
+    }
 #endif
-        for (; j < l->n; ++j) y[j] = table[j * 256 + x[j]];
+    for (; j < j1; ++j) y[j] = table[j * 256 + x[j]];
+}
+
+/* Rows [16 item, 16 item + 16) of y through the table. */
+static void table_item(void *loop, long item) {
+    const table_loop *l = (const table_loop *)loop;
+    const unsigned char *table = l->p->table;
+    const long first = item * 16, last = (item + 1) * 16 < l->rows ? (item + 1) * 16 : l->rows;
+    if (kiln_table_lookup == 0) {  /* the kernel before: row by row, AVX-512's gather or a byte at a time */
+        for (long o = first; o < last; ++o) {
+            const unsigned char *x = l->x + o * l->n;
+            unsigned char *y = l->y + o * l->n;
+#ifdef __AVX512F__
+            table_columns(table, x, y, 0, l->n);
+#else
+            for (long j = 0; j < l->n; ++j) y[j] = table[j * 256 + x[j]];
+#endif
+        }
+        return;
+    }
+    for (long j0 = 0; j0 < l->n; j0 += TABLE_BLOCK) {
+        const long j1 = j0 + TABLE_BLOCK < l->n ? j0 + TABLE_BLOCK : l->n;
+        for (long o = first; o < last; ++o) table_columns(table, l->x + o * l->n, l->y + o * l->n, j0, j1);
     }
 }
 

@@ -171,12 +171,14 @@ def merged_dims(out: tuple[int, ...], strides: list[tuple[int, ...]]) -> tuple[t
 class Elementwise(NativeKernel):
     """y = the program over its inputs broadcast together (float32, y row-major). `sizes`: every input's size
     by index; `constants`: the inputs that are weights of the engine (baked into the plan; the others are
-    step inputs the segment binds)."""
+    step inputs the segment binds). `tables`: the lookup tables this layer's kernels made at other sizes, by row width
+    (a table depends on the columns only: a layer bound at a new batch or sequence length reuses its width's)."""
 
     PLAN, FUNCTION = _ElementwisePlan, "kiln_elementwise"
 
     def __init__(self, code: list[str], sizes: dict[int, tuple[int, ...]], constants: dict[int, torch.Tensor],
-                 dtypes: dict[int, torch.dtype] | None = None, lookup: bool = True):
+                 dtypes: dict[int, torch.dtype] | None = None, lookup: bool = True,
+                 tables: dict[tuple, torch.Tensor] | None = None):
         count = max([*sizes, *constants]) + 1
         super().__init__(f"elementwise {code} of {count} inputs")
         quantized = quantization(code, dtypes or {}, constants)
@@ -207,13 +209,21 @@ class Elementwise(NativeKernel):
             in_type=(ctypes.c_int * EW_INPUTS)(*quantized.in_types()),
             out_type=EIGHT_BIT[quantized.output[0]] if quantized.output is not None else 0,
             quant=self._quant.data_ptr())
-        self._table = lookup_table(code, sizes, constants, dtypes or {}, quantized, dims, strides) if lookup else None
+        self._table = lookup_table(code, sizes, constants, dtypes or {}, quantized, dims, strides,
+                                   tables) if lookup else None
         if self._table is not None:
             self.fields.update(table=self._table.data_ptr(), table_input=next(iter(quantized.inputs)))
 
 
 TABLE_MIN_ROWS = 64  # rows of y below which a program is evaluated (the table is 256 rows' worth of work at build)
-TABLE_MAX_COLUMNS = 1024  # a table of at most 256 KB, an L2's share
+# a table of at most 1 MB (BERT-base's and BERT-large's FFN widths, 3072 and 4096): read in 64-column blocks by
+# gathers (elementwise.c table_columns) it measured 0.55-0.65 ns an element from 128 to 3072 columns on a Zen 3
+# (AVX2), against 1.9-2.3 for a DQ -> bias -> Gelu -> Q evaluated (bench/results/qdq-avx2-2026-12-07.md)
+TABLE_MAX_COLUMNS = 4096
+# a program of one such line between its Dequantize and Quantize (DQ -> bias -> Q) is evaluated from
+# TABLE_CHEAP_COLUMNS columns on: there it measured 0.46-0.52 ns an element evaluated, the table 0.54-0.63
+CHEAP = {"Add", "Sub", "Mul", "Neg", "Abs", "Relu", "Max", "Min"}
+TABLE_CHEAP_COLUMNS = 256
 # the ops whose C form (ew_line) may round by where an element sits in its chunk (ew_gelu: the vector loops or
 # libm's erff for a chunk's last n % 8): a table of them is exact only where every chunk is a multiple of 8 long
 POSITIONAL = {"Gelu"}
@@ -221,13 +231,15 @@ POSITIONAL = {"Gelu"}
 
 def lookup_table(code: list[str], sizes: dict[int, tuple[int, ...]], constants: dict[int, torch.Tensor],
                  dtypes: dict[int, torch.dtype], quantized: Quantization, dims: tuple[int, ...],
-                 strides: list[tuple[int, ...]]) -> torch.Tensor | None:
+                 strides: list[tuple[int, ...]],
+                 tables: dict[tuple, torch.Tensor] | None = None) -> torch.Tensor | None:
     """y[o][j] = table[j][x[o][j]] for a program of one 8-bit activation x of y's shape, its other operands constants
     that vary along y's last (merged) axis at most, and an 8-bit output; None where that is not the program or a
     table would not pay. The table is this kernel's own program on every byte value of every column (a [256, n]
     input through the same C loop), so it holds exactly what the evaluation computes. Why: onnxruntime's QDQ
     transformers end every quantized GEMM in DQ -> bias -> Gelu / scale -> Q, one 8-bit value in and out per element;
-    the Gelu's polynomial and exp cost ~40 vector instructions per 16 elements, a gather one."""
+    the Gelu's polynomial and exp cost ~40 vector instructions per 16 elements, a gather one. `tables`: made at other
+    sizes, by the row's width (taken after the checks, which depend on the sizes; put there when made)."""
     if quantized.output is None or len(quantized.inputs) != 1 or len(sizes) != 1:
         return None
     (k,) = quantized.inputs
@@ -235,6 +247,8 @@ def lookup_table(code: list[str], sizes: dict[int, tuple[int, ...]], constants: 
     contiguous = tuple(math.prod(dims[d + 1:]) if dims[d] > 1 else 0 for d in range(len(dims)))
     if k not in sizes or rows < TABLE_MIN_ROWS or n > TABLE_MAX_COLUMNS:
         return None
+    if len(quantized.code) == 1 and quantized.code[0].split()[0] in CHEAP and n >= TABLE_CHEAP_COLUMNS:
+        return None  # one cheap line: evaluating it costs less than a gather
     if tuple(s if dims[d] > 1 else 0 for d, s in enumerate(strides[k])) != contiguous:
         return None  # x broadcasts or is not y's layout
     used = {int(a[1:]) for line in quantized.code for a in line.split()[1:] if a[0] == "i"} - {k}
@@ -242,6 +256,10 @@ def lookup_table(code: list[str], sizes: dict[int, tuple[int, ...]], constants: 
         return None  # an operand varies along y's rows
     if n % 8 and any(line.split()[0] in POSITIONAL for line in code):
         return None
+    # past the checks every operand but x is a row of y's last axis: the table is the same at any count of rows
+    key = (n, tuple(s[-1] for s in strides))
+    if tables is not None and key in tables:
+        return tables[key]
     out = broadcast_sizes(*[tuple(sizes[j]) if j in sizes else tuple(constants[j].shape) for j in range(len(strides))
                             if j in sizes or j in constants])
     rowed = {}
@@ -250,7 +268,10 @@ def lookup_table(code: list[str], sizes: dict[int, tuple[int, ...]], constants: 
     values = torch.arange(256, dtype=torch.uint8).view(dtypes[k])  # every byte, read as x's type
     inner = Elementwise(code, {k: (256, n)}, rowed, {k: dtypes[k]}, lookup=False)
     y = inner({k: values[:, None].expand(256, n).contiguous()})  # [256 byte values, n columns]
-    return torch.cat([y.view(torch.uint8).t().reshape(-1), torch.zeros(3, dtype=torch.uint8)])
+    table = torch.cat([y.view(torch.uint8).t().reshape(-1), torch.zeros(3, dtype=torch.uint8)])
+    if tables is not None:
+        tables[key] = table
+    return table
 
 
 class _QuantizePlan(ctypes.Structure):  # quantize_plan

@@ -67,6 +67,13 @@ def set_quantized_split(elements: int) -> int:
     return _swap_long("kiln_quantized_split", elements)
 
 
+def set_table_lookup(mode: int) -> int:
+    """How the 8-bit Elementwise chains' lookup tables are read (elementwise.c kiln_table_lookup): 1 (the default)
+    columns blocked and gathered 8 or 16 bytes at a time, 0 the kernel before (row by row; a byte at a time on
+    AVX2), as a benchmark's other side or a test's. The same bytes either way. Returns the value it replaced."""
+    return _swap_long("kiln_table_lookup", mode)
+
+
 def parallel_loops() -> int:
     """How many loops of these kernels the calling thread has run on more than one thread (a layer that split its
     work: a test's count; other threads' loops are not in it)."""

@@ -97,8 +97,10 @@ def _elementwise_prepare(step: StepSpec, constants: list[Any], device: torch.dev
     def reads(sizes: dict[int, tuple[int, ...]]) -> dict[int, torch.dtype]:
         return {k: eight_bit.get(k, _F32) for k in sizes if k not in baked}
 
-    return prepared_native(step, reads, lambda sizes: kernels.Elementwise(code, sizes, baked, eight_bit),
-                           max_rank=3)
+    tables: dict = {}  # the layer's lookup tables by row width, shared by its kernels at every size
+
+    return prepared_native(step, reads, lambda sizes: kernels.Elementwise(code, sizes, baked, eight_bit,
+                                                                          tables=tables), max_rank=3)
 
 
 register(Tactic(
