@@ -45,6 +45,10 @@ INLINE_NS of CPU time (a moving average, after INLINE_AFTER calls) runs its batc
 itself; a slower call lifts the average and sends the instance back to its thread. On a 2-core VM
 this halved the CPU time per request of an empty model at concurrency 1 (bench/serve_overhead.py
 --inproc). A call inline holds the loop for its duration: at most about INLINE_NS.
+
+What a call cost (the batcher's call phases, kiln/serve/stats.py CallPhases): after each call `cpu_ns` holds the
+thread's CPU time in it and, on CUDA, `gpu_ns` its span on the instance's stream between two timing events recorded
+before and after it (the copies in and out included; read once the stream is done, so it costs no wait).
 """
 
 from __future__ import annotations
@@ -138,6 +142,9 @@ class Instance:
         self._evictions = 0
         self.captured_all = False  # CUDA: warm-up captured a graph for every shape the engine takes
         self._call_ns = float(INLINE_NS)  # CPU: moving average of a call's CPU time (this thread's)
+        self.cpu_ns = 0  # the last call's CPU time on its thread
+        self.gpu_ns: int | None = None  # CUDA: the last call's span on the stream (None: not measured)
+        self._span = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self.cuda else None
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._run, self._finish = run, finish
         self.warmed_up: WarmUp | None = None  # what the CPU warm-up did (None: none ran)
@@ -199,14 +206,21 @@ class Instance:
         if not self.cuda:
             start = time.thread_time_ns()  # CPU time: a call preempted on a busy machine is not a slow call
             outputs = self.context.run(feeds)
-            self._call_ns += (time.thread_time_ns() - start - self._call_ns) / 8
+            self.cpu_ns = time.thread_time_ns() - start
+            self._call_ns += (self.cpu_ns - self._call_ns) / 8
             return outputs
+        start = time.thread_time_ns()
         key, seen = None, 2
         if not self.captured_all:
             key = tuple((tuple(v.shape), str(v.dtype)) for v in feeds.values())
             seen = self._seen.get(key, 0)
+        self.gpu_ns = None
         with GATE.alone() if seen < 2 else GATE.shared(), torch.cuda.stream(self.stream):
+            begin, end = self._span
+            begin.record(self.stream)
             outputs = self._run_spinning(feeds) if self.done is None else self._run_blocking(feeds)
+            self.gpu_ns = self._span_ns()
+        self.cpu_ns = time.thread_time_ns() - start
         runner = self.context.runner
         if runner is not None and runner.stats.evictions != self._evictions:
             self._evictions = runner.stats.evictions
@@ -218,8 +232,18 @@ class Instance:
             self._seen[key] = seen + 1
         return outputs
 
+    def _span_ns(self) -> int | None:
+        """The last call's span on the stream between its timing events (both done: the call waited for its stream);
+        None where the events cannot say (a call that failed before its end was recorded)."""
+        begin, end = self._span
+        try:
+            return int(begin.elapsed_time(end) * 1e6)
+        except RuntimeError:
+            return None
+
     def _run_spinning(self, feeds: dict[str, Any]) -> dict[str, Any]:
         outputs = self.context.run(feeds)  # host arrays in, host arrays out: the runtime waits for the copies
+        self._span[1].record(self.stream)
         self.stream.synchronize()
         return outputs
 
@@ -227,12 +251,14 @@ class Instance:
         """The call's outputs left on the GPU, copied to pinned host memory on the stream, waited for asleep."""
         outputs = self.context.run({name: dtypes.numpy_to_torch(array) for name, array in feeds.items()})
         host = {name: tensor.to("cpu", non_blocking=True) for name, tensor in outputs.items()}  # pinned
+        self._span[1].record(self.stream)
         self.done.record(self.stream)
         self.done.synchronize()
         return {name: dtypes.torch_to_numpy(tensor) for name, tensor in host.items()}
 
-    def submit(self, loop: asyncio.AbstractEventLoop, batch: list) -> None:
-        self._work.put((loop, batch))
+    def submit(self, loop: asyncio.AbstractEventLoop, work: tuple) -> None:
+        """`work`: the batch first, then what its `finish` callback wants back with it."""
+        self._work.put((loop, work))
 
     def stop(self) -> None:
         """Tell the thread to end (after the batches submitted before); `stopped` says when it has."""
@@ -246,16 +272,16 @@ class Instance:
         if self.cuda:
             torch.cuda.set_stream(self.stream)
         while (item := self._work.get()) is not None:
-            loop, batch = item
+            loop, work = item
             try:
-                result = self._run(self, batch)
+                result = self._run(self, work[0])
             except BaseException as e:  # noqa: BLE001 - handed to every waiting caller
                 result = e
             try:
-                loop.call_soon_threadsafe(self._finish, self, batch, result)
+                loop.call_soon_threadsafe(self._finish, self, work, result)
             except RuntimeError:  # the loop is closed: nobody waits any more
                 return
             # the batch and its outputs are the loop's now: held here they would stay alive until the next batch, and
             # the last batch's would be freed as this thread ends, perhaps inside torch while the interpreter finalizes
             # (kiln/kernels/cpu/onednn_ahead.py's docstring: that aborts the process)
-            item = loop = batch = result = None
+            item = loop = work = result = None
