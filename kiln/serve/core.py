@@ -267,7 +267,7 @@ class ServerCore:
                     answer(_failed(model, arrival, pending.queue_ns, e))
                     return
             answer(_answered(request, model, arrival, pending.queue_ns, outputs))
-            if pending.done_ns:  # its call's phases: the response built and sent to its front end (ipc's queue)
+            if pending.done_ns:  # its call's phases: the response built and queued for its front end (the write: send)
                 now = time.monotonic_ns()
                 model.stats.record_respond(now - pending.done_ns, now - settling)
 

@@ -38,7 +38,7 @@ class BatchStats:
 
 
 PHASES_PER_CALL = ("gather", "handoff", "merge", "engine", "engine_cpu", "gpu", "split", "return", "answer")
-PHASES_PER_REQUEST = ("queue", "respond", "respond_work")
+PHASES_PER_REQUEST = ("queue", "respond", "respond_work", "send")
 
 
 @dataclass
@@ -53,8 +53,10 @@ class CallPhases:
     split (the outputs cut back into each request's rows), return (the thread's result until the loop takes it: a
     wake-up; 0 for a call run on the loop) and answer (the loop setting the callers' futures).
     Per request: queue (arrival until its call starts), respond (its call answered until its response is built, or
-    sent to its front end: the loop's other work in between included) and respond_work (of it, the time building and
-    sending the response itself). Monotonic clocks: a few reads per call and per request."""
+    queued for its front end: the loop's other work in between included), respond_work (of it, the time building and
+    queuing the response itself) and, with front ends (`--frontends N`), send: its share of the write that sent it
+    (the answers of a loop turn pickled together and their tensors copied into the socket). Monotonic clocks: a few
+    reads per call and per request."""
 
     calls: int = 0
     requests: int = 0
@@ -71,6 +73,7 @@ class CallPhases:
     queue: Duration = field(default_factory=Duration)
     respond: Duration = field(default_factory=Duration)
     respond_work: Duration = field(default_factory=Duration)
+    send: Duration = field(default_factory=Duration)
 
     def to_json(self) -> dict:
         out = {"calls": self.calls, "requests": self.requests, "rows": self.rows}
@@ -140,7 +143,6 @@ class ModelStats:
         (self.success if ok else self.fail).add(duration_ns)
         if queue_ns is not None:
             self.queue.add(queue_ns)
-            self.phases.queue.add(queue_ns)
         if not ok:
             self.failures_by_reason[reason or "OTHER"] = self.failures_by_reason.get(reason or "OTHER", 0) + 1
 
