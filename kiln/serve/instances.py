@@ -16,7 +16,10 @@ wait as CUDA schedules the process ("auto": spinning while the host has more cor
 us of the host's CPU a request, a third of the server's (bench/results/serve5-2026-12-05c.md, section 3).
 "blocking" feeds the runtime host tensors, so its outputs stay on the GPU; they are copied into pinned host memory
 on the stream, and the thread sleeps on a torch.cuda.Event(blocking=True) recorded after the copies until the GPU
-signals it: a wake-up's latency instead of a spinning core. The runtime's copies of the inputs to the GPU still wait
+signals it: a wake-up's latency instead of a spinning core. "pinned" makes blocking's copies and spin's wait (the
+stream synchronized): the runtime's copy of its outputs to the host (spin) goes to pageable memory, which the driver
+stages through its own pinned buffer, a host copy that grows with the batch (BERT-base's [64, 128, 768] FP32 answer:
+25 MB a call); pinned, the copy is the GPU's DMA alone (issue 14: bench/gpu_s30b.sh measures the three). The runtime's copies of the inputs to the GPU still wait
 as CUDA schedules them (briefly: nothing else is queued on the stream then).
 
 CUDA graphs and threads: the runtime captures a graph the second time a context meets an input
@@ -137,6 +140,7 @@ class Instance:
         self.stream = torch.cuda.Stream(device=engine.device) if self.cuda else None
         # cuda_sync "blocking": the event this instance's thread sleeps on (None: spin, or a CPU instance)
         self.done = torch.cuda.Event(blocking=True) if self.cuda and cuda_sync == "blocking" else None
+        self.pinned = self.cuda and cuda_sync in ("pinned", "blocking")  # outputs copied to pinned host memory
         self.calls = 0  # engine calls run (tests: which instances served)
         self._seen: dict[tuple, int] = {}  # CUDA: runs per input signature (captures happen in the first two)
         self._evictions = 0
@@ -218,7 +222,7 @@ class Instance:
         with GATE.alone() if seen < 2 else GATE.shared(), torch.cuda.stream(self.stream):
             begin, end = self._span
             begin.record(self.stream)
-            outputs = self._run_spinning(feeds) if self.done is None else self._run_blocking(feeds)
+            outputs = self._run_pinned(feeds) if self.pinned else self._run_spinning(feeds)
             self.gpu_ns = self._span_ns()
         self.cpu_ns = time.thread_time_ns() - start
         runner = self.context.runner
@@ -247,13 +251,18 @@ class Instance:
         self.stream.synchronize()
         return outputs
 
-    def _run_blocking(self, feeds: dict[str, Any]) -> dict[str, Any]:
-        """The call's outputs left on the GPU, copied to pinned host memory on the stream, waited for asleep."""
+    def _run_pinned(self, feeds: dict[str, Any]) -> dict[str, Any]:
+        """The call's outputs left on the GPU, copied to pinned host memory on the stream (torch's caching host
+        allocator: blocks come back once no answer's array views them), waited for asleep (blocking) or by
+        synchronizing the stream (pinned)."""
         outputs = self.context.run({name: dtypes.numpy_to_torch(array) for name, array in feeds.items()})
         host = {name: tensor.to("cpu", non_blocking=True) for name, tensor in outputs.items()}  # pinned
         self._span[1].record(self.stream)
-        self.done.record(self.stream)
-        self.done.synchronize()
+        if self.done is not None:
+            self.done.record(self.stream)
+            self.done.synchronize()
+        else:
+            self.stream.synchronize()
         return {name: dtypes.torch_to_numpy(tensor) for name, tensor in host.items()}
 
     def submit(self, loop: asyncio.AbstractEventLoop, work: tuple) -> None:
