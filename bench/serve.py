@@ -301,7 +301,8 @@ def _delta(after: dict, before: dict) -> dict[str, float]:
             "cpu_us": (after["cpu_s"] - before["cpu_s"]) / requests * 1e6}
 
 
-PHASE_COLUMNS = ("gather", "handoff", "merge", "engine", "engine_cpu", "gpu", "split", "return", "answer")
+PHASE_COLUMNS = ("gather", "handoff", "merge", "engine", "engine_cpu", "gpu", "gpu_copy_out", "split", "return",
+                 "answer")
 
 
 def _phases(after: dict | None, before: dict | None) -> dict | None:
@@ -325,7 +326,8 @@ def _phases(after: dict | None, before: dict | None) -> dict | None:
 
 
 PHASE_HEADER = ("| model | batching | protocol | front ends | client processes | concurrency | requests/call | rows/call "
-                "| queue us/req | gather us | handoff us | merge us | engine us | of it CPU us | GPU span us | split us "
+                "| queue us/req | gather us | handoff us | merge us | engine us | of it CPU us | GPU span us | of it copy out us "
+                "| split us "
                 "| return us | answer us | respond us/req | of it work us/req | send us/req | host share of the call |")
 
 

@@ -222,6 +222,7 @@ class BatchResult:
     end_ns: int = 0  # monotonic: the result was ready (the return's start)
     cpu_ns: int = 0  # the instance thread's CPU time in the engine call
     gpu_ns: int | None = None  # CUDA: the call's span on its stream
+    copy_out_ns: int | None = None  # CUDA, pinned or blocking: of it, the outputs' copies to the host
 
 
 class Batcher:
@@ -313,7 +314,8 @@ class Batcher:
         t2 = time.perf_counter_ns()
         self.idle.append(instance)
         self.stats.record_batch(rows, 1, t1 - t0, t2 - t1, 0)  # no output work: the outputs are the call's
-        self.stats.record_phases(1, rows, 0, 0, t1 - t0, t2 - t1, instance.cpu_ns, instance.gpu_ns, 0, 0, 0)
+        self.stats.record_phases(1, rows, 0, 0, t1 - t0, t2 - t1, instance.cpu_ns, instance.gpu_ns, 0, 0, 0,
+                                 instance.copy_out_ns)
         self.stats.phases.queue.add(0)  # it never waited
         return outputs
 
@@ -482,7 +484,7 @@ class Batcher:
             self.stats.record_phases(len(batch), result.rows, gathered, result.begin_ns - start if start else 0,
                                      result.input_ns, result.infer_ns, result.cpu_ns, result.gpu_ns, result.output_ns,
                                      answering - result.end_ns if result.end_ns else 0,
-                                     time.monotonic_ns() - answering)
+                                     time.monotonic_ns() - answering, result.copy_out_ns)
 
     # ---- in an instance's thread ------------------------------------------------------------------
 
@@ -522,7 +524,8 @@ class Batcher:
         t2 = time.monotonic_ns()
         if len(batch) == 1 and padded == rows:
             t3 = time.monotonic_ns()
-            return BatchResult([outputs], padded, t1 - t0, t2 - t1, t3 - t2, t0, t3, instance.cpu_ns, instance.gpu_ns)
+            return BatchResult([outputs], padded, t1 - t0, t2 - t1, t3 - t2, t0, t3, instance.cpu_ns, instance.gpu_ns,
+                               instance.copy_out_ns)
         split: list[dict[str, np.ndarray] | BaseException] = []
         offset = 0
         for r in batch:
@@ -532,7 +535,8 @@ class Batcher:
             split.append(mine)
             offset += r.rows
         t3 = time.monotonic_ns()
-        return BatchResult(split, padded, t1 - t0, t2 - t1, t3 - t2, t0, t3, instance.cpu_ns, instance.gpu_ns)
+        return BatchResult(split, padded, t1 - t0, t2 - t1, t3 - t2, t0, t3, instance.cpu_ns, instance.gpu_ns,
+                           instance.copy_out_ns)
 
     def _run_alone(self, instance: Instance, batch: list[Pending], padded: int, t0: int, t1: int) -> BatchResult:
         """The batch's failed call (merged at t0, run from t1) rerun request by request; the reruns count as its

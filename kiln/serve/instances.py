@@ -51,7 +51,9 @@ this halved the CPU time per request of an empty model at concurrency 1 (bench/s
 
 What a call cost (the batcher's call phases, kiln/serve/stats.py CallPhases): after each call `cpu_ns` holds the
 thread's CPU time in it and, on CUDA, `gpu_ns` its span on the instance's stream between two timing events recorded
-before and after it (the copies in and out included; read once the stream is done, so it costs no wait).
+before and after it (the copies in and out included; read once the stream is done, so it costs no wait); where this
+thread copies the outputs to the host itself (pinned, blocking), `copy_out_ns` the span of those copies (a third
+event between the network and them).
 """
 
 from __future__ import annotations
@@ -148,7 +150,9 @@ class Instance:
         self._call_ns = float(INLINE_NS)  # CPU: moving average of a call's CPU time (this thread's)
         self.cpu_ns = 0  # the last call's CPU time on its thread
         self.gpu_ns: int | None = None  # CUDA: the last call's span on the stream (None: not measured)
-        self._span = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self.cuda else None
+        self.copy_out_ns: int | None = None  # CUDA, pinned or blocking: of it, the outputs' copies to the host
+        # timing events: the call's start, its outputs ready on the GPU (pinned, blocking), its end
+        self._span = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3)) if self.cuda else None
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._run, self._finish = run, finish
         self.warmed_up: WarmUp | None = None  # what the CPU warm-up did (None: none ran)
@@ -218,12 +222,13 @@ class Instance:
         if not self.captured_all:
             key = tuple((tuple(v.shape), str(v.dtype)) for v in feeds.values())
             seen = self._seen.get(key, 0)
-        self.gpu_ns = None
+        self.gpu_ns = self.copy_out_ns = None
         with GATE.alone() if seen < 2 else GATE.shared(), torch.cuda.stream(self.stream):
-            begin, end = self._span
-            begin.record(self.stream)
+            self._span[0].record(self.stream)
             outputs = self._run_pinned(feeds) if self.pinned else self._run_spinning(feeds)
-            self.gpu_ns = self._span_ns()
+            self.gpu_ns = self._span_ns(0, 2)
+            if self.pinned:
+                self.copy_out_ns = self._span_ns(1, 2)
         self.cpu_ns = time.thread_time_ns() - start
         runner = self.context.runner
         if runner is not None and runner.stats.evictions != self._evictions:
@@ -236,18 +241,17 @@ class Instance:
             self._seen[key] = seen + 1
         return outputs
 
-    def _span_ns(self) -> int | None:
-        """The last call's span on the stream between its timing events (both done: the call waited for its stream);
-        None where the events cannot say (a call that failed before its end was recorded)."""
-        begin, end = self._span
+    def _span_ns(self, first: int, last: int) -> int | None:
+        """The last call's span on the stream between two of its timing events (done: the call waited for its
+        stream); None where the events cannot say."""
         try:
-            return int(begin.elapsed_time(end) * 1e6)
+            return int(self._span[first].elapsed_time(self._span[last]) * 1e6)
         except RuntimeError:
             return None
 
     def _run_spinning(self, feeds: dict[str, Any]) -> dict[str, Any]:
         outputs = self.context.run(feeds)  # host arrays in, host arrays out: the runtime waits for the copies
-        self._span[1].record(self.stream)
+        self._span[2].record(self.stream)
         self.stream.synchronize()
         return outputs
 
@@ -256,8 +260,9 @@ class Instance:
         allocator: blocks come back once no answer's array views them), waited for asleep (blocking) or by
         synchronizing the stream (pinned)."""
         outputs = self.context.run({name: dtypes.numpy_to_torch(array) for name, array in feeds.items()})
-        host = {name: tensor.to("cpu", non_blocking=True) for name, tensor in outputs.items()}  # pinned
         self._span[1].record(self.stream)
+        host = {name: tensor.to("cpu", non_blocking=True) for name, tensor in outputs.items()}  # pinned
+        self._span[2].record(self.stream)
         if self.done is not None:
             self.done.record(self.stream)
             self.done.synchronize()

@@ -37,7 +37,8 @@ class BatchStats:
     compute_output: Duration = field(default_factory=Duration)
 
 
-PHASES_PER_CALL = ("gather", "handoff", "merge", "engine", "engine_cpu", "gpu", "split", "return", "answer")
+PHASES_PER_CALL = ("gather", "handoff", "merge", "engine", "engine_cpu", "gpu", "gpu_copy_out", "split", "return",
+                   "answer")
 PHASES_PER_REQUEST = ("queue", "respond", "respond_work", "send")
 
 
@@ -49,7 +50,8 @@ class CallPhases:
     (the loop handing the batch to its instance's thread until the thread starts on it: a wake-up; 0 for a call run
     on the loop), merge (concatenating the requests' inputs, padding), engine (the engine call's wall time: on CUDA
     the copies in and out and the waits included), engine_cpu (the instance thread's CPU time in it), gpu (CUDA only:
-    the call's span on its stream between two timing events, the copies included; counted only where measured),
+    the call's span on its stream between two timing events, the copies included; counted only where measured;
+    gpu_copy_out: of it, the outputs' copies to the host, where the instance makes them: cuda_sync pinned, blocking),
     split (the outputs cut back into each request's rows), return (the thread's result until the loop takes it: a
     wake-up; 0 for a call run on the loop) and answer (the loop setting the callers' futures).
     Per request: queue (arrival until its call starts), respond (its call answered until its response is built, or
@@ -67,6 +69,7 @@ class CallPhases:
     engine: Duration = field(default_factory=Duration)
     engine_cpu: Duration = field(default_factory=Duration)
     gpu: Duration = field(default_factory=Duration)
+    gpu_copy_out: Duration = field(default_factory=Duration)
     split: Duration = field(default_factory=Duration)
     return_: Duration = field(default_factory=Duration)
     answer: Duration = field(default_factory=Duration)
@@ -117,8 +120,9 @@ class ModelStats:
         self.last_inference_ms = int(time.time() * 1000)
 
     def record_phases(self, requests: int, rows: int, gather_ns: int, handoff_ns: int, merge_ns: int, engine_ns: int,
-                      engine_cpu_ns: int, gpu_ns: int | None, split_ns: int, return_ns: int, answer_ns: int) -> None:
-        """One engine call's phases (CallPhases); gpu_ns None where no GPU time was measured."""
+                      engine_cpu_ns: int, gpu_ns: int | None, split_ns: int, return_ns: int, answer_ns: int,
+                      copy_out_ns: int | None = None) -> None:
+        """One engine call's phases (CallPhases); gpu_ns, copy_out_ns None where not measured."""
         p = self.phases
         p.calls += 1
         p.requests += requests
@@ -130,6 +134,8 @@ class ModelStats:
         p.engine_cpu.add(engine_cpu_ns)
         if gpu_ns is not None:
             p.gpu.add(gpu_ns)
+        if copy_out_ns is not None:
+            p.gpu_copy_out.add(copy_out_ns)
         p.split.add(split_ns)
         p.return_.add(return_ns)
         p.answer.add(answer_ns)

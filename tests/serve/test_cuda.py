@@ -343,8 +343,12 @@ def test_cuda_sync_selects_the_wait(monkeypatch, sync):
             assert type(outputs["y"]) is np.ndarray
             np.testing.assert_array_equal(outputs["y"], 2 * x)
         fed = [type(feeds["x"]) for feeds in instance.context.fed]
-        begin, end = instance._span  # the call phases' GPU span: timing events around each call on its stream
+        begin, ready, end = instance._span  # the call phases' GPU span: timing events around each call on its stream
         assert begin.recorded == end.recorded == [instance.stream] * 3 and instance.gpu_ns == int(_Event.SPAN_MS * 1e6)
+        if sync == "spin":  # the runtime copies the outputs: no event between the network and the copies
+            assert ready.recorded == [] and instance.copy_out_ns is None
+        else:
+            assert ready.recorded == [instance.stream] * 3 and instance.copy_out_ns == int(_Event.SPAN_MS * 1e6)
         if sync == "spin":
             assert instance.done is None and instance.stream.synchronized == 3 and fed == [np.ndarray] * 3
         elif sync == "pinned":
