@@ -325,10 +325,10 @@ def _phases(after: dict | None, before: dict | None) -> dict | None:
     return out
 
 
-PHASE_HEADER = ("| model | batching | protocol | front ends | client processes | concurrency | requests/call | rows/call "
-                "| queue us/req | gather us | handoff us | merge us | engine us | of it CPU us | GPU span us | of it copy out us "
-                "| split us "
-                "| return us | answer us | respond us/req | of it work us/req | send us/req | host share of the call |")
+PHASE_HEADER = ("| model | batching | protocol | front ends | client processes | concurrency | requests/call "
+                "| rows/call | queue us/req | gather us | handoff us | merge us | engine us | of it CPU us "
+                "| GPU span us | of it copy out us | split us | return us | answer us | respond us/req "
+                "| of it work us/req | send us/req | host share of the call |")
 
 
 def _format_phases(row: Row) -> str | None:

@@ -16,11 +16,12 @@ wait as CUDA schedules the process ("auto": spinning while the host has more cor
 us of the host's CPU a request, a third of the server's (bench/results/serve5-2026-12-05c.md, section 3).
 "blocking" feeds the runtime host tensors, so its outputs stay on the GPU; they are copied into pinned host memory
 on the stream, and the thread sleeps on a torch.cuda.Event(blocking=True) recorded after the copies until the GPU
-signals it: a wake-up's latency instead of a spinning core. "pinned" makes blocking's copies and spin's wait (the
-stream synchronized): the runtime's copy of its outputs to the host (spin) goes to pageable memory, which the driver
-stages through its own pinned buffer, a host copy that grows with the batch (BERT-base's [64, 128, 768] FP32 answer:
-25 MB a call); pinned, the copy is the GPU's DMA alone (issue 14: bench/gpu_s30b.sh measures the three). The runtime's copies of the inputs to the GPU still wait
+signals it: a wake-up's latency instead of a spinning core. The runtime's copies of the inputs to the GPU still wait
 as CUDA schedules them (briefly: nothing else is queued on the stream then).
+"pinned" makes blocking's copies and spin's wait (the stream synchronized): the runtime's copy of its outputs to the
+host (spin) goes to pageable memory, which the driver stages through its own pinned buffer, a host copy that grows
+with the batch (BERT-base's [64, 128, 768] FP32 answer: 25 MB a call); pinned, the copy is the GPU's DMA alone
+(issue 14: bench/gpu_s30b.sh compares spin and pinned).
 
 CUDA graphs and threads: the runtime captures a graph the second time a context meets an input
 signature, and a capture (torch's default, global mode) forbids calls that may synchronize — a
