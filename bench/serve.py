@@ -76,6 +76,7 @@ class Row:
     busy: dict | None = None  # % of one core over the window: engine loop thread, engine process, per front end, per client
     variant: str = ""  # the server of an A/B run: --trees' folder name, --cuda-sync's value ("" for one server alone)
     client: str = "wire"  # the load generator (kiln.serve.perf's client)
+    phases: dict | None = None  # the window's call phases (_phases): us per call / per request
 
 
 def _empty_onnx(path: Path) -> None:
@@ -284,7 +285,7 @@ def _delta(after: dict, before: dict) -> dict[str, float]:
     calls = after["execution_count"] - before["execution_count"]
     if not requests:
         return dict.fromkeys(("server_us", "queue_us", "merge_us", "engine_us", "rows_per_call", "call_ms", "cpu_us"),
-                             nan)
+                             nan) | {"phases": None}
 
     def per_request(key: str) -> float:
         return (a[key]["ns"] - b[key]["ns"]) / requests / 1000
@@ -292,11 +293,67 @@ def _delta(after: dict, before: dict) -> dict[str, float]:
     def call_ns(view: dict) -> int:
         return sum(s["compute_infer"]["ns"] for s in view["batch_stats"])
 
-    return {"server_us": per_request("success"), "queue_us": per_request("queue"),
+    return {"phases": _phases(after.get("call_phases"), before.get("call_phases")),
+            "server_us": per_request("success"), "queue_us": per_request("queue"),
             "merge_us": per_request("compute_input"), "engine_us": per_request("compute_infer"),
             "rows_per_call": requests / calls if calls else nan,
             "call_ms": (call_ns(after) - call_ns(before)) / calls / 1e6 if calls else nan,
             "cpu_us": (after["cpu_s"] - before["cpu_s"]) / requests * 1e6}
+
+
+PHASE_COLUMNS = ("gather", "handoff", "merge", "engine", "engine_cpu", "gpu", "gpu_copy_out", "split", "return",
+                 "answer")
+
+
+def _phases(after: dict | None, before: dict | None) -> dict | None:
+    """The window's call phases (kiln/serve/stats.py CallPhases) as means: per call (us) and per request (queue,
+    respond, respond_work: us); gpu over the calls that measured it. None where the server keeps none (an older
+    tree) or no call ran."""
+    if not after or not before:
+        return None
+    calls = after["calls"] - before["calls"]
+    requests = after["requests"] - before["requests"]
+    if not calls:
+        return None
+    out = {"requests_per_call": requests / calls, "rows_per_call": (after["rows"] - before["rows"]) / calls}
+    for name in PHASE_COLUMNS + ("queue", "respond", "respond_work", "send"):
+        if name not in after:  # a tree from before that phase
+            out[name] = float("nan")
+            continue
+        count = after[name]["count"] - before[name]["count"]
+        out[name] = (after[name]["ns"] - before[name]["ns"]) / count / 1000 if count else float("nan")
+    return out
+
+
+PHASE_HEADER = ("| model | batching | protocol | front ends | client processes | concurrency | requests/call "
+                "| rows/call | queue us/req | gather us | handoff us | merge us | engine us | of it CPU us "
+                "| GPU span us | of it copy out us | split us | return us | answer us | respond us/req "
+                "| of it work us/req | send us/req | host share of the call |")
+
+
+def _format_phases(row: Row) -> str | None:
+    """A row's call phases: per call (us) from the dispatch to the answers; "host share": the call's time outside
+    the GPU span (gather to answer, the GPU span taken out; '-' where no GPU span was measured)."""
+    p = row.phases
+    if not p:
+        return None
+    per_call = p["gather"] + p["handoff"] + p["merge"] + p["engine"] + p["split"] + p["return"] + p["answer"]
+    gpu = p["gpu"]
+    share = f"{(per_call - gpu) / per_call:.0%}" if gpu == gpu and per_call else "-"
+    cells = " | ".join("-" if p[k] != p[k] else f"{p[k]:.0f}" for k in PHASE_COLUMNS)
+    return (f"| {row.model}{' @' + row.variant if row.variant else ''} | {row.batching} | {row.protocol} "
+            f"| {row.frontends} | {row.processes} | {row.result.concurrency} | {p['requests_per_call']:.1f} "
+            f"| {p['rows_per_call']:.1f} | {p['queue']:.0f} | {cells} | {p['respond']:.0f} | {p['respond_work']:.0f} "
+            f"| {'-' if p['send'] != p['send'] else format(p['send'], '.0f')} | {share} |")
+
+
+def phase_table(rows: list[Row]) -> list[str]:
+    """The rows' call phases, one line each (rows whose server kept none left out)."""
+    lines = [line for line in map(_format_phases, rows) if line]
+    if not lines:
+        return []
+    return ["Where a call's time goes (kiln serve's call_phases over the window: us per engine call, queue and "
+            "respond per request):", "", PHASE_HEADER, "|---" * (PHASE_HEADER.count("|") - 1) + "|", *lines]
 
 
 def run(args, report) -> list[Row]:
@@ -374,6 +431,8 @@ def _measure(model: str, batching: bool, protocol: str, frontends: int, server: 
                   client=args.client)
         rows.append(row)
         print(_format(row), flush=True)
+        if row.phases:
+            print("  phases " + _format_phases(row), flush=True)
         if result.first_error:  # what an error or a wrong answer was (the H200's BERT-base row said only "5 wrong")
             print(f"{model} batching {row.batching} over {protocol}: first error or wrong answer: {result.first_error}",
                   flush=True)
@@ -495,7 +554,7 @@ def main() -> None:
     parser.add_argument("--trees", nargs="+", default=[str(ROOT)],
                         help="kiln checkouts serving, a server each for every front-end setting (A/B in one run; rows "
                              "say the folder's name after the model); the engines are built by this one")
-    parser.add_argument("--cuda-sync", nargs="+", choices=["spin", "blocking"],
+    parser.add_argument("--cuda-sync", nargs="+", choices=["spin", "pinned", "blocking"],
                         help="kiln serve --cuda-sync values, a server each for every other setting (A/B in one run; "
                              "rows say the value after the model); default: the flag left out")
     parser.add_argument("--out", help="write serve.md into this folder instead of appending to bench/results/")
@@ -506,8 +565,10 @@ def main() -> None:
     print(rule)
 
     def document(rows: list[Row]) -> str:
+        phases = phase_table(rows)
         return (f"\n## kiln serve, {_machine(args)}\n\n{HEADER}\n{rule}\n" + "\n".join(_format(r) for r in rows)
-                + "\n\n" + "\n".join(summary(rows, args.delay_us)) + "\n")
+                + "\n\n" + "\n".join(summary(rows, args.delay_us)) + "\n"
+                + ("\n" + "\n".join(phases) + "\n" if phases else ""))
 
     def report(rows: list[Row]) -> None:  # --out: rewritten after every row, so a run cut short keeps its rows
         if args.out:

@@ -11,6 +11,10 @@ concatenated along axis 0, padded up to a size a profile holds when it falls bet
 run, and split back by row offsets: each request gets exactly its own rows. A batch that fails
 is rerun request by request, so one request's failure is never another's.
 
+Phases: every call records where its time goes (kiln/serve/stats.py CallPhases: gather, handoff, merge, engine,
+GPU span, split, return, answer; per request queue and respond), read back by /stats' "call_phases" and
+bench/serve.py's phase table.
+
 Timeouts: a request past its deadline is dropped from the queue (the frontend answers it);
 closing stops intake and lets everything queued and running finish (graceful shutdown, unload).
 """
@@ -37,7 +41,8 @@ class Pending:
     """One queued request: its inputs (by name), rows on the batch axis and the future it answers.
     (A plain class with slots: one is made per request, on the event loop.)"""
 
-    __slots__ = ("inputs", "rows", "signature", "future", "arrival_ns", "deadline_ns", "queue_ns", "group", "sizes")
+    __slots__ = ("inputs", "rows", "signature", "future", "arrival_ns", "deadline_ns", "queue_ns", "group", "sizes",
+                 "done_ns")
 
     def __init__(self, inputs: dict[str, np.ndarray], rows: int, signature: Signature, future: asyncio.Future,
                  arrival_ns: int | None = None, deadline_ns: int | None = None):
@@ -50,12 +55,14 @@ class Pending:
         self.queue_ns: int | None = None  # set when its batch starts
         self.group: Signature = signature  # what must match to share a call (the signature, padded dims bucketed)
         self.sizes: dict[str, int] = _NO_SIZES  # its own size of each dim the batcher may pad (never mutated)
+        self.done_ns = 0  # when its call was answered on the loop (monotonic; CallPhases' respond starts there)
 
 
 _NO_SIZES: dict[str, int] = {}
 
 STOP_TIMEOUT_S = 30.0  # close() waits this long at most for the instances' idle threads to end
 HELD_COPY_BYTES = 1 << 20  # parts up to this size are copied with the GIL held (~0.1 ms each at most)
+NUMPY_HELD_ELEMENTS = 500  # numpy copies a part of up to this many elements with the GIL held (its threshold)
 
 
 def merge_rows(parts: list[np.ndarray]) -> np.ndarray:
@@ -64,8 +71,13 @@ def merge_rows(parts: list[np.ndarray]) -> np.ndarray:
     want the GIL, that wait is up to a switch interval per part (on the H200 host ~110-230 us per staged 301 KB
     image, so merging 12 took 2.8 ms, as long as the engine call). Parts up to HELD_COPY_BYTES are copied with the
     GIL held instead (memoryview assignment: a memcpy), larger ones by numpy; other dtypes (BYTES, bfloat16) and
-    non-contiguous parts go to np.concatenate."""
+    non-contiguous parts go to np.concatenate. So do batches of small parts (each of at most NUMPY_HELD_ELEMENTS, as
+    BERT's token ids and masks): numpy copies those with the GIL held, in one call where the loop below costs ~1.5 us
+    of Python a part (60 requests' [1, 128] int64: 94 vs 10 us on the 2-vCPU EPYC, bench/results/serve-callparts-
+    2026-12-07.md)."""
     first = parts[0]
+    if all(p.size <= NUMPY_HELD_ELEMENTS for p in parts):
+        return np.concatenate(parts, axis=0)
     if first.dtype.kind not in "biuf" or any(p.dtype != first.dtype or p.shape[1:] != first.shape[1:]
                                              or not p.flags.c_contiguous for p in parts):
         return np.concatenate(parts, axis=0)
@@ -203,9 +215,14 @@ class SequencePadding:
 class BatchResult:
     outputs: list[dict[str, np.ndarray] | BaseException]  # per request
     rows: int  # the engine call's batch size (padding included)
-    input_ns: int = 0
-    infer_ns: int = 0
-    output_ns: int = 0
+    input_ns: int = 0  # merge and padding
+    infer_ns: int = 0  # the engine call
+    output_ns: int = 0  # the split
+    begin_ns: int = 0  # monotonic: the instance began the batch (the handoff's end)
+    end_ns: int = 0  # monotonic: the result was ready (the return's start)
+    cpu_ns: int = 0  # the instance thread's CPU time in the engine call
+    gpu_ns: int | None = None  # CUDA: the call's span on its stream
+    copy_out_ns: int | None = None  # CUDA, pinned or blocking: of it, the outputs' copies to the host
 
 
 class Batcher:
@@ -297,6 +314,9 @@ class Batcher:
         t2 = time.perf_counter_ns()
         self.idle.append(instance)
         self.stats.record_batch(rows, 1, t1 - t0, t2 - t1, 0)  # no output work: the outputs are the call's
+        self.stats.record_phases(1, rows, 0, 0, t1 - t0, t2 - t1, instance.cpu_ns, instance.gpu_ns, 0, 0, 0,
+                                 instance.copy_out_ns)
+        self.stats.phases.queue.add(0)  # it never waited
         return outputs
 
     def _alone_now(self) -> bool:
@@ -350,30 +370,38 @@ class Batcher:
             self._drop_finished()
             if not self.pending:
                 break
+            gather = time.monotonic_ns()
             batch = self._next_batch()
             if batch is None:  # the oldest may wait for more: come back when its delay is up
                 wake = self.pending[0].arrival_ns + self.delay_ns
                 self._timer = self.loop.call_later(max(0, wake - time.monotonic_ns()) / 1e9, self._dispatch)
                 break
-            self._start(self.idle.pop(), batch)
+            self._start(self.idle.pop(), batch, gather)
         self.stats.pending = len(self.pending)
         if not self.pending and len(self.idle) == len(self.instances):
             self._drained.set()
 
-    def _start(self, instance: Instance, batch: list[Pending]) -> None:
-        """The batch on this instance: run here and answered (an inline instance), or handed to its thread."""
+    def _start(self, instance: Instance, batch: list[Pending], gather_ns: int | None = None) -> None:
+        """The batch on this instance: run here and answered (an inline instance), or handed to its thread.
+        `gather_ns`: when the dispatch began choosing it (monotonic; None: submit's request alone, no choice)."""
         start = time.monotonic_ns()
+        waited = 0
         for r in batch:
             r.queue_ns = start - r.arrival_ns
+            waited += r.queue_ns
+        self.stats.phases.queue.add(waited, len(batch))
         self._merging = len(batch) > 1
+        gathered = 0 if gather_ns is None else start - gather_ns
         if instance.inline:
             try:
                 result = self._run_batch(instance, batch)
             except Exception as e:  # noqa: BLE001 - answered to the batch's callers
                 result = e
-            self._answer(instance, batch, result)
+            if isinstance(result, BatchResult):  # ran here: no handoff, no return
+                result.begin_ns, result.end_ns = start, 0
+            self._answer(instance, batch, result, gathered, start)
         else:
-            instance.submit(self.loop, batch)
+            instance.submit(self.loop, (batch, gathered, start))
 
     def _drop_finished(self) -> None:
         """Remove requests whose caller gave up (timeout, disconnect) or whose deadline passed."""
@@ -427,30 +455,42 @@ class Batcher:
             self.pending = deque(r for r in self.pending if id(r) not in taken)
         return chosen
 
-    def _finish(self, instance: Instance, batch: list[Pending], result: BatchResult | BaseException) -> None:
-        """On the loop, from an instance's thread: answer the batch's callers and give the instance more work."""
-        self._answer(instance, batch, result)
+    def _finish(self, instance: Instance, work: tuple[list[Pending], int, int],
+                result: BatchResult | BaseException) -> None:
+        """On the loop, from an instance's thread: answer the batch's callers and give the instance more work.
+        `work`: what _start submitted (the batch, its gather time, when it was handed over)."""
+        batch, gathered, start = work
+        self._answer(instance, batch, result, gathered, start)
         self._dispatch()
 
-    def _answer(self, instance: Instance, batch: list[Pending], result: BatchResult | BaseException) -> None:
-        """Answer the batch's callers, record the call and put the instance back among the idle ones."""
+    def _answer(self, instance: Instance, batch: list[Pending], result: BatchResult | BaseException,
+                gathered: int = 0, start: int = 0) -> None:
+        """Answer the batch's callers, record the call and its phases, and put the instance back among the idle
+        ones. `gathered`: the dispatch's time choosing the batch; `start`: when _start handed it over (monotonic)."""
+        answering = time.monotonic_ns()
         self.idle.append(instance)
         if isinstance(result, BaseException):
             result = BatchResult([result] * len(batch), sum(r.rows for r in batch))
         self.stats.record_batch(result.rows, len(batch), result.input_ns, result.infer_ns, result.output_ns)
         for r, out in zip(batch, result.outputs):
+            r.done_ns = answering
             if r.future.done():
                 continue
             if isinstance(out, BaseException):
                 r.future.set_exception(out)
             else:
                 r.future.set_result(out)
+        if result.begin_ns:  # the call ran (a failure before it began records nothing more)
+            self.stats.record_phases(len(batch), result.rows, gathered, result.begin_ns - start if start else 0,
+                                     result.input_ns, result.infer_ns, result.cpu_ns, result.gpu_ns, result.output_ns,
+                                     answering - result.end_ns if result.end_ns else 0,
+                                     time.monotonic_ns() - answering, result.copy_out_ns)
 
     # ---- in an instance's thread ------------------------------------------------------------------
 
     def _run_batch(self, instance: Instance, batch: list[Pending]) -> BatchResult:
         """Merge, run, split (one request alone: no copy at all)."""
-        t0 = time.perf_counter_ns()
+        t0 = time.monotonic_ns()
         rows = batch[0].rows if len(batch) == 1 else sum(r.rows for r in batch)
         padded = rows
         if self.config.max_batch_size > 0:
@@ -473,16 +513,19 @@ class Batcher:
                 feeds[name] = merge_rows(parts)
             else:  # a request's own array: read-only over its request buffer (engines may write their inputs)
                 feeds[name] = writable(parts[0])
-        t1 = time.perf_counter_ns()
+        t1 = time.monotonic_ns()
         try:
             outputs = instance.execute(feeds)
         except Exception as e:  # noqa: BLE001 - a batch failing is rerun request by request below
             if len(batch) == 1:
-                return BatchResult([e], padded, t1 - t0, time.perf_counter_ns() - t1)
-            return self._run_alone(instance, batch, padded, t1 - t0)
-        t2 = time.perf_counter_ns()
+                t2 = time.monotonic_ns()
+                return BatchResult([e], padded, t1 - t0, t2 - t1, 0, t0, t2)
+            return self._run_alone(instance, batch, padded, t0, t1)
+        t2 = time.monotonic_ns()
         if len(batch) == 1 and padded == rows:
-            return BatchResult([outputs], padded, t1 - t0, t2 - t1, time.perf_counter_ns() - t2)
+            t3 = time.monotonic_ns()
+            return BatchResult([outputs], padded, t1 - t0, t2 - t1, t3 - t2, t0, t3, instance.cpu_ns, instance.gpu_ns,
+                               instance.copy_out_ns)
         split: list[dict[str, np.ndarray] | BaseException] = []
         offset = 0
         for r in batch:
@@ -491,14 +534,18 @@ class Batcher:
                 mine = {n: self.padding.crop(n, v, r.sizes) for n, v in mine.items()}
             split.append(mine)
             offset += r.rows
-        return BatchResult(split, padded, t1 - t0, t2 - t1, time.perf_counter_ns() - t2)
+        t3 = time.monotonic_ns()
+        return BatchResult(split, padded, t1 - t0, t2 - t1, t3 - t2, t0, t3, instance.cpu_ns, instance.gpu_ns,
+                           instance.copy_out_ns)
 
-    def _run_alone(self, instance: Instance, batch: list[Pending], padded: int, input_ns: int) -> BatchResult:
-        t1 = time.perf_counter_ns()
+    def _run_alone(self, instance: Instance, batch: list[Pending], padded: int, t0: int, t1: int) -> BatchResult:
+        """The batch's failed call (merged at t0, run from t1) rerun request by request; the reruns count as its
+        engine time."""
         outputs: list[dict[str, np.ndarray] | BaseException] = []
         for r in batch:
             try:
                 outputs.append(instance.execute({n: writable(a) for n, a in r.inputs.items()}))
             except Exception as e:  # noqa: BLE001 - this request's own error, answered to it alone
                 outputs.append(e)
-        return BatchResult(outputs, padded, input_ns, time.perf_counter_ns() - t1)
+        t2 = time.monotonic_ns()
+        return BatchResult(outputs, padded, t1 - t0, t2 - t1, 0, t0, t2)

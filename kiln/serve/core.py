@@ -209,7 +209,12 @@ class ServerCore:
                 outputs = await pending.future
         except Exception as e:
             raise _failed(model, arrival, queue_ns if pending is None else pending.queue_ns, e) from None
-        return _answered(request, model, arrival, pending.queue_ns, outputs)
+        resumed = time.monotonic_ns()
+        response = _answered(request, model, arrival, pending.queue_ns, outputs)
+        if pending.done_ns:  # its call's phases: the frontend's encoding of the response is its own (not counted)
+            now = time.monotonic_ns()
+            model.stats.record_respond(now - pending.done_ns, now - resumed)
+        return response
 
     def infer_soon(self, request: InferRequest, answer: Callable[[InferResponse | Exception], None]) -> None:
         """infer() without a coroutine: `answer` is called once, on the loop, with the response or the error.
@@ -253,6 +258,7 @@ class ServerCore:
             if error is not None:
                 answer(_failed(model, arrival, pending.queue_ns, error))
                 return
+            settling = time.monotonic_ns()
             outputs = future.result()
             if request.output_places:  # written before the request counts as a success: a write can fail
                 try:
@@ -261,6 +267,9 @@ class ServerCore:
                     answer(_failed(model, arrival, pending.queue_ns, e))
                     return
             answer(_answered(request, model, arrival, pending.queue_ns, outputs))
+            if pending.done_ns:  # its call's phases: the response built and queued for its front end (the write: send)
+                now = time.monotonic_ns()
+                model.stats.record_respond(now - pending.done_ns, now - settling)
 
         pending.future.add_done_callback(settled)
 

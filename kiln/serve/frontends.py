@@ -184,7 +184,21 @@ class FrontendPool:
     def _new_connection(self) -> Connection:
         connection = Connection(None, self._lost)
         connection.on_message = lambda message: self._received(connection, message)
+        connection.on_flush = self._flushed
         return connection
+
+    def _flushed(self, messages: list, ns: int) -> None:
+        """One write of answers to a front end: its time (pickling the run of answers and the socket's copy of their
+        tensors) shared by the answers in it, recorded in their models' call phases (CallPhases.send)."""
+        answers = [m.response for m in messages if type(m) is InferAnswer]
+        if not answers:
+            return
+        share = ns // len(messages)
+        for response in answers:
+            entry = self.core.models.get(response.model)
+            version = entry.versions.get(response.version) if entry is not None else None
+            if version is not None:
+                version.stats.phases.send.add(share)
 
     def _received(self, connection: Connection, message) -> None:
         frontend = self._linked.get(connection)

@@ -18,6 +18,10 @@ us of the host's CPU a request, a third of the server's (bench/results/serve5-20
 on the stream, and the thread sleeps on a torch.cuda.Event(blocking=True) recorded after the copies until the GPU
 signals it: a wake-up's latency instead of a spinning core. The runtime's copies of the inputs to the GPU still wait
 as CUDA schedules them (briefly: nothing else is queued on the stream then).
+"pinned" makes blocking's copies and spin's wait (the stream synchronized): the runtime's copy of its outputs to the
+host (spin) goes to pageable memory, which the driver stages through its own pinned buffer, a host copy that grows
+with the batch (BERT-base's [64, 128, 768] FP32 answer: 25 MB a call); pinned, the copy is the GPU's DMA alone
+(issue 14: bench/gpu_s30b.sh compares spin and pinned).
 
 CUDA graphs and threads: the runtime captures a graph the second time a context meets an input
 signature, and a capture (torch's default, global mode) forbids calls that may synchronize — a
@@ -45,6 +49,12 @@ INLINE_NS of CPU time (a moving average, after INLINE_AFTER calls) runs its batc
 itself; a slower call lifts the average and sends the instance back to its thread. On a 2-core VM
 this halved the CPU time per request of an empty model at concurrency 1 (bench/serve_overhead.py
 --inproc). A call inline holds the loop for its duration: at most about INLINE_NS.
+
+What a call cost (the batcher's call phases, kiln/serve/stats.py CallPhases): after each call `cpu_ns` holds the
+thread's CPU time in it and, on CUDA, `gpu_ns` its span on the instance's stream between two timing events recorded
+before and after it (the copies in and out included; read once the stream is done, so it costs no wait); where this
+thread copies the outputs to the host itself (pinned, blocking), `copy_out_ns` the span of those copies (a third
+event between the network and them).
 """
 
 from __future__ import annotations
@@ -133,11 +143,17 @@ class Instance:
         self.stream = torch.cuda.Stream(device=engine.device) if self.cuda else None
         # cuda_sync "blocking": the event this instance's thread sleeps on (None: spin, or a CPU instance)
         self.done = torch.cuda.Event(blocking=True) if self.cuda and cuda_sync == "blocking" else None
+        self.pinned = self.cuda and cuda_sync in ("pinned", "blocking")  # outputs copied to pinned host memory
         self.calls = 0  # engine calls run (tests: which instances served)
         self._seen: dict[tuple, int] = {}  # CUDA: runs per input signature (captures happen in the first two)
         self._evictions = 0
         self.captured_all = False  # CUDA: warm-up captured a graph for every shape the engine takes
         self._call_ns = float(INLINE_NS)  # CPU: moving average of a call's CPU time (this thread's)
+        self.cpu_ns = 0  # the last call's CPU time on its thread
+        self.gpu_ns: int | None = None  # CUDA: the last call's span on the stream (None: not measured)
+        self.copy_out_ns: int | None = None  # CUDA, pinned or blocking: of it, the outputs' copies to the host
+        # timing events: the call's start, its outputs ready on the GPU (pinned, blocking), its end
+        self._span = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3)) if self.cuda else None
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._run, self._finish = run, finish
         self.warmed_up: WarmUp | None = None  # what the CPU warm-up did (None: none ran)
@@ -199,14 +215,22 @@ class Instance:
         if not self.cuda:
             start = time.thread_time_ns()  # CPU time: a call preempted on a busy machine is not a slow call
             outputs = self.context.run(feeds)
-            self._call_ns += (time.thread_time_ns() - start - self._call_ns) / 8
+            self.cpu_ns = time.thread_time_ns() - start
+            self._call_ns += (self.cpu_ns - self._call_ns) / 8
             return outputs
+        start = time.thread_time_ns()
         key, seen = None, 2
         if not self.captured_all:
             key = tuple((tuple(v.shape), str(v.dtype)) for v in feeds.values())
             seen = self._seen.get(key, 0)
+        self.gpu_ns = self.copy_out_ns = None
         with GATE.alone() if seen < 2 else GATE.shared(), torch.cuda.stream(self.stream):
-            outputs = self._run_spinning(feeds) if self.done is None else self._run_blocking(feeds)
+            self._span[0].record(self.stream)
+            outputs = self._run_pinned(feeds) if self.pinned else self._run_spinning(feeds)
+            self.gpu_ns = self._span_ns(0, 2)
+            if self.pinned:
+                self.copy_out_ns = self._span_ns(1, 2)
+        self.cpu_ns = time.thread_time_ns() - start
         runner = self.context.runner
         if runner is not None and runner.stats.evictions != self._evictions:
             self._evictions = runner.stats.evictions
@@ -218,21 +242,38 @@ class Instance:
             self._seen[key] = seen + 1
         return outputs
 
+    def _span_ns(self, first: int, last: int) -> int | None:
+        """The last call's span on the stream between two of its timing events (done: the call waited for its
+        stream); None where the events cannot say."""
+        try:
+            return int(self._span[first].elapsed_time(self._span[last]) * 1e6)
+        except RuntimeError:
+            return None
+
     def _run_spinning(self, feeds: dict[str, Any]) -> dict[str, Any]:
         outputs = self.context.run(feeds)  # host arrays in, host arrays out: the runtime waits for the copies
+        self._span[2].record(self.stream)
         self.stream.synchronize()
         return outputs
 
-    def _run_blocking(self, feeds: dict[str, Any]) -> dict[str, Any]:
-        """The call's outputs left on the GPU, copied to pinned host memory on the stream, waited for asleep."""
+    def _run_pinned(self, feeds: dict[str, Any]) -> dict[str, Any]:
+        """The call's outputs left on the GPU, copied to pinned host memory on the stream (torch's caching host
+        allocator: blocks come back once no answer's array views them), waited for asleep (blocking) or by
+        synchronizing the stream (pinned)."""
         outputs = self.context.run({name: dtypes.numpy_to_torch(array) for name, array in feeds.items()})
+        self._span[1].record(self.stream)
         host = {name: tensor.to("cpu", non_blocking=True) for name, tensor in outputs.items()}  # pinned
-        self.done.record(self.stream)
-        self.done.synchronize()
+        self._span[2].record(self.stream)
+        if self.done is not None:
+            self.done.record(self.stream)
+            self.done.synchronize()
+        else:
+            self.stream.synchronize()
         return {name: dtypes.torch_to_numpy(tensor) for name, tensor in host.items()}
 
-    def submit(self, loop: asyncio.AbstractEventLoop, batch: list) -> None:
-        self._work.put((loop, batch))
+    def submit(self, loop: asyncio.AbstractEventLoop, work: tuple) -> None:
+        """`work`: the batch first, then what its `finish` callback wants back with it."""
+        self._work.put((loop, work))
 
     def stop(self) -> None:
         """Tell the thread to end (after the batches submitted before); `stopped` says when it has."""
@@ -246,16 +287,16 @@ class Instance:
         if self.cuda:
             torch.cuda.set_stream(self.stream)
         while (item := self._work.get()) is not None:
-            loop, batch = item
+            loop, work = item
             try:
-                result = self._run(self, batch)
+                result = self._run(self, work[0])
             except BaseException as e:  # noqa: BLE001 - handed to every waiting caller
                 result = e
             try:
-                loop.call_soon_threadsafe(self._finish, self, batch, result)
+                loop.call_soon_threadsafe(self._finish, self, work, result)
             except RuntimeError:  # the loop is closed: nobody waits any more
                 return
             # the batch and its outputs are the loop's now: held here they would stay alive until the next batch, and
             # the last batch's would be freed as this thread ends, perhaps inside torch while the interpreter finalizes
             # (kiln/kernels/cpu/onednn_ahead.py's docstring: that aborts the process)
-            item = loop = batch = result = None
+            item = loop = work = result = None

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import pickle
 import struct
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -297,6 +298,7 @@ class Connection(asyncio.Protocol):
     def __init__(self, on_message, on_lost=None):
         self.on_message = on_message
         self.on_lost = on_lost  # called with the connection once it closes
+        self.on_flush = None  # called with the messages of each write and the ns it took (encoding them included)
         self.transport: asyncio.Transport | None = None
         self._partial: list[bytes] = []  # the start of a frame not complete yet
         self._partial_bytes = 0
@@ -349,7 +351,10 @@ class Connection(asyncio.Protocol):
     def _flush(self) -> None:
         messages, self._outgoing = self._outgoing, []
         if not self.closed and not self.transport.is_closing():
+            start = time.monotonic_ns()
             self.transport.writelines(encode_all(messages))
+            if self.on_flush is not None:  # the engine's call phases: what sending the answers cost its loop
+                self.on_flush(messages, time.monotonic_ns() - start)
 
     def close(self) -> None:
         if self.transport is not None:

@@ -1,7 +1,8 @@
 """Per-model statistics in Triton's shape: the /stats endpoint, gRPC ModelStatistics and /metrics read them.
 
-kiln adds one key to Triton's: "warm_up", what each CPU instance's warm-up did at load (kiln/serve/instances.py;
-[] when none ran); gRPC's ModelStatistics has no field for it.
+kiln adds two keys to Triton's (gRPC's ModelStatistics has no field for either): "warm_up", what each CPU
+instance's warm-up did at load (kiln/serve/instances.py; [] when none ran), and "call_phases", where a batched
+engine call's time goes on the host (CallPhases; issue 14).
 
 Durations are cumulative nanoseconds with a count, as Triton keeps them: per request (success,
 fail, queue, and the compute phases of the batch each request ran in) and per batch size (one
@@ -36,6 +37,54 @@ class BatchStats:
     compute_output: Duration = field(default_factory=Duration)
 
 
+PHASES_PER_CALL = ("gather", "handoff", "merge", "engine", "engine_cpu", "gpu", "gpu_copy_out", "split", "return",
+                   "answer")
+PHASES_PER_REQUEST = ("queue", "respond", "respond_work", "send")
+
+
+@dataclass
+class CallPhases:
+    """Where the engine calls' time goes, phase by phase (cumulative ns with a count, like Triton's durations).
+
+    Per call, in order: gather (the dispatch choosing the call's requests off the queue, on the event loop), handoff
+    (the loop handing the batch to its instance's thread until the thread starts on it: a wake-up; 0 for a call run
+    on the loop), merge (concatenating the requests' inputs, padding), engine (the engine call's wall time: on CUDA
+    the copies in and out and the waits included), engine_cpu (the instance thread's CPU time in it), gpu (CUDA only:
+    the call's span on its stream between two timing events, the copies included; counted only where measured;
+    gpu_copy_out: of it, the outputs' copies to the host, where the instance makes them: cuda_sync pinned, blocking),
+    split (the outputs cut back into each request's rows), return (the thread's result until the loop takes it: a
+    wake-up; 0 for a call run on the loop) and answer (the loop setting the callers' futures).
+    Per request: queue (arrival until its call starts), respond (its call answered until its response is built, or
+    queued for its front end: the loop's other work in between included), respond_work (of it, the time building and
+    queuing the response itself) and, with front ends (`--frontends N`), send: its share of the write that sent it
+    (the answers of a loop turn pickled together and their tensors copied into the socket). Monotonic clocks: a few
+    reads per call and per request."""
+
+    calls: int = 0
+    requests: int = 0
+    rows: int = 0
+    gather: Duration = field(default_factory=Duration)
+    handoff: Duration = field(default_factory=Duration)
+    merge: Duration = field(default_factory=Duration)
+    engine: Duration = field(default_factory=Duration)
+    engine_cpu: Duration = field(default_factory=Duration)
+    gpu: Duration = field(default_factory=Duration)
+    gpu_copy_out: Duration = field(default_factory=Duration)
+    split: Duration = field(default_factory=Duration)
+    return_: Duration = field(default_factory=Duration)
+    answer: Duration = field(default_factory=Duration)
+    queue: Duration = field(default_factory=Duration)
+    respond: Duration = field(default_factory=Duration)
+    respond_work: Duration = field(default_factory=Duration)
+    send: Duration = field(default_factory=Duration)
+
+    def to_json(self) -> dict:
+        out = {"calls": self.calls, "requests": self.requests, "rows": self.rows}
+        for name in PHASES_PER_CALL + PHASES_PER_REQUEST:
+            out[name] = getattr(self, "return_" if name == "return" else name).to_json()
+        return out
+
+
 @dataclass
 class ModelStats:
     name: str
@@ -53,6 +102,7 @@ class ModelStats:
     pending: int = 0  # requests queued now (a gauge)
     failures_by_reason: dict[str, int] = field(default_factory=dict)
     warm_up: list[WarmUp] = field(default_factory=list)  # per CPU instance that warmed up at load
+    phases: CallPhases = field(default_factory=CallPhases)  # where the engine calls' time goes (kiln's own)
 
     def record_batch(self, batch_size: int, requests: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
         """One engine call over `requests` requests of `batch_size` rows in all."""
@@ -68,6 +118,32 @@ class ModelStats:
         self.inference_count += batch_size
         self.execution_count += 1
         self.last_inference_ms = int(time.time() * 1000)
+
+    def record_phases(self, requests: int, rows: int, gather_ns: int, handoff_ns: int, merge_ns: int, engine_ns: int,
+                      engine_cpu_ns: int, gpu_ns: int | None, split_ns: int, return_ns: int, answer_ns: int,
+                      copy_out_ns: int | None = None) -> None:
+        """One engine call's phases (CallPhases); gpu_ns, copy_out_ns None where not measured."""
+        p = self.phases
+        p.calls += 1
+        p.requests += requests
+        p.rows += rows
+        p.gather.add(gather_ns)
+        p.handoff.add(handoff_ns)
+        p.merge.add(merge_ns)
+        p.engine.add(engine_ns)
+        p.engine_cpu.add(engine_cpu_ns)
+        if gpu_ns is not None:
+            p.gpu.add(gpu_ns)
+        if copy_out_ns is not None:
+            p.gpu_copy_out.add(copy_out_ns)
+        p.split.add(split_ns)
+        p.return_.add(return_ns)
+        p.answer.add(answer_ns)
+
+    def record_respond(self, respond_ns: int, work_ns: int) -> None:
+        """A request answered from its call: since the call was answered, and of it building and sending its answer."""
+        self.phases.respond.add(respond_ns)
+        self.phases.respond_work.add(work_ns)
 
     def record_request(self, ok: bool, duration_ns: int, queue_ns: int | None, reason: str = "") -> None:
         (self.success if ok else self.fail).add(duration_ns)
@@ -94,4 +170,5 @@ class ModelStats:
             ],
             "memory_usage": [],
             "warm_up": [{**asdict(w), "seconds": round(w.seconds, 4)} for w in self.warm_up],
+            "call_phases": self.phases.to_json(),
         }

@@ -60,8 +60,10 @@ async def _run(batcher: Batcher, requests: list[np.ndarray], signature=None) -> 
 
 
 @pytest.mark.parametrize("held_bytes", [1 << 20, 64], ids=["held", "numpy"])
-def test_merge_rows_is_concatenate(monkeypatch, held_bytes):
-    """The batch merge, parts copied with the GIL held (up to HELD_COPY_BYTES) or by numpy (larger): exactly
+@pytest.mark.parametrize("row", [(3, 5), (20, 30)], ids=["small", "large"])
+def test_merge_rows_is_concatenate(monkeypatch, held_bytes, row):
+    """The batch merge, parts copied with the GIL held (up to HELD_COPY_BYTES) or by numpy (larger), or, where every
+    part is small (NUMPY_HELD_ELEMENTS: rows of 15 elements here, of 600 in "large"), by one np.concatenate: exactly
     np.concatenate's rows for every plain dtype, read-only parts (views of requests) included, into a writable
     array of its own; other dtypes, shapes that differ and non-contiguous parts take np.concatenate itself."""
     import ml_dtypes
@@ -69,7 +71,7 @@ def test_merge_rows_is_concatenate(monkeypatch, held_bytes):
     monkeypatch.setattr(batcher_module, "HELD_COPY_BYTES", held_bytes)
     generator = np.random.default_rng()
     for dtype in (np.float16, np.float32, np.float64, np.int8, np.int32, np.int64, np.uint8, np.bool_):
-        parts = [(generator.standard_normal((int(generator.integers(0, 4)), 3, 5)) * 50).astype(dtype)
+        parts = [(generator.standard_normal((int(generator.integers(0, 4)), *row)) * 50).astype(dtype)
                  for _ in range(6)]
         parts[1].flags.writeable = False
         merged = merge_rows(parts)
@@ -94,6 +96,37 @@ def test_queued_requests_merge_into_one_call_and_split_back(double_engine):
         np.testing.assert_array_equal(out["y"], 2 * x)
     assert stats.execution_count == 1 and stats.inference_count == 10
     assert list(stats.batches) == [10]
+
+
+def test_call_phases_are_recorded_per_call_and_request(double_engine):
+    """Every engine call records its phases once (gather .. answer), every request its queue and respond, on the
+    thread path (handoff and return measured) and on the loop (none): counts that add up to the calls and requests
+    run, non-negative durations, engine time no less than its thread's CPU time would allow, no GPU span on the CPU;
+    and each request still gets exactly its own rows (2x its input, the engine alone)."""
+    config = _config(double_engine, "max_batch_size: 16\ndynamic_batching {}")
+    generator = np.random.default_rng()
+    for inline in (False, True):
+        stats = ModelStats("m", "1")
+        batcher = Batcher(double_engine, config, stats, 64)
+        if inline:  # the instance's calls run on the loop
+            batcher.instances[0].calls = INLINE_AFTER + 1
+            batcher.instances[0]._call_ns = 0.0
+        xs = [generator.standard_normal((int(generator.integers(1, 4)), 8)).astype(np.float32) for _ in range(5)]
+        results = asyncio.run(_run(batcher, xs))
+        for x, out in zip(xs, results):
+            np.testing.assert_array_equal(out["y"], double_engine.create_execution_context().run({"x": x})["y"])
+        phases = stats.to_json()["call_phases"]
+        assert phases["calls"] == stats.execution_count >= 1
+        assert phases["requests"] == len(xs) and phases["rows"] == sum(x.shape[0] for x in xs)
+        for name in ("gather", "handoff", "merge", "engine", "engine_cpu", "split", "return", "answer"):
+            assert phases[name]["count"] == phases["calls"], name
+            assert phases[name]["ns"] >= 0, name
+        assert phases["gpu"]["count"] == 0  # a CPU instance has no GPU span
+        assert phases["engine"]["ns"] > 0 and phases["queue"]["count"] == len(xs)
+        if inline:
+            assert phases["handoff"]["ns"] == 0 and phases["return"]["ns"] == 0
+        else:
+            assert phases["handoff"]["ns"] > 0 and phases["return"]["ns"] > 0
 
 
 def test_different_shapes_never_share_a_call(double_engine):
@@ -457,6 +490,11 @@ def test_concurrent_clients_each_get_their_own_rows(grpc_server, engine_of):
     assert requests == CLIENTS * REQUESTS
     assert after["inference_count"] - before["inference_count"] == sum(rows_sent)
     assert after["execution_count"] - before["execution_count"] < requests  # some requests shared a call
+    calls = after["call_phases"]["calls"] - before["call_phases"]["calls"]
+    assert calls == after["execution_count"] - before["execution_count"]
+    assert after["call_phases"]["queue"]["count"] - before["call_phases"]["queue"]["count"] == requests
+    responded = after["call_phases"]["respond"]["count"] - before["call_phases"]["respond"]["count"]
+    assert 0 < responded <= requests  # answered from a call's future (not a lone request run at once: run_now)
     assert http.is_server_ready()
     http.close()
 

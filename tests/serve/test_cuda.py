@@ -147,7 +147,7 @@ def _ask_deep(port: int, x: np.ndarray) -> np.ndarray:
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("sync", ["spin", "blocking"])
+@pytest.mark.parametrize("sync", ["spin", "pinned", "blocking"])
 def test_front_ends_and_two_instances_answer_every_grpc_request_as_alone(tmp_path, deep_engine, sync):
     """Issue 14's load in small: 2 front ends staging every input, gRPC (kiln's transport), 2 instances of an fp16
     model replaying at once, dynamic batching, 64 calls in flight for 3 s from kiln perf's wire client, whose 8
@@ -163,7 +163,8 @@ def test_front_ends_and_two_instances_answer_every_grpc_request_as_alone(tmp_pat
     server = thread.start()
     try:
         instances = server.core.model("deep").batcher.instances
-        assert all((i.done is not None) == (sync == "blocking") and i.captured_all for i in instances)
+        assert all((i.done is not None) == (sync == "blocking") and i.pinned == (sync != "spin") and i.captured_all
+                   for i in instances)
         captured_on = {i.context.runner.capture_stream(i.context.engine.device).cuda_stream for i in instances}
         assert len(captured_on) == 2, "two instances' graphs captured on one stream share cuBLAS's workspace"
         rng = np.random.default_rng()
@@ -177,11 +178,15 @@ def test_front_ends_and_two_instances_answer_every_grpc_request_as_alone(tmp_pat
         result = asyncio.run(sweep(load))[0]
         staged = sum(f.connection.staging.taken for f in server.frontends.frontends) - staged
         calls = [i.calls for i in instances]
+        phases = server.core.model("deep").stats.phases
         print(f"\n{sync}: {result.checked} answers checked, {result.wrong} wrong, {result.errors} errors, "
-              f"{result.requests / result.seconds:.0f} infer/s, {staged} tensors staged, calls per instance {calls}")
+              f"{result.requests / result.seconds:.0f} infer/s, {staged} tensors staged, calls per instance {calls}; "
+              f"engine {phases.engine.ns / max(1, phases.engine.count) / 1000:.0f} us a call, GPU span "
+              f"{phases.gpu.ns / max(1, phases.gpu.count) / 1000:.0f} us ({phases.gpu.count} of {phases.calls} calls)")
         assert result.wrong == 0 and result.errors == 0, result.first_error
         assert result.checked > 1000 and staged >= result.checked  # every request's tensor through an arena
         assert min(calls) > 100, "both instances served"
+        assert phases.gpu.count > 0.9 * phases.calls and 0 < phases.gpu.ns <= phases.engine.ns  # spans measured
     finally:
         thread.stop()
 
@@ -228,8 +233,9 @@ def test_cuda_sync_parameter_else_the_servers_default():
     assert cuda_sync_mode(blocking) == "blocking" and cuda_sync_mode(blocking, "spin") == "blocking"
     plain = parse_pbtxt("max_batch_size: 4", "m/config.pbtxt")
     assert cuda_sync_mode(plain) == "spin" and cuda_sync_mode(plain, "blocking") == "blocking"
+    assert cuda_sync_mode(plain, "pinned") == "pinned"
     with pytest.raises(ModelLoadError, match=r"m/config.pbtxt:\n  parameter cuda_sync 'busy': expected one of spin, "
-                                             r"blocking"):
+                                             r"pinned, blocking"):
         parse_pbtxt('parameters { key: "cuda_sync" value: { string_value: "busy" } }', "m/config.pbtxt")
     plain.name = "m"
     with pytest.raises(ModelLoadError, match=r"model 'm': the server's --cuda-sync 'yield': expected one of"):
@@ -285,14 +291,20 @@ class _Stream:  # torch.cuda.Stream without a GPU: counts its synchronizations
 
 
 class _Event:  # torch.cuda.Event without a GPU: where it was recorded, how often waited on
-    def __init__(self, blocking=False):
-        self.blocking, self.recorded, self.waited = blocking, [], 0
+    SPAN_MS = 1.25  # elapsed_time's answer between two timing events
+
+    def __init__(self, enable_timing=False, blocking=False):
+        self.timing, self.blocking, self.recorded, self.waited = enable_timing, blocking, [], 0
 
     def record(self, stream):
         self.recorded.append(stream)
 
     def synchronize(self):
         self.waited += 1
+
+    def elapsed_time(self, end):
+        assert self.timing and end.timing and len(self.recorded) == len(end.recorded)
+        return self.SPAN_MS
 
 
 class _Context:  # an execution context whose run doubles its input, torch in -> torch out (CPU tensors stand in)
@@ -314,10 +326,11 @@ class _Engine:
         return _Context()
 
 
-@pytest.mark.parametrize("sync", ["spin", "blocking"])
+@pytest.mark.parametrize("sync", ["spin", "pinned", "blocking"])
 def test_cuda_sync_selects_the_wait(monkeypatch, sync):
-    """spin: the runtime's host arrays, then the stream synchronized; blocking: host tensors in, the outputs copied
-    to the host and a blocking event recorded on the instance's stream waited on, the stream never synchronized."""
+    """spin: the runtime's host arrays, then the stream synchronized; pinned: host tensors in, the outputs copied to
+    the host, then the stream synchronized; blocking: as pinned, but a blocking event recorded on the instance's stream
+    waited on, the stream never synchronized."""
     monkeypatch.setattr(torch.cuda, "Stream", _Stream)
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
@@ -330,8 +343,16 @@ def test_cuda_sync_selects_the_wait(monkeypatch, sync):
             assert type(outputs["y"]) is np.ndarray
             np.testing.assert_array_equal(outputs["y"], 2 * x)
         fed = [type(feeds["x"]) for feeds in instance.context.fed]
+        begin, ready, end = instance._span  # the call phases' GPU span: timing events around each call on its stream
+        assert begin.recorded == end.recorded == [instance.stream] * 3 and instance.gpu_ns == int(_Event.SPAN_MS * 1e6)
+        if sync == "spin":  # the runtime copies the outputs: no event between the network and the copies
+            assert ready.recorded == [] and instance.copy_out_ns is None
+        else:
+            assert ready.recorded == [instance.stream] * 3 and instance.copy_out_ns == int(_Event.SPAN_MS * 1e6)
         if sync == "spin":
             assert instance.done is None and instance.stream.synchronized == 3 and fed == [np.ndarray] * 3
+        elif sync == "pinned":
+            assert instance.done is None and instance.stream.synchronized == 3 and fed == [torch.Tensor] * 3
         else:
             assert instance.done.blocking and instance.done.recorded == [instance.stream] * 3
             assert instance.done.waited == 3 and instance.stream.synchronized == 0 and fed == [torch.Tensor] * 3

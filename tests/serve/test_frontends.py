@@ -185,6 +185,12 @@ def concurrent_clients(served, http, engine_of) -> None:
     requests = after["inference_stats"]["success"]["count"] - before["inference_stats"]["success"]["count"]
     assert requests == sum(mlp_requests)
     assert after["execution_count"] - before["execution_count"] < requests  # some requests shared a call
+    phases = {k: after["call_phases"][k]["count"] - before["call_phases"][k]["count"]
+              for k in ("queue", "respond", "send", "engine")}
+    # the call phases (kiln/serve/stats.py CallPhases): every request through a front end queued, answered from its
+    # call and sent over the engine's socket; one engine time per call
+    assert phases == {"queue": requests, "respond": requests, "send": requests,
+                      "engine": after["execution_count"] - before["execution_count"]}, phases
     served_by = [f.answered - b for f, b in zip(served.frontends.frontends, answered_before)]
     # every answer came through a front end; which one is the kernel's SO_REUSEPORT choice per connection, not kiln's
     # (a fresh-clone CI at 837251d saw all 16 on one: [320, 0]), so the split is not asserted
