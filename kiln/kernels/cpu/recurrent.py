@@ -176,6 +176,15 @@ def set_fused_ahead(on: bool) -> None:
             ctypes.c_int.in_dll(lib, "kiln_lstm_fused_ahead").value = int(on)
 
 
+def set_x_first(on: bool) -> None:
+    """Whether lstm_fused.c's row split computes every step's x part of its rows first where a layer's input is wide
+    (the default; kiln_lstm_fused_x_first) or each step's tile computes it (the form before 2026-12-07), as a
+    benchmark's other side. The same bits either way."""
+    for lib in _LOADED.values():
+        if lib is not None:
+            ctypes.c_int.in_dll(lib, "kiln_lstm_fused_x_first").value = int(on)
+
+
 def reason(test_kernels: bool = False) -> str | None:
     return _REASON.get(test_kernels)
 
