@@ -31,14 +31,15 @@ HERE = Path(__file__).resolve()
 
 class _Trace(ctypes.Structure):  # struct fused_trace in lstm_fused.c
     _fields_ = [("start", ctypes.c_long), ("end", ctypes.c_long), ("slices", ctypes.c_long),
-                ("slice_start", ctypes.c_long * 8), ("slice_end", ctypes.c_long * 8), ("by_worker", ctypes.c_long * 8)]
+                ("slice_start", ctypes.c_long * 8), ("slice_end", ctypes.c_long * 8), ("by_worker", ctypes.c_long * 8),
+                ("slice_x_end", ctypes.c_long * 8)]
 
 
 def _median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
-def kiln_child(runs: int, warmup: int, pin: str | None, slice_us: float = 0) -> dict:
+def kiln_child(runs: int, warmup: int, pin: str | None, slice_us: float = 0, settings: tuple = ()) -> dict:
     import torch
 
     import kiln
@@ -66,6 +67,9 @@ def kiln_child(runs: int, warmup: int, pin: str | None, slice_us: float = 0) -> 
     lib = recurrent.load()
     if slice_us:
         ctypes.c_long.in_dll(lib, "kiln_pool_worker_slice_ns").value = int(slice_us * 1000)
+    for setting in settings:  # another side: a C int of the recurrent library (e.g. kiln_lstm_fused_x_first=0)
+        name, value = setting.split("=")
+        ctypes.c_int.in_dll(lib, name).value = int(value)
     tracing = ctypes.c_int.in_dll(lib, "kiln_lstm_fused_tracing")
     count = ctypes.c_long.in_dll(lib, "kiln_lstm_fused_trace_count")
     traces = (_Trace * 4096).in_dll(lib, "kiln_lstm_fused_traces")
@@ -98,6 +102,8 @@ def kiln_child(runs: int, warmup: int, pin: str | None, slice_us: float = 0) -> 
             add(f"LSTM {k} slices run by the worker (mean)", sum(t.by_worker[q] for q in range(t.slices)), 1)
             for q in range(t.slices):
                 add(f"LSTM {k} slice {q}", t.slice_end[q] - t.slice_start[q])
+                if t.slice_x_end[q]:
+                    add(f"LSTM {k} slice {q}: x parts first", t.slice_x_end[q] - t.slice_start[q])
             add(f"LSTM {k} end after the first slice ends", t.end - min(t.slice_end[q] for q in range(t.slices)))
         add("LSTM 1 -> LSTM 2", loops[1].start - loops[0].end)
         add("LSTM 2 -> python", t1 - loops[1].end)
@@ -153,24 +159,29 @@ def main() -> None:
     ap.add_argument("--pin", help="the LSTMs' tactic without tuning them (e.g. fused)")
     ap.add_argument("--slice-us", type=float, default=0,
                     help="also kiln with pool.c's workers asking the scheduler for this slice (kiln_pool_worker_slice_ns)")
+    ap.add_argument("--set", action="append", default=[],
+                    help="also kiln with this int of the recurrent library set after its build, e.g. "
+                         "kiln_lstm_fused_x_first=0 (repeatable: one runner each)")
     ap.add_argument("--child", choices=["kiln", "onnxruntime"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        result = kiln_child(args.runs, args.warmup, args.pin, args.slice_us) if args.child == "kiln" else \
+        result = kiln_child(args.runs, args.warmup, args.pin, args.slice_us, tuple(args.set)) if args.child == "kiln" else \
             ort_child(args.runs, args.warmup)
         print(json.dumps(result))
         return
-    runners = {"kiln": ("kiln", 0), **({f"kiln slice {args.slice_us:g} us": ("kiln", args.slice_us)}
-                                       if args.slice_us else {}), "onnxruntime": ("onnxruntime", 0)}
+    runners = {"kiln": ("kiln", 0, None), **({f"kiln slice {args.slice_us:g} us": ("kiln", args.slice_us, None)}
+                                             if args.slice_us else {}),
+               **{f"kiln {setting}": ("kiln", 0, setting) for setting in args.set}, "onnxruntime": ("onnxruntime", 0, None)}
     found: dict[str, list[dict]] = {k: [] for k in runners}
     loads = []
     order = list(runners)
     for p in range(args.processes):
         for label in order[p % len(order):] + order[:p % len(order)]:
-            runtime, slice_us = runners[label]
+            runtime, slice_us, setting = runners[label]
             loads.append(os.getloadavg()[0])
             command = [sys.executable, str(HERE), "--child", runtime, "--runs", str(args.runs), "--warmup",
-                       str(args.warmup), *(["--pin", args.pin] if args.pin else []), "--slice-us", str(slice_us)]
+                       str(args.warmup), *(["--pin", args.pin] if args.pin else []), "--slice-us", str(slice_us),
+                       *(["--set", setting] if setting else [])]
             done = subprocess.run(command, capture_output=True, text=True, check=True)
             result = json.loads(done.stdout.strip().splitlines()[-1])
             found[label].append(result)

@@ -646,6 +646,7 @@ struct fused_trace {
     long slices;
     long slice_start[FUSED_TRACE_SLICES], slice_end[FUSED_TRACE_SLICES];
     long by_worker[FUSED_TRACE_SLICES];
+    long slice_x_end[FUSED_TRACE_SLICES];  /* where the x parts came first (fused_x_first): when they were done */
 };
 int kiln_lstm_fused_tracing = 0;
 long kiln_lstm_fused_trace_count = 0;
@@ -671,7 +672,7 @@ static long fused_wide_group(long blocks, long b0) {
 
 /* Participant q's row groups through every step, with no barrier: a row's recurrence reads its own h and c only.
    A wide span (tile NULL) runs the blocks in groups (fused_wide_group), the slice's other spans beside it. */
-static void fused_row_slice_steps(const fused_ctx *c, long first, long last);
+static void fused_row_slice_steps(const fused_ctx *c, long first, long last, long *x_end);
 static void fused_row_slice(void *ctx, long q) {
     const fused_slices *r = (const fused_slices *)ctx;
     const fused_ctx *c = r->c;
@@ -680,7 +681,7 @@ static void fused_row_slice(void *ctx, long q) {
         r->trace->slice_start[q] = now_ns();
         r->trace->by_worker[q] = !fused_caller;
     }
-    fused_row_slice_steps(c, first, last);
+    fused_row_slice_steps(c, first, last, r->trace && q < FUSED_TRACE_SLICES ? &r->trace->slice_x_end[q] : NULL);
     if (r->trace && q < FUSED_TRACE_SLICES) r->trace->slice_end[q] = now_ns();
 }
 
@@ -721,10 +722,13 @@ static void fused_x_first(const fused_ctx *c, long first, long last) {
     }
 }
 
-static void fused_row_slice_steps(const fused_ctx *c, long first, long last) {
+static void fused_row_slice_steps(const fused_ctx *c, long first, long last, long *x_end) {
     int wide = 0;
     for (long g = first; g < last; ++g) wide |= c->spans[g].tile == NULL;
-    if (c->x_sums) fused_x_first(c, first, last);
+    if (c->x_sums) {
+        fused_x_first(c, first, last);
+        if (x_end) *x_end = now_ns();
+    }
     if (!wide) {
         for (long step = 0; step < c->p->S; ++step)
             for (long block = 0; block < c->blocks; ++block)
