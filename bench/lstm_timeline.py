@@ -2,11 +2,13 @@
 
     python bench/lstm_timeline.py                      # 5 processes of each, 300 calls each, taking turns
     python bench/lstm_timeline.py --processes 7 --pin fused
+    python bench/lstm_timeline.py --set kiln_lstm_fused_x_first=0     # also kiln with that C int of lstm_fused.c
+    sudo chrt -f 10 python bench/lstm_timeline.py                      # the cores its own on a shared machine
 
-kiln: each process builds the zoo's lstm_forecaster (timing cache off, or its LSTMs pinned with --pin), then traces
-its calls (lstm_fused.c's row-split trace, kiln_lstm_fused_tracing): per call, from Python's call to the first LSTM's
-loop, each LSTM loop's slices (when the worker's slice started after the loop's start, each slice's length, the
-caller's wait for the worker at the loop's end), the gap between the loops, the end to Python's return.
+kiln: each process builds the zoo's lstm_forecaster (timing cache off; --pin: its LSTMs then put on one tactic), then
+traces its calls (lstm_fused.c's row-split trace, kiln_lstm_fused_tracing): per call, from Python's call to the first LSTM's
+loop, each LSTM loop's slices (when the worker's slice started after the loop's start, each slice's length and, where
+the x parts come first, that pass's, the wait at the loop's end for the later slice), the gap between the loops, the end to Python's return.
 onnxruntime: each process times its calls, then (a second session, profiling on) reports each node's median time.
 Why: the end-to-end ratio says whether kiln is behind, these phases say where (the worker starting late, a slice
 running slow, the time around the loops). Reported: per phase the median over the processes of each process's
@@ -39,7 +41,7 @@ def _median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
-def kiln_child(runs: int, warmup: int, pin: str | None, slice_us: float = 0, settings: tuple = ()) -> dict:
+def kiln_child(runs: int, warmup: int, pin: str | None, settings: tuple = ()) -> dict:
     import torch
 
     import kiln
@@ -65,8 +67,6 @@ def kiln_child(runs: int, warmup: int, pin: str | None, slice_us: float = 0, set
     picks = [found["tactic"].removeprefix("cpu.lstm.")
              for name, found in engine.plan.header["tactics"]["layers"].items() if op.get(name) == "LSTM"]
     lib = recurrent.load()
-    if slice_us:
-        ctypes.c_long.in_dll(lib, "kiln_pool_worker_slice_ns").value = int(slice_us * 1000)
     for setting in settings:  # another side: a C int of the recurrent library (e.g. kiln_lstm_fused_x_first=0)
         name, value = setting.split("=")
         ctypes.c_int.in_dll(lib, name).value = int(value)
@@ -157,30 +157,27 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--pin", help="the LSTMs' tactic without tuning them (e.g. fused)")
-    ap.add_argument("--slice-us", type=float, default=0,
-                    help="also kiln with pool.c's workers asking the scheduler for this slice (kiln_pool_worker_slice_ns)")
     ap.add_argument("--set", action="append", default=[],
                     help="also kiln with this int of the recurrent library set after its build, e.g. "
                          "kiln_lstm_fused_x_first=0 (repeatable: one runner each)")
     ap.add_argument("--child", choices=["kiln", "onnxruntime"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        result = kiln_child(args.runs, args.warmup, args.pin, args.slice_us, tuple(args.set)) if args.child == "kiln" else \
+        result = kiln_child(args.runs, args.warmup, args.pin, tuple(args.set)) if args.child == "kiln" else \
             ort_child(args.runs, args.warmup)
         print(json.dumps(result))
         return
-    runners = {"kiln": ("kiln", 0, None), **({f"kiln slice {args.slice_us:g} us": ("kiln", args.slice_us, None)}
-                                             if args.slice_us else {}),
-               **{f"kiln {setting}": ("kiln", 0, setting) for setting in args.set}, "onnxruntime": ("onnxruntime", 0, None)}
+    runners = {"kiln": ("kiln", None), **{f"kiln {setting}": ("kiln", setting) for setting in args.set},
+               "onnxruntime": ("onnxruntime", None)}
     found: dict[str, list[dict]] = {k: [] for k in runners}
     loads = []
     order = list(runners)
     for p in range(args.processes):
         for label in order[p % len(order):] + order[:p % len(order)]:
-            runtime, slice_us, setting = runners[label]
+            runtime, setting = runners[label]
             loads.append(os.getloadavg()[0])
             command = [sys.executable, str(HERE), "--child", runtime, "--runs", str(args.runs), "--warmup",
-                       str(args.warmup), *(["--pin", args.pin] if args.pin else []), "--slice-us", str(slice_us),
+                       str(args.warmup), *(["--pin", args.pin] if args.pin else []),
                        *(["--set", setting] if setting else [])]
             done = subprocess.run(command, capture_output=True, text=True, check=True)
             result = json.loads(done.stdout.strip().splitlines()[-1])

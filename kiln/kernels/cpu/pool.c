@@ -15,7 +15,6 @@
  * started again. Compiled into each library that uses it.
  */
 #include <limits.h>
-#include <string.h>
 #include <pthread.h>
 #include <sched.h>
 #include <time.h>
@@ -106,43 +105,10 @@ long kiln_pool_spin_window(const long *gaps, int n, long follow) {
     return 2 * longest > POOL_SPIN_NS ? 2 * longest : POOL_SPIN_NS;
 }
 
-/* The scheduler's slice a worker asks for (SCHED_OTHER's sched_runtime, Linux 6.12's EEVDF), or 0: the
-   default (experiment: bench/lstm_timeline.py --slice-us). */
-long kiln_pool_worker_slice_ns = 0;
-
-#if defined(__linux__) && defined(SYS_sched_setattr)
-struct pool_sched_attr {
-    unsigned int size, sched_policy;
-    unsigned long long sched_flags;
-    int sched_nice;
-    unsigned int sched_priority;
-    unsigned long long sched_runtime, sched_deadline, sched_period;
-    unsigned int sched_util_min, sched_util_max;
-};
-#endif
-
-/* This thread's slice to `ns` (its policy, nice and the rest kept), once it differs from the last one set. */
-static void pool_apply_slice(long *applied) {
-    const long ns = __atomic_load_n(&kiln_pool_worker_slice_ns, __ATOMIC_RELAXED);
-    if (ns == *applied) return;
-    *applied = ns;
-#if defined(__linux__) && defined(SYS_sched_setattr)
-    struct pool_sched_attr a;
-    memset(&a, 0, sizeof a);
-    if (syscall(SYS_sched_getattr, 0, &a, sizeof a, 0) != 0 || a.sched_policy != SCHED_OTHER) return;
-    a.size = sizeof a;
-    a.sched_runtime = (unsigned long long)ns;
-    a.sched_flags = 0;
-    syscall(SYS_sched_setattr, 0, &a, 0);
-#endif
-}
-
 static void *pool_worker(void *arg) {
     const int id = (int)(long)arg;
     unsigned int seen = __atomic_load_n(&kiln_pool.generation, __ATOMIC_ACQUIRE);
-    long slice = 0;
     for (;;) {
-        pool_apply_slice(&slice);
         unsigned int g;
         long since = 0;
         int polls = 0;
