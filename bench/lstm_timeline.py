@@ -2,13 +2,12 @@
 
     python bench/lstm_timeline.py                      # 5 processes of each, 300 calls each, taking turns
     python bench/lstm_timeline.py --processes 7 --pin fused
-    python bench/lstm_timeline.py --set kiln_lstm_fused_x_first=0     # also kiln with that C int of lstm_fused.c
+    python bench/lstm_timeline.py --set kiln_lstm_fused_wide=0        # also kiln with that C int of lstm_fused.c
     sudo chrt -f 10 python bench/lstm_timeline.py                      # the cores its own on a shared machine
 
 kiln: each process builds the zoo's lstm_forecaster (timing cache off; --pin: its LSTMs then put on one tactic), then
 traces its calls (lstm_fused.c's row-split trace, kiln_lstm_fused_tracing): per call, from Python's call to the first LSTM's
-loop, each LSTM loop's slices (when the worker's slice started after the loop's start, each slice's length and, where
-the x parts come first, that pass's, the wait at the loop's end for the later slice), the gap between the loops, the end to Python's return.
+loop, each LSTM loop's slices (when the worker's slice started after the loop's start, each slice's length, the wait at the loop's end for the later slice), the gap between the loops, the end to Python's return.
 onnxruntime: each process times its calls, then (a second session, profiling on) reports each node's median time.
 Why: the end-to-end ratio says whether kiln is behind, these phases say where (the worker starting late, a slice
 running slow, the time around the loops). Reported: per phase the median over the processes of each process's
@@ -33,8 +32,7 @@ HERE = Path(__file__).resolve()
 
 class _Trace(ctypes.Structure):  # struct fused_trace in lstm_fused.c
     _fields_ = [("start", ctypes.c_long), ("end", ctypes.c_long), ("slices", ctypes.c_long),
-                ("slice_start", ctypes.c_long * 8), ("slice_end", ctypes.c_long * 8), ("by_worker", ctypes.c_long * 8),
-                ("slice_x_end", ctypes.c_long * 8)]
+                ("slice_start", ctypes.c_long * 8), ("slice_end", ctypes.c_long * 8), ("by_worker", ctypes.c_long * 8)]
 
 
 def _median(xs):
@@ -67,7 +65,7 @@ def kiln_child(runs: int, warmup: int, pin: str | None, settings: tuple = ()) ->
     picks = [found["tactic"].removeprefix("cpu.lstm.")
              for name, found in engine.plan.header["tactics"]["layers"].items() if op.get(name) == "LSTM"]
     lib = recurrent.load()
-    for setting in settings:  # another side: a C int of the recurrent library (e.g. kiln_lstm_fused_x_first=0)
+    for setting in settings:  # another side: a C int of the recurrent library (e.g. kiln_lstm_fused_wide=0)
         name, value = setting.split("=")
         ctypes.c_int.in_dll(lib, name).value = int(value)
     tracing = ctypes.c_int.in_dll(lib, "kiln_lstm_fused_tracing")
@@ -102,8 +100,6 @@ def kiln_child(runs: int, warmup: int, pin: str | None, settings: tuple = ()) ->
             add(f"LSTM {k} slices run by the worker (mean)", sum(t.by_worker[q] for q in range(t.slices)), 1)
             for q in range(t.slices):
                 add(f"LSTM {k} slice {q}", t.slice_end[q] - t.slice_start[q])
-                if t.slice_x_end[q]:
-                    add(f"LSTM {k} slice {q}: x parts first", t.slice_x_end[q] - t.slice_start[q])
             add(f"LSTM {k} end after the first slice ends", t.end - min(t.slice_end[q] for q in range(t.slices)))
         add("LSTM 1 -> LSTM 2", loops[1].start - loops[0].end)
         add("LSTM 2 -> python", t1 - loops[1].end)
@@ -159,7 +155,7 @@ def main() -> None:
     ap.add_argument("--pin", help="the LSTMs' tactic without tuning them (e.g. fused)")
     ap.add_argument("--set", action="append", default=[],
                     help="also kiln with this int of the recurrent library set after its build, e.g. "
-                         "kiln_lstm_fused_x_first=0 (repeatable: one runner each)")
+                         "kiln_lstm_fused_wide=0 (repeatable: one runner each)")
     ap.add_argument("--child", choices=["kiln", "onnxruntime"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:

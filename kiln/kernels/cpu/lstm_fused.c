@@ -60,9 +60,6 @@ typedef struct {
     fused_ahead_fn ahead_pairs[8]; /* ... of a two-pass tile's m rows, in its two passes */
     int wide_rows;              /* rows of the wide tile (FUSED_WIDE), or 0: none */
     fused_rows_fn wide[3];      /* wide[nb - 1]: the wide tile over nb blocks from `block` */
-    /* xpass[g - 1]: the bias and x part of g vectors for 4 rows of any steps (fused_x_first), with the wide tile */
-    void (*xpass[3])(const float *const *x, long I, const float *const *ptr, const float *const *bias,
-                     float *const *out, const long *off);
 } fused_kernel;
 
 /* One tile of a step's block: `rows` batch rows from row0, on `tile`. */
@@ -83,9 +80,6 @@ struct fused_ctx {
        ahead_sums[s % 2][b][n][4·U] where ahead_step[(s % 2)·blocks + b].step is s + 1 */
     float *ahead_sums;
     struct { _Alignas(64) long step; } *ahead_step;
-    /* the row split's x parts of every step computed first (fused_x_first), or NULL: the wide tile computes them;
-       row n's of step s at x_sums[(s·N + n)·blocks·4·U], the bias's layout */
-    float *x_sums;
 };
 
 /* Block `block`'s x part of step `step` computed ahead, from row0's row on, or NULL: the tile computes it. */
@@ -293,12 +287,7 @@ static inline fused_v4 fused_rcp(fused_v4 d) { return 1.0f / d; }
    (FUSED_SUMS's order). The weight vectors held in registers (the asm): GCC otherwise folds them into the FMAs as
    memory operands, and a k then loads M·G vectors and M broadcasts, as many loads as the core's two a cycle take
    in the FMAs' time. */
-#define FUSED_WIDE_SUMS(V, U, M, G, PTR, BIAS, XS, XOFF)                                                     \
-    if (XS) { /* the bias and x part computed first (fused_x_first): the same sums in the same order */      \
-        _Pragma("GCC unroll 4") for (int g = 0; g < (G); ++g)                                                \
-            _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i)                                            \
-                memcpy(&acc[i][g], (XS)[i] + (XOFF)[g], sizeof(V));                                          \
-    } else {                                                                                                 \
+#define FUSED_WIDE_SUMS(V, U, M, G, PTR, BIAS)                                                               \
     _Pragma("GCC unroll 4") for (int g = 0; g < (G); ++g) {                                                  \
         V bq;                                                                                                \
         memcpy(&bq, (BIAS)[g], sizeof bq);                                                                   \
@@ -314,7 +303,6 @@ static inline fused_v4 fused_rcp(fused_v4 d) { return 1.0f / d; }
             const float xk = x[i][k];                                                                        \
             _Pragma("GCC unroll 4") for (int g = 0; g < (G); ++g) acc[i][g] += xk * wv[g];                   \
         }                                                                                                    \
-    }                                                                                                        \
     }                                                                                                        \
     if (recurrent)                                                                                           \
         for (long k = I; k < I + H; ++k) {                                                                   \
@@ -338,9 +326,6 @@ static inline fused_v4 fused_rcp(fused_v4 d) { return 1.0f / d; }
         _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) x[i] = fused_x_row(p, step, row0 + i);         \
         const float *h_prev = c->h[step % 2] + row0 * H;                                                     \
         const int recurrent = step > 0 || p->h0 != NULL;                                                     \
-        const float *xs_row[M], *const *xs = c->x_sums ? xs_row : NULL;  /* fused_x_first's rows */          \
-        _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i)                                                \
-            xs_row[i] = c->x_sums ? c->x_sums + (step * p->N + row0 + i) * c->blocks * 4 * (U) : NULL;       \
         V c_new[NB][M];                                                                                      \
         _Pragma("GCC unroll 4") for (int bb = 0; bb < (NB); ++bb) {                                          \
             const long block = block0 + bb;                                                                  \
@@ -348,9 +333,8 @@ static inline fused_v4 fused_rcp(fused_v4 d) { return 1.0f / d; }
             const long j0 = block * (U), width = H - j0 < (U) ? H - j0 : (U);                                \
             const float *cell = c->c + row0 * H + j0;                                                        \
             const float *ptr[3] = {w, w + (U), w + (I + H) * 2 * (U)}, *bias[3] = {b, b + (U), b + 2 * (U)}; \
-            const long xoff[3] = {block * 4 * (U), block * 4 * (U) + (U), block * 4 * (U) + 2 * (U)};         \
             V acc[M][3], ig[M];                                                                              \
-            FUSED_WIDE_SUMS(V, U, M, 3, ptr, bias, xs, xoff)                    /* slots i, c̃ (A), f (B) */ \
+            FUSED_WIDE_SUMS(V, U, M, 3, ptr, bias)                              /* slots i, c̃ (A), f (B) */ \
             FUSED_C_OLD(V, U, M)                                                                             \
             _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) {                                          \
                 acc[i][0] = NAME##_sigmoid(acc[i][0]);                                                       \
@@ -365,14 +349,12 @@ static inline fused_v4 fused_rcp(fused_v4 d) { return 1.0f / d; }
         }                                                                                                    \
         /* the o gates of the NB blocks (panel B's second slot) */                                           \
         const float *ptr[NB], *bias[NB];                                                                     \
-        long xoff[NB];                                                                                       \
         _Pragma("GCC unroll 4") for (int bb = 0; bb < (NB); ++bb) {                                          \
             ptr[bb] = p->packed_w + (block0 + bb) * (I + H) * 4 * (U) + (I + H) * 2 * (U) + (U);             \
             bias[bb] = p->bias + (block0 + bb) * 4 * (U) + 3 * (U);                                          \
-            xoff[bb] = (block0 + bb) * 4 * (U) + 3 * (U);                                                    \
         }                                                                                                    \
         V acc[M][NB];                                                                                        \
-        FUSED_WIDE_SUMS(V, U, M, NB, ptr, bias, xs, xoff)                                                    \
+        FUSED_WIDE_SUMS(V, U, M, NB, ptr, bias)                                                              \
         _Pragma("GCC unroll 4") for (int bb = 0; bb < (NB); ++bb)                                            \
             _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) acc[i][bb] = NAME##_sigmoid(acc[i][bb]);   \
         _Pragma("GCC unroll 4") for (int bb = 0; bb < (NB); ++bb) {                                          \
@@ -385,31 +367,11 @@ static inline fused_v4 fused_rcp(fused_v4 d) { return 1.0f / d; }
         }                                                                                                    \
     }
 
-/* The bias and x part of G gate vectors for M rows of X of any steps (FUSED_WIDE_SUMS's first half, in its order)
-   to out[i] + off[g]: fused_x_first's pass, in the wide tile's shapes (4 rows x 3 vectors). */
-#define FUSED_XPASS(NAME, TARGET, V, U, M, G)                                                                \
-    static __attribute__((noinline)) TARGET void NAME##_xpass##M##x##G(                                      \
-        const float *const *x, long I, const float *const *ptr, const float *const *bias, float *const *out,  \
-        const long *off) {                                                                                   \
-        const long H = 0;                                                                                    \
-        const float *h_prev = NULL, *const *xs = NULL;                                                       \
-        const int recurrent = 0;                                                                             \
-        const long *xoff = NULL;                                                                             \
-        V acc[M][G];                                                                                         \
-        FUSED_WIDE_SUMS(V, U, M, G, ptr, bias, xs, xoff)                                                     \
-        (void)h_prev;                                                                                        \
-        _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i)                                                \
-            _Pragma("GCC unroll 4") for (int g = 0; g < (G); ++g) memcpy(out[i] + off[g], &acc[i][g], sizeof(V)); \
-    }
-
-/* the wide tiles of 4 rows over 1 to 3 blocks (12 vector accumulators), and their x passes */
+/* the wide tiles of 4 rows over 1 to 3 blocks (12 vector accumulators) */
 #define FUSED_WIDE_KERNEL(NAME, TARGET, U)                                                                   \
     FUSED_WIDE(NAME, TARGET, NAME##_v, U, 4, 1) FUSED_WIDE(NAME, TARGET, NAME##_v, U, 4, 2)                  \
-    FUSED_WIDE(NAME, TARGET, NAME##_v, U, 4, 3)                                                              \
-    FUSED_XPASS(NAME, TARGET, NAME##_v, U, 4, 1) FUSED_XPASS(NAME, TARGET, NAME##_v, U, 4, 2)                \
-    FUSED_XPASS(NAME, TARGET, NAME##_v, U, 4, 3)
+    FUSED_WIDE(NAME, TARGET, NAME##_v, U, 4, 3)
 #define FUSED_WIDE_FNS(NAME) {NAME##_wide4x1, NAME##_wide4x2, NAME##_wide4x3}
-#define FUSED_XPASS_FNS(NAME) {NAME##_xpass4x1, NAME##_xpass4x2, NAME##_xpass4x3}
 
 /* The x part of a block's four gates for M rows (the bias and Σ_k x·W, FUSED_SUMS's first half in its order) to
    sums[i][4·U], for fused_ahead: G = 4 in one pass (the one-pass tile's shape), G = 2 in two (the two-pass tile's:
@@ -502,10 +464,10 @@ static const fused_kernel FUSED_KERNELS[] = {
 #if defined(__x86_64__) || defined(__i386__)
     {"avx512 16 units x 4 gates, 6 rows; 2+2 gates, 8 rows; 3+1 gates, 4 rows", 16, 6, FUSED_ROW_FNS(fused_avx512),
      8, FUSED_PAIR_FNS(fused_avx512), has_avx512, 0, 0, FUSED_AHEAD_FNS(fused_avx512),
-     FUSED_AHEAD_PAIR_FNS(fused_avx512), 4, FUSED_WIDE_FNS(fused_avx512), FUSED_XPASS_FNS(fused_avx512)},
+     FUSED_AHEAD_PAIR_FNS(fused_avx512), 4, FUSED_WIDE_FNS(fused_avx512)},
     {"avx2 8 units x 4 gates, 3 rows; 2+2 gates, 6 rows; 3+1 gates, 4 rows", 8, 3, FUSED_ROW_FNS(fused_avx2),
      6, FUSED_PAIR_FNS6(fused_avx2), has_avx2, 0, 1, FUSED_AHEAD_FNS(fused_avx2), FUSED_AHEAD_PAIR_FNS6(fused_avx2),
-     4, FUSED_WIDE_FNS(fused_avx2), FUSED_XPASS_FNS(fused_avx2)},
+     4, FUSED_WIDE_FNS(fused_avx2)},
     /* the AVX2 kernel before the 6-row two-pass tile (2026-12-06): benches time it beside the one above */
     {"avx2onepass 8 units x 4 gates, 3 rows", 8, 3, FUSED_ROW_FNS(fused_avx2), 0, {0}, has_avx2, 1, 0,
      FUSED_AHEAD_FNS(fused_avx2)},
@@ -550,23 +512,7 @@ void kiln_lstm_fused_pack(int kernel, const float *w, const float *r, const floa
 }
 
 /* h [2][N, H], c [N, H] */
-/* 1: where a layer's input is wide (I >= kiln_lstm_fused_x_first_inputs), the row split (and one thread on the wide tile) first
-   computes every step's bias and x part of its rows in one pass (fused_x_first), then runs the steps with only the
-   recurrent half in the tile; 0: the wide tile computes each step's x part with its h part. Why: a step's tile reads
-   all of W and R, (I + H)·4H floats: at I = H = 128 (the forecaster's second layer) 512 KB, as large as a Zen 3
-   core's L2, so every step streamed them from L3; split, the x pass reads W (256 KB) across the steps and the steps
-   read R (256 KB), each resident in L2. The same sums in the same order: bit-equal. Cost: S·N·4H floats of scratch
-   (1.5 MB at 96 steps, batch 8, 128 units), written once and read once. bench/lstm_x_first.py times both. */
-int kiln_lstm_fused_x_first = 1;
-long kiln_lstm_fused_x_first_inputs = 64;  /* FUSED_X_FIRST_INPUTS; benches lower it before a layer's scratch is sized */
-
-static int fused_x_first_fits(long i) { return i >= kiln_lstm_fused_x_first_inputs; }
-
-/* h (two buffers) and c [N, H]; where the x parts may come first (fused_x_first_fits), S·N·4·(H + 16) more (every
-   kernel's blocks·U is under H + 16) */
-long kiln_lstm_fused_scratch_floats(long s, long n, long i, long h) {
-    return 3 * n * h + (fused_x_first_fits(i) ? s * n * 4 * (h + 16) : 0);
-}
+long kiln_lstm_fused_scratch_floats(long s, long n, long h) { (void)s; return 3 * n * h; }
 
 /* The batch in ceil(N / MR) groups of rows, as even as they go (8 rows of a 6-row tile: 4 + 4, not 6 + 2):
    group g's first row and row count. */
@@ -646,7 +592,6 @@ struct fused_trace {
     long slices;
     long slice_start[FUSED_TRACE_SLICES], slice_end[FUSED_TRACE_SLICES];
     long by_worker[FUSED_TRACE_SLICES];
-    long slice_x_end[FUSED_TRACE_SLICES];  /* where the x parts came first (fused_x_first): when they were done */
 };
 int kiln_lstm_fused_tracing = 0;
 long kiln_lstm_fused_trace_count = 0;
@@ -672,7 +617,7 @@ static long fused_wide_group(long blocks, long b0) {
 
 /* Participant q's row groups through every step, with no barrier: a row's recurrence reads its own h and c only.
    A wide span (tile NULL) runs the blocks in groups (fused_wide_group), the slice's other spans beside it. */
-static void fused_row_slice_steps(const fused_ctx *c, long first, long last, long *x_end);
+static void fused_row_slice_steps(const fused_ctx *c, long first, long last);
 static void fused_row_slice(void *ctx, long q) {
     const fused_slices *r = (const fused_slices *)ctx;
     const fused_ctx *c = r->c;
@@ -681,54 +626,13 @@ static void fused_row_slice(void *ctx, long q) {
         r->trace->slice_start[q] = now_ns();
         r->trace->by_worker[q] = !fused_caller;
     }
-    fused_row_slice_steps(c, first, last, r->trace && q < FUSED_TRACE_SLICES ? &r->trace->slice_x_end[q] : NULL);
+    fused_row_slice_steps(c, first, last);
     if (r->trace && q < FUSED_TRACE_SLICES) r->trace->slice_end[q] = now_ns();
 }
 
-/* The bias and x part of every step for the wide spans [first, last) (each 4 rows), into c->x_sums, in the wide tile's
-   shapes: per block the gates i, c̃, f of every step's rows, then per group of blocks (fused_wide_group) their o gates;
-   a pass's W panels (12 KB at I = 128 with AVX2) stay in L1 while X's rows stream past from L2. */
-static void fused_x_first(const fused_ctx *c, long first, long last) {
-    const kiln_recurrent_plan *p = c->p;
-    const fused_kernel *k = c->kernel;
-    const long I = p->I, H = p->H, U = k->units, N = p->N, row_floats = c->blocks * 4 * U;
-    for (long g = first; g < last; ++g) {
-        const long row0 = c->spans[g].row0;
-        for (long b0 = 0, nb; b0 < c->blocks; b0 += nb) {
-            nb = fused_wide_group(c->blocks, b0);
-            /* pass q < nb: block b0 + q's slots i, c̃ (panel A), f (panel B); pass nb: slot o (panel B) of the group */
-            for (long pass = 0; pass <= nb; ++pass) {
-                const float *ptr[3], *bias[3];
-                long off[3];
-                const long vectors = pass < nb ? 3 : nb;
-                for (long q = 0; q < vectors; ++q) {
-                    const long block = pass < nb ? b0 + pass : b0 + q, slot = pass < nb ? q : 3;
-                    const float *w = p->packed_w + block * (I + H) * 4 * U;
-                    ptr[q] = w + (slot < 2 ? 0 : (I + H) * 2 * U) + slot % 2 * U;
-                    bias[q] = p->bias + block * 4 * U + slot * U;
-                    off[q] = block * 4 * U + slot * U;
-                }
-                for (long step = 0; step < p->S; ++step) {
-                    const float *x[4];
-                    float *out[4];
-                    for (int i = 0; i < 4; ++i) {
-                        x[i] = fused_x_row(p, step, row0 + i);
-                        out[i] = c->x_sums + (step * N + row0 + i) * row_floats;
-                    }
-                    k->xpass[vectors - 1](x, I, ptr, bias, out, off);
-                }
-            }
-        }
-    }
-}
-
-static void fused_row_slice_steps(const fused_ctx *c, long first, long last, long *x_end) {
+static void fused_row_slice_steps(const fused_ctx *c, long first, long last) {
     int wide = 0;
     for (long g = first; g < last; ++g) wide |= c->spans[g].tile == NULL;
-    if (c->x_sums) {
-        fused_x_first(c, first, last);
-        if (x_end) *x_end = now_ns();
-    }
     if (!wide) {
         for (long step = 0; step < c->p->S; ++step)
             for (long block = 0; block < c->blocks; ++block)
@@ -866,11 +770,6 @@ int kiln_lstm_fused(void *object, void *stream, int nargs, const void *args) {
     for (long g = 0; g < c.groups; ++g) wide_spans |= spans[g].tile == NULL;
     if (slices > 1 || wide_spans) {  /* one thread with a wide span: its one slice, with no stage loop */
         p->wide = wide_spans;
-        int all_wide = c.groups > 0 && kernel->xpass[0] != NULL;
-        for (long g = 0; g < c.groups; ++g) all_wide &= spans[g].tile == NULL && spans[g].rows == 4;
-        if (all_wide && kiln_lstm_fused_x_first && fused_x_first_fits(p->I))
-            c.x_sums = c.c + N * H;  /* after h, h and c in the scratch (kiln_lstm_fused_scratch_floats) */
-        p->ahead = c.x_sums != NULL ? 2 : 0;
         const long start = now_ns();
         struct fused_trace *trace = NULL;
         if (kiln_lstm_fused_tracing) {

@@ -78,8 +78,7 @@ typedef struct {
     int split;             /* lstm_fused.c at two threads and more: 0 the library's default (kiln_lstm_fused_row_split),
                               1 the batch's rows, 2 each step's unit blocks (cpu.lstm.fused / cpu.lstm.fused_blocks) */
     int row_slices;        /* out: lstm_fused.c: the slices of rows the threads ran (1: one, or the block split) */
-    int ahead;             /* out: lstm_fused.c: 1 where the block split computed each step's x parts ahead, 2 where the
-                              row split computed every step's x parts first (fused_x_first) */
+    int ahead;             /* out: lstm_fused.c: 1 where the block split computed each step's x parts ahead */
     int wide;              /* out: lstm_fused.c: 1 where a slice ran on the kernel's wide tile (FUSED_WIDE) */
 } kiln_recurrent_plan;
 

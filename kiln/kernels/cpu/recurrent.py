@@ -125,7 +125,7 @@ def load(test_kernels: bool = False) -> ctypes.CDLL | None:
         lib.kiln_lstm_fused_tile_plan.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_int, ctypes.c_void_p,
                                                   ctypes.c_void_p,
                                                   ctypes.c_long]
-        lib.kiln_lstm_fused_scratch_floats.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long]
+        lib.kiln_lstm_fused_scratch_floats.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_long]
         lib.kiln_recurrent_member.restype = ctypes.c_int
         lib.kiln_recurrent_member.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
         _LOADED[test_kernels] = lib
@@ -174,15 +174,6 @@ def set_fused_ahead(on: bool) -> None:
     for lib in _LOADED.values():
         if lib is not None:
             ctypes.c_int.in_dll(lib, "kiln_lstm_fused_ahead").value = int(on)
-
-
-def set_x_first(on: bool) -> None:
-    """Whether lstm_fused.c's row split computes every step's x part of its rows first where a layer's input is wide
-    (the default; kiln_lstm_fused_x_first) or each step's tile computes it (the form before 2026-12-07), as a
-    benchmark's other side. The same bits either way."""
-    for lib in _LOADED.values():
-        if lib is not None:
-            ctypes.c_int.in_dll(lib, "kiln_lstm_fused_x_first").value = int(on)
 
 
 def reason(test_kernels: bool = False) -> str | None:
@@ -506,7 +497,7 @@ class FusedLSTMDirection(_Direction):
         self._lock = threading.Lock()
 
     def scratch_floats(self, steps: int, batch: int) -> int:
-        return self._lib.kiln_lstm_fused_scratch_floats(steps, batch, self.inputs, self.hidden)
+        return self._lib.kiln_lstm_fused_scratch_floats(steps, batch, self.hidden)
 
     def plan(self, steps: int, batch: int, *, reverse: bool, batch_major: bool, scratch: torch.Tensor) -> _Plan:
         return _Plan(packed_w=self._packed.data_ptr(), bias=self._bias.data_ptr(), scratch=scratch.data_ptr(),
