@@ -577,7 +577,26 @@ int kiln_lstm_fused_row_split = 1;
 typedef struct {
     const fused_ctx *c;
     const long *first;          /* participant q's row groups: spans [first[q], first[q + 1]) */
+    long start;                 /* the loop's start (now_ns), for the trace */
+    struct fused_trace *trace;  /* or NULL */
 } fused_slices;
+
+/* A row split's timeline, for benches (bench/lstm_timeline.py): when kiln_lstm_fused_tracing is 1, each row-split
+   loop writes one record to kiln_lstm_fused_traces[count % FUSED_TRACES] (count: kiln_lstm_fused_trace_count): the
+   loop's start and end (CLOCK_MONOTONIC ns, Python's time.monotonic_ns), each slice's start and end, and which
+   thread ran it (0: the caller). Off by default: the loop then reads one int. */
+#define FUSED_TRACES 4096
+#define FUSED_TRACE_SLICES 8
+struct fused_trace {
+    long start, end;
+    long slices;
+    long slice_start[FUSED_TRACE_SLICES], slice_end[FUSED_TRACE_SLICES];
+    long by_worker[FUSED_TRACE_SLICES];
+};
+int kiln_lstm_fused_tracing = 0;
+long kiln_lstm_fused_trace_count = 0;
+struct fused_trace kiln_lstm_fused_traces[FUSED_TRACES];
+static __thread int fused_caller;  /* 1 on the thread that called kiln_lstm_fused's row split */
 
 /* Where no step's blocks are shared between threads (the row split, one thread), which rows run on the kernel's
    wide tile (FUSED_WIDE, 4 rows; fused_tiles): on AVX2 2, a rest of 4 rows past the full two-pass tiles, and of 8
@@ -598,10 +617,20 @@ static long fused_wide_group(long blocks, long b0) {
 
 /* Participant q's row groups through every step, with no barrier: a row's recurrence reads its own h and c only.
    A wide span (tile NULL) runs the blocks in groups (fused_wide_group), the slice's other spans beside it. */
+static void fused_row_slice_steps(const fused_ctx *c, long first, long last);
 static void fused_row_slice(void *ctx, long q) {
     const fused_slices *r = (const fused_slices *)ctx;
     const fused_ctx *c = r->c;
     const long first = r->first[q], last = r->first[q + 1];
+    if (r->trace && q < FUSED_TRACE_SLICES) {
+        r->trace->slice_start[q] = now_ns();
+        r->trace->by_worker[q] = !fused_caller;
+    }
+    fused_row_slice_steps(c, first, last);
+    if (r->trace && q < FUSED_TRACE_SLICES) r->trace->slice_end[q] = now_ns();
+}
+
+static void fused_row_slice_steps(const fused_ctx *c, long first, long last) {
     int wide = 0;
     for (long g = first; g < last; ++g) wide |= c->spans[g].tile == NULL;
     if (!wide) {
@@ -742,11 +771,21 @@ int kiln_lstm_fused(void *object, void *stream, int nargs, const void *args) {
     if (slices > 1 || wide_spans) {  /* one thread with a wide span: its one slice, with no stage loop */
         p->wide = wide_spans;
         const long start = now_ns();
-        fused_slices r = {&c, first};
+        struct fused_trace *trace = NULL;
+        if (kiln_lstm_fused_tracing) {
+            trace = &kiln_lstm_fused_traces[kiln_lstm_fused_trace_count++ % FUSED_TRACES];
+            memset(trace, 0, sizeof *trace);
+            trace->start = start;
+            trace->slices = slices;
+        }
+        fused_slices r = {&c, first, start, trace};
+        fused_caller = 1;
         kiln_parallel_for(slices, (int)slices, fused_row_slice, &r);
+        fused_caller = 0;
         p->stalled = 0;
         p->waited_ns = 0;
         p->loop_ns = now_ns() - start;
+        if (trace) trace->end = start + p->loop_ns;
     } else {
         const long chunks = (c.groups + c.per_item - 1) / c.per_item;
         void *ahead = NULL;
