@@ -293,15 +293,20 @@ def _us(ms: float) -> str:
 
 def speed_moves(model: SpeedModel, floats: set[str], where: str = "") -> dict[str, str]:
     """{layer: why} of the int8 layers to move to fp32 from the plan whose float layers are `floats`: repeatedly the
-    move (one layer, or one run of connected int8 layers) that saves the most by the model, taken while it saves
-    anything or is level (int8 not faster: fp32 is the exact one), the boundaries it makes or removes counted."""
+    move (one layer, a layer and one of its int8 producers, or a whole run of connected int8 layers) that saves the
+    most by the model, taken while it saves anything or is level (int8 not faster: fp32 is the exact one), the
+    boundaries it makes or removes counted."""
     floats = set(floats)
     moved: dict[str, str] = {}
     while True:
         now = model.total(floats)
         best: tuple[float, frozenset[str]] | None = None
-        candidates = [frozenset({n}) for n in model.int8 if n not in floats] + \
-            [frozenset(r) for r in _runs(model, floats)]
+        int8 = [n for n in model.int8 if n not in floats]
+        # one layer, a layer with one of its int8 producers (moved alone, each would leave the other a boundary), or a
+        # whole run of connected int8 layers
+        candidates = [frozenset({n}) for n in int8] + \
+            [frozenset({p, n}) for n in int8 for p in sorted(model.producers.get(n, ())) if p in model.int8
+             and p not in floats] + [frozenset(r) for r in _runs(model, floats)]
         for move in candidates:
             delta = model.total(floats | move) - now
             if delta <= 1e-12 and (best is None or delta < best[0] - 1e-12):
