@@ -12,6 +12,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
+import torch
 from onnx import helper
 
 import kiln
@@ -215,3 +216,24 @@ def test_the_engine_is_checked_against_fp32s(net, monkeypatch, faster):
     assert all(why.startswith("int8 slower here: the mixed engine") for why in q["kept_float"].values())
     want, got = _ort(proto, batches), _run(engine, batches)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)  # every layer fp32: float's rounding only
+
+
+@needs_onednn
+def test_a_refit_keeps_the_layers_the_check_kept_fp32(net, tmp_path):
+    proto, batches = net
+    onnx.save(proto, tmp_path / "small.onnx")
+    engine = kiln.build(str(tmp_path / "small.onnx"), precision="int8", calibration=batches, calibrator="minmax", layer_times=TABLE,
+                        refittable=True)
+    rng = np.random.default_rng(9)
+    new = {i.name: onnx.numpy_helper.to_array(i) * (1 + 0.05 * rng.standard_normal(i.dims)).astype(np.float32)
+           for i in proto.graph.initializer}
+    engine.refit({k: torch.from_numpy(v) for k, v in new.items()})
+    fresh_proto = onnx.ModelProto()
+    fresh_proto.CopyFrom(proto)
+    for init in fresh_proto.graph.initializer:
+        init.CopyFrom(onnx.numpy_helper.from_array(new[init.name], init.name))
+    # the new weights' float model: int8's error only (the build's ranges kept)
+    want = _ort(fresh_proto, batches)
+    got = np.concatenate([np.asarray(next(iter(engine.create_execution_context().run(b).values()))) for b in batches])
+    assert {s.name: s.op_type for s in engine.plan.program.steps}["expand"] != "QConv"
+    assert np.abs(got - want).max() <= 0.05 * np.abs(want).max()
