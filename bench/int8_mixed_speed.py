@@ -49,6 +49,7 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.97)
     parser.add_argument("--no-previous", action="store_true", help="leave out the previous 97%% plan, pinned")
     parser.add_argument("--save-table", default=None, help="write the target build's speed record (JSON) here")
+    parser.add_argument("--target-only", action="store_true", help="kiln fp32, the target's engine and onnxruntime")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     one = args.threads == 1
@@ -62,7 +63,9 @@ def main() -> None:
     target = f"kiln int8, target {args.target} (speed check)"
     builds = {"kiln fp32": {}, "kiln int8 every layer": dict(common, speed_check="off"),
               target: dict(common, accuracy_target=args.target, accuracy_metric="top1")}
-    if not args.no_previous and PLAN.exists():
+    if args.target_only:
+        builds.pop("kiln int8 every layer")
+    if not args.no_previous and not args.target_only and PLAN.exists():
         plan = json.loads(PLAN.read_text())
         builds[f"kiln int8, the previous 97% plan ({len(plan['fp32'])} fp32), no speed check"] = dict(
             common, speed_check="off", layer_precision=dict.fromkeys(plan["fp32"], "fp32"))
