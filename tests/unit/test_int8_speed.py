@@ -238,3 +238,17 @@ def test_a_refit_keeps_the_layers_the_check_kept_fp32(net, tmp_path):
     got = np.concatenate([np.asarray(next(iter(engine.create_execution_context().run(b).values()))) for b in batches])
     assert {s.name: s.op_type for s in engine.plan.program.steps}["expand"] != "QConv"
     assert np.abs(got - want).max() <= 0.05 * np.abs(want).max()
+
+
+@needs_onednn
+def test_a_build_whose_engines_cannot_be_measured_says_so(net, monkeypatch):
+    proto, batches = net
+
+    def cannot(fp32, probe):
+        raise RuntimeError("a segment's per-layer times need kiln's compiled loop")
+
+    monkeypatch.setattr(int8_speed, "measure", cannot)
+    engine = kiln.build(proto, precision="int8", calibration=batches, calibrator="minmax", speed_check="on")
+    q = engine.plan.header["quantization"]
+    assert q["speed"]["engine"].startswith("not measured: a segment's per-layer times")
+    assert {s.name: s.op_type for s in engine.plan.program.steps}["project"] == "QConv"
