@@ -13,6 +13,7 @@ from typing import Any
 import onnx_ir as ir
 import torch
 
+from kiln.builder import int8_speed
 from kiln.builder.autotune import autotune, example_inputs
 from kiln.builder.calibration import quantize, summarize
 from kiln.builder.config import BuildConfig
@@ -154,6 +155,16 @@ def _tune(spec: ProgramSpec, lowered: Lowered, config: BuildConfig, device: torc
 def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | None = None,
           progress: Progress | None = None) -> Engine:
     config = config or BuildConfig()
+    if int8_speed.wanted(config):
+        # INT8 only where measured faster: the fp32 and an every-layer int8 engine timed per layer on this machine,
+        # the plan chosen by those times, the engine checked against fp32's (kiln/builder/int8_speed.py)
+        return int8_speed.build_no_slower(model, config, progress or (lambda _msg: None), _build)
+    return _build(model, config, progress)
+
+
+def _build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig,
+           progress: Progress | None = None) -> Engine:
+    """One build: import, quantize, optimize, lower, tune, plan memory (`build` may call it several times)."""
     say = progress or (lambda _msg: None)
     memory_at_start = PeakMemory.start()
     # Import: read and check the model, list every unsupported node at once.

@@ -17,7 +17,7 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
-from kiln.builder import layer_cost
+from kiln.builder import int8_speed, layer_cost
 from kiln.builder.lower import lower
 from kiln.builder.sensitivity import choose_float_layers
 from kiln.builder.timing_cache import TimingCache
@@ -307,6 +307,16 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
     if pinned_wide & set(narrow):
         name = sorted(pinned_wide & set(narrow))[0]
         raise KilnError(f"layer_precision w8a16 for {name!r}: {narrow[name]}")
+    # INT8 where measured faster (kiln/builder/int8_speed.py): with per-layer times of this machine's engines, the
+    # layers whose int8 form is not faster (their quantize steps included) stay fp32 before the search ranks the others
+    speed, slow, where = None, {}, ""
+    if cpu_kernels and config.layer_times is not None:
+        speed, where = _speed_model(model, config.layer_times)
+        floats = set(exclude) | pinned_weight_only
+        slow = int8_speed.speed_moves(speed, floats, where)
+        say(f"int8 speed: {len(slow)} layer(s) kept fp32 before the search (int8 not faster here by the measured "
+            f"times): every layer fp32 {speed.total(set(speed.int8)):.2f} ms, every layer int8 {speed.total(floats):.2f}"
+            f" ms, this plan {speed.total(floats | set(slow)):.2f} ms")
     if config.accuracy_target is not None:
         top1 = config.accuracy_metric == "top1"
         # the search's expected agreement on the calibration images is optimistic on new ones (0.971 expected ->
@@ -318,13 +328,16 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
         if top1 and config.accuracy_weight_only and config.accuracy_by_cost and no_kernel is None:
             timings = TimingCache(config.timing_cache) if config.timing_cache else None
             costs = layer_cost.layer_costs(model, [t.node.name for t in qdq.targets(model.graph, exclude |
-                                                                                         pinned_weight_only)], say,
-                                           timings)
+                                                                                         pinned_weight_only | set(slow))],
+                                           say, timings)
             if timings is not None:
                 timings.save()
+            if speed is not None:  # the engines' measured times; W8A16's kernel alone scaled as fp32's is in the engine
+                costs = {name: _measured_costs(c, speed, name) for name, c in costs.items()}
         # (a layer pinned weight-only is float in the search's measurements: not a candidate)
         sensitive, accuracy = choose_float_layers(model, ranges, dtype, evaluation, aim,
-                                                  exclude | pinned_weight_only, say, metric=config.accuracy_metric,
+                                                  exclude | pinned_weight_only | set(slow), say,
+                                                  metric=config.accuracy_metric,
                                                   unsigned=unsigned, weight_max=weight_max,
                                                   channel_means=channel_means, lows=lows,
                                                   moments=moments, weight_only=config.accuracy_weight_only,
@@ -340,6 +353,19 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
     # weight-only layers (the search's precision between): their weights quantized, their inputs float
     chosen_weight_only = {**{name: "pinned" for name in pinned_weight_only}, **(accuracy.get("weight_only") or {})}
     weight_only = set(chosen_weight_only)
+    speed_record = None
+    if speed is not None:
+        # after the search: the int8 layers its float ones left where their boundaries make int8 no faster
+        before = dict(slow)
+        floats = set(exclude) | weight_only | sensitive | set(slow)
+        slow.update(int8_speed.speed_moves(speed, floats, where))
+        if len(slow) > len(before):
+            say(f"int8 speed: {len(slow) - len(before)} more layer(s) kept fp32 after the search (their boundaries)")
+        sensitive = sensitive | set(slow)
+        final = set(exclude) | weight_only | sensitive
+        speed_record = {"kept_fp32": slow, "before_search": sorted(before), "after_search": sorted(set(slow) - set(before)),
+                        "plan_ms": round(speed.total(final), 4), "all_int8_ms": round(speed.total(set()), 4),
+                        "all_fp32_ms": round(speed.total(set(speed.int8)), 4), "times": config.layer_times}
     convs = {t.node.name for t in qdq.targets(model.graph, exclude) if t.node.op_type == "Conv"}
     wide = pinned_wide | ({n for n in weight_only - pinned_weight_only if n in convs and n not in narrow}
                           if no_wide is None else set())
@@ -357,7 +383,7 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
                          moments=moments, weight_only=weight_only - wide, wide=wide)
     residual_adds = residual.insert(model, adds, ranges, unsigned)
     quantized = [name for name in layers if name not in skipped and name not in sensitive | weight_only]
-    kept = {**skipped, **{name: "pinned" for name in exclude}, **(accuracy.get("kept_float") or {})}
+    kept = {**skipped, **{name: "pinned" for name in exclude}, **(accuracy.get("kept_float") or {}), **slow}
     return model, {"dtype": dtype, "mode": "kernels" if kernels else "emulate", "calibration": record,
                    "quantized": quantized, "kept_float": kept, "accuracy": accuracy,
                    "weight_only": {name: why for name, why in chosen_weight_only.items() if name not in skipped},
@@ -371,12 +397,33 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
                    "gptq": bool(moments),
                    "residual_adds": residual_adds,
                    "attention_fp8_scales": fp8_attention.scales(attentions, ranges),
+                   **({"speed": speed_record} if speed_record is not None else {}),
                    # what the correction was formed from: a refit forms it again from the new weights with these
                    # (kiln/builder/refit.py), as it keeps the ranges
                    "channel_means": {k: np.asarray(v).tolist() for k, v in sorted((channel_means or {}).items())},
                    "lows": {k: float(v) for k, v in sorted((lows or {}).items())},
                    **({"smoothquant": smoothing} if smoothing is not None else {}),
                    **({"equalization": equalization} if equalization is not None else {})}
+
+
+def _speed_model(model: ir.Model, table: dict) -> tuple[int8_speed.SpeedModel, str]:
+    """The measured (or given) per-layer times over the model's quantizable layers, and where they come from."""
+    every = qdq.targets(model.graph)
+    elements = {t.node.name: int(np.prod(t.activation.shape)) for t in every
+                if t.activation.shape is not None and all(isinstance(d, int) for d in t.activation.shape)}
+    producers = int8_speed.layer_producers(model.graph, {t.node.name for t in every})
+    where = (f"; in this build's engines, {table['clock']} at {table['threads']} thread(s), {table['cpu']}"
+             if "cpu" in table else "; by the given layer_times")
+    return int8_speed.speed_model(table, producers, elements), where
+
+
+def _measured_costs(kernels: dict[str, float], speed: int8_speed.SpeedModel, name: str) -> dict[str, float]:
+    """A layer's search costs from the engines' times: int8 and fp32 as measured there; W8A16's kernel alone times
+    the ratio of fp32's in the engine to fp32's alone."""
+    if name not in speed.int8:
+        return kernels
+    scale = speed.fp32[name] / kernels["fp32"] if kernels.get("fp32") else 1.0
+    return {"int8": speed.int8[name], "fp32": speed.fp32[name], "w8a16": kernels["w8a16"] * scale}
 
 
 INT8_TACTICS = ("cpu.qconv.onednn", "cpu.qgemm.onednn")
@@ -403,6 +450,8 @@ def summarize(program, tactics: dict, quantization: dict | None = None,
     full_range = set(quantization.get("full_range_weights") or ())
     by_target = {**{name: (storage, f"accuracy target: {why}") for name, why in
                     ((quantization.get("accuracy") or {}).get("kept_float") or {}).items()},
+                 **{name: (storage, why) for name, why in ((quantization.get("speed") or {}).get("kept_fp32")
+                                                           or {}).items()},
                  **{name: (f"{dtype} weights, {storage} input", why if why == "pinned" else f"accuracy target: {why}")
                     for name, why in (quantization.get("weight_only") or {}).items()}}
     for name in quantization.get("w8a16") or ():  # W8A16: the 16-bit input on the int8 kernels

@@ -58,6 +58,14 @@ class BuildConfig:
     # "top1" on an int8 CPU build with W8A16 kernels: layers moved up from int8 by accuracy gained per millisecond
     # (each layer's kernels timed in int8, W8A16 and fp32; kiln/builder/layer_cost.py); False: the fewest layers
     accuracy_by_cost: bool = True
+    # int8 CPU builds: layers (or runs of layers) whose int8 form, its quantize steps included, is not measured faster
+    # than fp32 in the engines on this machine stay fp32, and the engine is checked against the fp32 one
+    # (kiln/builder/int8_speed.py). "auto": with an accuracy target on a CPU without int8 dot products (VNNI/AMX);
+    # "on": every int8 CPU build; "off": the int8 kernels wherever the tuner timed them faster alone
+    speed_check: str = "auto"
+    # the per-layer times that check uses ({"int8": {layer: ms}, "fp32": {layer: ms}, "quantize_ms_per_element": r,
+    # "quantizes_own_input": [...]}, int8_speed.measure's): given, no engine is measured (tests; a rebuild)
+    layer_times: dict[str, Any] | None = None
     # the inputs of depthwise convolutions quantized with one scale per channel, folded into the layer's
     # per-channel weight scales (kiln/quant/qdq.py): MobileNet-style networks' largest int8 error otherwise
     per_channel_depthwise: bool = True

@@ -301,6 +301,8 @@ def _requantize(model: ir.Model, config: BuildConfig, built: dict, recalibrate: 
                          "recalibrate=DATA (kiln refit --calib DIR), or rebuild")
     pinned = dict(config.layer_precision)
     pinned.update({name: "fp32" for name in (built.get("accuracy") or {}).get("kept_float") or {}})
+    # ... and those its int8 speed check kept fp32 (kiln/builder/int8_speed.py): pinned, not chosen again
+    pinned.update({name: "fp32" for name in (built.get("speed") or {}).get("kept_fp32") or {}})
     pinned.update({name: qdq.WEIGHT_ONLY for name in built.get("weight_only") or {}})  # as the build chose
     pinned.update({name: qdq.W8A16 for name in built.get("w8a16") or ()})  # ... their inputs at 16 bits
     with tempfile.TemporaryDirectory(prefix="kiln-refit-") as folder:
@@ -310,7 +312,7 @@ def _requantize(model: ir.Model, config: BuildConfig, built: dict, recalibrate: 
                                channel_mean={k: np.asarray(v, np.float64) for k, v in channel_means.items()},
                                low={k: float(v) for k, v in (built.get("lows") or {}).items()})
         kept = dataclasses.replace(config, calibration=None, calibration_cache=cache, accuracy_target=None,
-                                   layer_precision=pinned)
+                                   layer_precision=pinned, layer_times=None)
         try:
             model, record = quantize(model, kept, _quiet)
         except KilnError as e:  # a quantized layer's input the recorded ranges do not cover

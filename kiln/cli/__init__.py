@@ -86,6 +86,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cost", dest="accuracy_by_cost", action="store_false",
                    help="with --accuracy-metric top1 on an int8 CPU build: move the fewest layers up from int8, not "
                         "the fewest milliseconds (each layer's int8, W8A16 and fp32 kernels timed)")
+    p.add_argument("--int8-speed-check", dest="speed_check", choices=["auto", "on", "off"], default="auto",
+                   help="int8 CPU builds: time the layers in this machine's fp32 and int8 engines and keep fp32 "
+                        "those (or runs of those) whose int8 form is not faster, quantize steps included, then check "
+                        "the engine against fp32's (auto: with --accuracy-target on a CPU without VNNI/AMX)")
     p.add_argument("--accuracy-margin", type=float, default=0.01,
                    help="with --accuracy-metric top1: the search aims this much above the target (its expected "
                         "agreement on the calibration data overestimates new data's; default 0.01)")

@@ -52,6 +52,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         "accuracy_weight_only": args.accuracy_weight_only,
         "accuracy_margin": args.accuracy_margin,
         "accuracy_by_cost": args.accuracy_by_cost,
+        "speed_check": args.speed_check,
         "smoothquant": args.smoothquant,
         "equalize": args.equalize,
         "gptq": args.gptq,

@@ -36,7 +36,11 @@ def test_mobilenet_v2_int8_with_w8a16_layers_keeps_97_percent(capsys):
     steps = {s.name: s for s in engine.program.spec.steps}
     # a VNNI CPU's search chose 10-19 W8A16 layers; an AVX2-only one's (Zen 3: w16gemm's vpmaddwd slower than fp32 on
     # most layers) the float plan, none (bench/results/int8-accuracy-avx2-2026-12-07.md): those chosen run W8A16
-    assert wide or accuracy["chosen_plan"] == "float"
+    # ... or, where the int8 speed check found the mixed engine no faster than fp32's, every layer fp32
+    # (kiln/builder/int8_speed.py; Zen 3 at 1 thread: bench/results/int8-mixed-speed-2026-12-07.md)
+    check = (record.get("speed") or {}).get("engine")
+    fell_back = isinstance(check, dict) and "fallback" in check
+    assert wide or accuracy["chosen_plan"] == "float" or fell_back
     assert all(steps[name].tactic in w8a16_tactics.TACTICS for name in wide)
     members = {m.ctx.name for segment in engine.program.segments for m in segment.members}
     assert wide <= members  # native-segment members, not steps that split the segments

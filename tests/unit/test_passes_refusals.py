@@ -467,6 +467,14 @@ def uint8_quantize_of_a_chain_read_twice():
                  [value("y", [2, 4], TensorProto.UINT8), value("r", [2, 4])], inits)
 
 
+def uint8_quantize_of_an_image_add():
+    """A residual Add of two [1, 4, 5, 5] images -> Q(uint8): a CPU segment runs the Add and the quantize as members."""
+    inits = [("s", np.array(0.05, np.float32)), ("z", np.array(3, np.uint8))]
+    nodes = [node("Add", ["a", "b"], ["t"]), node("QuantizeLinear", ["t", "s", "z"], ["y"])]
+    return model(nodes, [value("a", [1, 4, 5, 5]), value("b", [1, 4, 5, 5])],
+                 [value("y", [1, 4, 5, 5], TensorProto.UINT8)], inits)
+
+
 def _fp8_gemm_inputs(product: bool):
     """A kiln::QGemm's inputs on E4M3 x [2, 8] and w [4, 8] (its product quantized when `product`: float out)."""
     import ml_dtypes
@@ -704,6 +712,8 @@ CASES = {
     "int8_quantize_into_elementwise/read_twice": Case("fuse_int8_quantize_into_elementwise",
                                                       uint8_quantize_of_a_chain_read_twice, "other readers",
                                                       before=["fuse_elementwise"]),
+    "int8_quantize_into_elementwise/image_add": Case("fuse_int8_quantize_into_elementwise",
+                                                     uint8_quantize_of_an_image_add, "4-D images"),
     "elementwise_into_qgemm/read_twice": Case("fuse_elementwise_into_qgemm", fp8_gemm_output_read_twice,
                                               "other readers"),
     "quantize_through_layout/read_twice": Case("fuse_quantize_through_layout_into_qgemm",
