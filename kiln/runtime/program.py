@@ -28,6 +28,7 @@ from kiln.runtime.native_runs import segments
 from kiln.runtime.shape_function import ShapeFunction, compile_shape_steps, computable_ahead
 from kiln.runtime.shapes import HOST_INPUTS, shape_only_steps
 from kiln.runtime.step import BoundStep, call_step, pinned_fp32
+from kiln.runtime.view_launches import lean_launch
 from kiln.runtime.view_steps import SignatureViews
 from kiln.tactics.registry import launch_for
 
@@ -153,6 +154,13 @@ class Program:
         if after_packing is not None:
             after_packing()
         self.shape_steps = shape_steps
+        if not on_cuda and LEAN_VIEWS:  # the view layers between segments: their ops' torch calls, less Python
+            shape_step_ids = {id(self.steps[i]) for i in shape_steps}
+            for step in self.run_steps:
+                if id(step) not in shape_step_ids:
+                    lean = lean_launch(step.ctx.op_type, step.ctx.domain, step.fn)
+                    if lean is not None:
+                        step.fn = lean
         self.shape_slots = sorted({slot(n) for n in shape_values if n not in spec.constants})
         # the loop once a signature's shape values are known: without the steps that compute them
         computed_once = {id(self.steps[i]) for i in shape_steps}
@@ -420,6 +428,8 @@ class _PlanTally:
 SHAPE_PLANS = 256  # input-shape signatures whose shape values a Program remembers (least recently used go): as
 # many as a native segment keeps views (kiln/runtime/native.py VIEWS): a shape whose view is kept skips its shape steps
 SHAPE_PLAN_BYTES = 64 << 20  # ... and the most their tensors hold (BERT-base's at 8 x 256: ~7 MB a signature)
+LEAN_VIEWS = True  # a CPU program's view layers (Reshape, Expand, (Un)squeeze, Transpose) take view_launches.py's
+# launches: their ops' own torch calls, less Python (benches load an engine with it off to compare)
 
 
 SHARE_MIN_ELEMENTS = 4096  # a weight this large is worth one prepared launch for every layer reading it
