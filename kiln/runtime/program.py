@@ -154,14 +154,15 @@ class Program:
         if after_packing is not None:
             after_packing()
         self.shape_steps = shape_steps
+        self.shape_slots = sorted({slot(n) for n in shape_values if n not in spec.constants})
         if not on_cuda and LEAN_VIEWS:  # the view layers between segments: their ops' torch calls, less Python
             shape_step_ids = {id(self.steps[i]) for i in shape_steps}
+            fixed = set(self.shape_slots) | set(template_values)  # the same at every call of a signature
             for step in self.run_steps:
-                if id(step) not in shape_step_ids:
+                if id(step) not in shape_step_ids and all(s < 0 or s in fixed for s in step.inputs[1:]):
                     lean = lean_launch(step.ctx.op_type, step.ctx.domain, step.fn)
                     if lean is not None:
                         step.fn = lean
-        self.shape_slots = sorted({slot(n) for n in shape_values if n not in spec.constants})
         # the loop once a signature's shape values are known: without the steps that compute them
         computed_once = {id(self.steps[i]) for i in shape_steps}
         self.lean_steps = [s for s in self.run_steps if id(s) not in computed_once]

@@ -31,86 +31,116 @@ from typing import Any
 
 import torch
 
+from kiln.ops._util import norm_axis
 from kiln.ops.registry import lookup
-from kiln.ops.tensor import squeeze_axes, unsqueeze_axes
 
 INTEGER_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
+KEPT = 512  # entries a layer keeps (program.SHAPE_PLANS signatures, twice)
 
 
-class _KeptInts:
-    """A 1-D integer tensor's values as a tuple of Python ints, kept with the tensor last read (one per layer)."""
+def _ints(value: torch.Tensor) -> tuple[int, ...] | None:
+    """A 1-D integer tensor's values as `ints()` reads them; None for another kind (the op then reads it)."""
+    if value.dim() != 1 or value.dtype not in INTEGER_DTYPES:
+        return None
+    return tuple(value.tolist())
 
-    __slots__ = ("_kept",)
 
-    def __init__(self):
-        self._kept: tuple[Any, tuple[int, ...]] | None = None  # (tensor, its ints): one tuple, read and set whole
+class _Kept(dict):
+    """What a layer's launch found, by (the shape or axes tensor's identity, the input's sizes): (that tensor, held
+    so that its identity is no other's while kept; the sizes the op's torch call takes, None: the op's own call).
+    At most KEPT entries (then it starts over): a signature's shape values are one tensor each."""
 
-    def __call__(self, value: torch.Tensor) -> tuple[int, ...] | None:
-        """`value`'s ints as `ints()` reads them, or None where that differs (not 1-D, not an integer dtype)."""
-        kept = self._kept
-        if kept is not None and kept[0] is value:
-            return kept[1]
-        if value.dim() != 1 or value.dtype not in INTEGER_DTYPES:
-            return None
-        found = tuple(value.tolist())
-        self._kept = (value, found)
-        return found
+    __slots__ = ()
+
+    def add(self, key: tuple, value: tuple) -> tuple:
+        if len(self) >= KEPT:
+            self.clear()
+        self[key] = value
+        return value
 
 
 def _reshape(op: Callable[..., Any]) -> Callable[..., Any]:
-    ints_of = _KeptInts()
+    kept = _Kept()
 
     def reshape(ctx, data, shape_input=None, *, allowzero=0, shape=None, consumed_inputs=None):
         # ONNX Reshape-5+: target from the shape input; 0 copies the input's dim unless allowzero; -1 left to torch
         if type(data) is torch.Tensor and type(shape_input) is torch.Tensor:
-            target = ints_of(shape_input)
-            if target is not None:
-                if not allowzero and 0 in target:
-                    sizes = data.shape
+            sizes = data.shape
+            found = kept.get((id(shape_input), sizes))
+            if found is None:
+                target = _ints(shape_input)
+                if target is not None and not allowzero and 0 in target:
                     target = tuple(sizes[i] if d == 0 else d for i, d in enumerate(target))
-                return data.reshape(target)
+                found = kept.add((id(shape_input), sizes), (shape_input, target))
+            if found[1] is not None:
+                return data.reshape(found[1])
         return op(ctx, data, shape_input, allowzero=allowzero, shape=shape, consumed_inputs=consumed_inputs)
 
     return reshape
 
 
 def _expand(op: Callable[..., Any]) -> Callable[..., Any]:
-    ints_of = _KeptInts()
+    kept = _Kept()
 
     def expand(ctx, x, shape):
         # out[i] = x[i] where x[i] != 1 (the target's dim then 1 or x[i]), else the target's: broadcast_sizes's rule
         if type(x) is torch.Tensor and type(shape) is torch.Tensor:
-            target = ints_of(shape)
-            if target is not None and len(target) == x.dim():
-                sizes = x.shape
-                if all(s == 1 or t == 1 or t == s for s, t in zip(sizes, target)):
-                    return x.expand(tuple(t if s == 1 else s for s, t in zip(sizes, target)))
+            sizes = x.shape
+            found = kept.get((id(shape), sizes))
+            if found is None:
+                target, out = _ints(shape), None
+                if target is not None and len(target) == len(sizes) \
+                        and all(s == 1 or t == 1 or t == s for s, t in zip(sizes, target)):
+                    out = tuple(t if s == 1 else s for s, t in zip(sizes, target))
+                found = kept.add((id(shape), sizes), (shape, out))
+            if found[1] is not None:
+                return x.expand(found[1])
         return op(ctx, x, shape)
 
     return expand
 
 
 def _unsqueeze(op: Callable[..., Any]) -> Callable[..., Any]:
-    ints_of = _KeptInts()
+    kept = _Kept()
 
     def unsqueeze(ctx, x, axes_input=None, *, axes=None):
+        # unsqueeze_axes's sizes: a 1 inserted at each axis (counted in the output's rank), in order
         if type(x) is torch.Tensor and type(axes_input) is torch.Tensor:
-            found = ints_of(axes_input)
-            if found is not None:
-                return unsqueeze_axes(x, list(found))
+            sizes = x.shape
+            found = kept.get((id(axes_input), sizes))
+            if found is None:
+                read, out = _ints(axes_input), None
+                if read is not None:
+                    rank = len(sizes) + len(read)
+                    out = list(sizes)
+                    for a in sorted(norm_axis(a, rank) for a in read):
+                        out.insert(a, 1)
+                    out = tuple(out)
+                found = kept.add((id(axes_input), sizes), (axes_input, out))
+            if found[1] is not None:
+                return x.reshape(found[1])
         return op(ctx, x, axes_input, axes=axes)
 
     return unsqueeze
 
 
 def _squeeze(op: Callable[..., Any]) -> Callable[..., Any]:
-    ints_of = _KeptInts()
+    kept = _Kept()
 
     def squeeze(ctx, x, axes_input=None, *, axes=None):
+        # squeeze_axes's sizes: the input's less the axes named (none named: every axis of size 1)
         if type(x) is torch.Tensor and type(axes_input) is torch.Tensor:
-            found = ints_of(axes_input)
-            if found is not None:
-                return squeeze_axes(x, list(found))
+            sizes = x.shape
+            found = kept.get((id(axes_input), sizes))
+            if found is None:
+                read, out = _ints(axes_input), None
+                if read is not None:
+                    named = read or [i for i, d in enumerate(sizes) if d == 1]
+                    named = {norm_axis(a, len(sizes)) for a in named}
+                    out = tuple(d for i, d in enumerate(sizes) if i not in named)
+                found = kept.add((id(axes_input), sizes), (axes_input, out))
+            if found[1] is not None:
+                return x.reshape(found[1])
         return op(ctx, x, axes_input, axes=axes)
 
     return squeeze
