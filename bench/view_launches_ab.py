@@ -1,14 +1,14 @@
-"""A decoder's calls at new input shapes with its view layers three ways, in one process, calls paired (issue 10).
+"""A decoder's calls at new input shapes with its view layers two ways, in one process, calls paired (issue 10).
 
-The sides (one engine file loaded three times per process):
+The sides (one engine file loaded twice per process):
 
-    main     the op's implementation for each view layer, a signature's view layers recorded at its 2nd call and
-             replayed as as_strided from its 3rd (view_steps.py: main at 536393ad)
-    lean     view_launches.py's launches (the ops' torch calls on kept ints), nothing recorded
-    lean+rec the lean launches and, on top, main's recording and replay
+    main     program.LEAN_VIEWS off: the op's implementation for each view layer, a signature's view layers
+             recorded at its 2nd call and replayed as as_strided from its 3rd (view_steps.py: main at 536393ad)
+    lean     view_launches.py's launches: the op's torch call on kept sizes at an input geometry's first call, an
+             as_strided of what it gave from its second (per layer, not per signature: nothing recorded per call)
 
 Per round, one fresh process: the shapes of batch 1-B x sequence 1-S none of which the load planned, shuffled by the
-round's seed; each called 4 times in a row on each side (sides rotated per shape: first call, 2nd, 3rd, 4th), every
+round's seed; each called 4 times in a row on each side (which side first alternates: first call, 2nd, 3rd, 4th), every
 output of every call checked bit for bit against side main's first call; then a cycle of 8 of those shapes --cycle
 times (every call a repeated shape, no two in a row the same); then onnxruntime (1 thread) at the same shapes, a
 first and a 2nd call. Thread CPU µs per call and of it outside the native segments' compiled loops. Table: the
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
-SIDES = ("main", "lean", "lean+rec")
+SIDES = ("main", "lean")
 ROWS = ["1st call", "1st call, outside the loop", "2nd call, outside the loop", "3rd call, outside the loop",
         "4th call, outside the loop", "cycle of 8: call", "cycle of 8: outside the loop"]
 
@@ -64,8 +64,6 @@ def child(args) -> None:
         program_module.LEAN_VIEWS = side != "main"
         context = kiln.load(args.engine).create_execution_context()
         context.warm_up()
-        if side == "lean":
-            context.program.signature_views = None
         contexts[side] = context
     program_module.LEAN_VIEWS = True
     rng = np.random.default_rng(args.seed)
@@ -90,9 +88,8 @@ def child(args) -> None:
 
     for f in feeds:
         k = next(turn)
-        order = SIDES[k % 3:] + SIDES[:k % 3]
         reference = None
-        for side in order if k % 2 == 0 else order[::-1]:
+        for side in SIDES if k % 2 == 0 else SIDES[::-1]:
             outs = [call(side, f, "1st call", "1st call, outside the loop"),
                     call(side, f, "2nd call, outside the loop"), call(side, f, "3rd call, outside the loop"),
                     call(side, f, "4th call, outside the loop")]
@@ -103,9 +100,7 @@ def child(args) -> None:
                         raise SystemExit(f"{side} at {f['input_ids'].shape}: {name} differs bit for bit")
     for r in range(args.cycle):
         for f in feeds[:8]:
-            k = next(turn)
-            order = SIDES[k % 3:] + SIDES[:k % 3]
-            for side in order if k % 2 == 0 else order[::-1]:
+            for side in SIDES if next(turn) % 2 == 0 else SIDES[::-1]:
                 call(side, f, "cycle of 8: call", "cycle of 8: outside the loop")
     out = {side: {name: statistics.median(v) for name, v in found.items()} for side, found in rows.items()}
     for side in SIDES[1:]:

@@ -46,17 +46,19 @@ def _ints(value: torch.Tensor) -> tuple[int, ...] | None:
 
 
 class _Kept(dict):
-    """What a layer's launch found, by (the shape or axes tensor's identity, the input's sizes): (that tensor, held
-    so that its identity is no other's while kept; the sizes the op's torch call takes, None: the op's own call).
-    At most KEPT entries (then it starts over): a signature's shape values are one tensor each."""
+    """What a layer's launch found, by (the identity of its shape or axes tensor, or of its perm; the input's sizes;
+    its strides): (that tensor or perm, held so that its identity is no other's while kept; the argument of the op's
+    torch call, None where the op runs itself; the output's (sizes, strides) where it viewed the input at the input's
+    storage offset, else None). At most KEPT entries (then it starts over)."""
 
     __slots__ = ()
 
-    def add(self, key: tuple, value: tuple) -> tuple:
+    def add(self, key: tuple, other: Any, argument: Any, x: torch.Tensor, y: torch.Tensor | None) -> None:
         if len(self) >= KEPT:
             self.clear()
-        self[key] = value
-        return value
+        viewed = y is not None and y.numel() > 0 and y.data_ptr() == x.data_ptr() \
+            and y.storage_offset() == x.storage_offset()  # (a copy's storage is new: another address)
+        self[key] = (other, argument, (y.shape, y.stride()) if viewed else None)
 
 
 def _reshape(op: Callable[..., Any]) -> Callable[..., Any]:
@@ -65,15 +67,21 @@ def _reshape(op: Callable[..., Any]) -> Callable[..., Any]:
     def reshape(ctx, data, shape_input=None, *, allowzero=0, shape=None, consumed_inputs=None):
         # ONNX Reshape-5+: target from the shape input; 0 copies the input's dim unless allowzero; -1 left to torch
         if type(data) is torch.Tensor and type(shape_input) is torch.Tensor:
-            sizes = data.shape
-            found = kept.get((id(shape_input), sizes))
+            key = (id(shape_input), data.shape, data.stride())
+            found = kept.get(key)
             if found is None:
                 target = _ints(shape_input)
                 if target is not None and not allowzero and 0 in target:
+                    sizes = key[1]
                     target = tuple(sizes[i] if d == 0 else d for i, d in enumerate(target))
-                found = kept.add((id(shape_input), sizes), (shape_input, target))
-            if found[1] is not None:
-                return data.reshape(found[1])
+                y = data.reshape(target) if target is not None else None
+                kept.add(key, shape_input, target, data, y)
+                if y is not None:
+                    return y
+            elif found[2] is not None:
+                return data.as_strided(*found[2], data.storage_offset())
+            elif found[1] is not None:
+                return data.reshape(found[1])  # (it copied)
         return op(ctx, data, shape_input, allowzero=allowzero, shape=shape, consumed_inputs=consumed_inputs)
 
     return reshape
@@ -85,82 +93,93 @@ def _expand(op: Callable[..., Any]) -> Callable[..., Any]:
     def expand(ctx, x, shape):
         # out[i] = x[i] where x[i] != 1 (the target's dim then 1 or x[i]), else the target's: broadcast_sizes's rule
         if type(x) is torch.Tensor and type(shape) is torch.Tensor:
-            sizes = x.shape
-            found = kept.get((id(shape), sizes))
+            key = (id(shape), x.shape, x.stride())
+            found = kept.get(key)
             if found is None:
-                target, out = _ints(shape), None
+                sizes, target, out = key[1], _ints(shape), None
                 if target is not None and len(target) == len(sizes) \
                         and all(s == 1 or t == 1 or t == s for s, t in zip(sizes, target)):
                     out = tuple(t if s == 1 else s for s, t in zip(sizes, target))
-                found = kept.add((id(shape), sizes), (shape, out))
-            if found[1] is not None:
-                return x.expand(found[1])
+                y = x.expand(out) if out is not None else None
+                kept.add(key, shape, out, x, y)
+                if y is not None:
+                    return y
+            elif found[2] is not None:
+                return x.as_strided(*found[2], x.storage_offset())
         return op(ctx, x, shape)
 
     return expand
 
 
-def _unsqueeze(op: Callable[..., Any]) -> Callable[..., Any]:
-    kept = _Kept()
+def _resized(sizes_of: Callable[[torch.Size, tuple[int, ...]], tuple[int, ...]]):
+    """(Un)squeeze-13+: `x.reshape(sizes_of(x's sizes, the axes' ints))`, as unsqueeze_axes and squeeze_axes do."""
+    def make(op: Callable[..., Any]) -> Callable[..., Any]:
+        kept = _Kept()
 
-    def unsqueeze(ctx, x, axes_input=None, *, axes=None):
-        # unsqueeze_axes's sizes: a 1 inserted at each axis (counted in the output's rank), in order
-        if type(x) is torch.Tensor and type(axes_input) is torch.Tensor:
-            sizes = x.shape
-            found = kept.get((id(axes_input), sizes))
-            if found is None:
-                read, out = _ints(axes_input), None
-                if read is not None:
-                    rank = len(sizes) + len(read)
-                    out = list(sizes)
-                    for a in sorted(norm_axis(a, rank) for a in read):
-                        out.insert(a, 1)
-                    out = tuple(out)
-                found = kept.add((id(axes_input), sizes), (axes_input, out))
-            if found[1] is not None:
-                return x.reshape(found[1])
-        return op(ctx, x, axes_input, axes=axes)
+        def resized(ctx, x, axes_input=None, *, axes=None):
+            if type(x) is torch.Tensor and type(axes_input) is torch.Tensor:
+                key = (id(axes_input), x.shape, x.stride())
+                found = kept.get(key)
+                if found is None:
+                    read = _ints(axes_input)
+                    out = sizes_of(key[1], read) if read is not None else None
+                    y = x.reshape(out) if out is not None else None
+                    kept.add(key, axes_input, out, x, y)
+                    if y is not None:
+                        return y
+                elif found[2] is not None:
+                    return x.as_strided(*found[2], x.storage_offset())
+                elif found[1] is not None:
+                    return x.reshape(found[1])
+            return op(ctx, x, axes_input, axes=axes)
 
-    return unsqueeze
+        return resized
+
+    return make
 
 
-def _squeeze(op: Callable[..., Any]) -> Callable[..., Any]:
-    kept = _Kept()
+def _unsqueezed(sizes: torch.Size, axes: tuple[int, ...]) -> tuple[int, ...]:
+    """unsqueeze_axes's sizes: a 1 inserted at each axis (counted in the output's rank), in order."""
+    rank = len(sizes) + len(axes)
+    out = list(sizes)
+    for a in sorted(norm_axis(a, rank) for a in axes):
+        out.insert(a, 1)
+    return tuple(out)
 
-    def squeeze(ctx, x, axes_input=None, *, axes=None):
-        # squeeze_axes's sizes: the input's less the axes named (none named: every axis of size 1)
-        if type(x) is torch.Tensor and type(axes_input) is torch.Tensor:
-            sizes = x.shape
-            found = kept.get((id(axes_input), sizes))
-            if found is None:
-                read, out = _ints(axes_input), None
-                if read is not None:
-                    named = read or [i for i, d in enumerate(sizes) if d == 1]
-                    named = {norm_axis(a, len(sizes)) for a in named}
-                    out = tuple(d for i, d in enumerate(sizes) if i not in named)
-                found = kept.add((id(axes_input), sizes), (axes_input, out))
-            if found[1] is not None:
-                return x.reshape(found[1])
-        return op(ctx, x, axes_input, axes=axes)
 
-    return squeeze
+def _squeezed(sizes: torch.Size, axes: tuple[int, ...]) -> tuple[int, ...]:
+    """squeeze_axes's sizes: the input's less the axes named (none named: every axis of size 1)."""
+    named = {norm_axis(a, len(sizes)) for a in (axes or [i for i, d in enumerate(sizes) if d == 1])}
+    return tuple(d for i, d in enumerate(sizes) if i not in named)
 
 
 def _transpose(op: Callable[..., Any]) -> Callable[..., Any]:
+    kept = _Kept()
+
     def transpose(ctx, x, *, perm=None):
         if type(x) is torch.Tensor and perm is not None:
+            key = (id(perm), x.shape, x.stride())
+            found = kept.get(key)
+            if found is None:
+                y = x.permute(perm)
+                kept.add(key, perm, perm, x, y)
+                return y
+            if found[2] is not None:
+                return x.as_strided(*found[2], x.storage_offset())
             return x.permute(perm)
         return op(ctx, x, perm=perm)
 
     return transpose
 
 
-LEAN = {"Reshape": _reshape, "Expand": _expand, "Unsqueeze": _unsqueeze, "Squeeze": _squeeze, "Transpose": _transpose}
+LEAN = {"Reshape": _reshape, "Expand": _expand, "Transpose": _transpose,
+        "Unsqueeze": _resized(_unsqueezed), "Squeeze": _resized(_squeezed)}
 
 
 def lean_launch(op_type: str, domain: str, fn: Callable[..., Any]) -> Callable[..., Any] | None:
-    """A launch of its own (its kept ints are its layer's) for a layer of `op_type` whose launch `fn` is the op's
-    registered implementation itself; None for any other (a tactic's launch, a pinned-fp32 wrapper, another op)."""
+    """A launch of its own (what it keeps is its layer's), called as the op is, for a layer of `op_type` whose launch
+    `fn` is the op's registered implementation itself; None for any other (a tactic's launch, a pinned-fp32 wrapper,
+    another op)."""
     make = LEAN.get(op_type) if domain in ("", "ai.onnx") else None
     op = lookup(op_type, domain) if make is not None else None
     if op is None or fn is not op.fn:

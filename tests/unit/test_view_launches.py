@@ -182,6 +182,37 @@ def test_lean_launch_only_for_the_ops_own_implementation():
     assert lean_launch("Transpose", "", tensor_ops.reshape) is None
 
 
+def _kept(launch) -> view_launches._Kept:
+    return next(c.cell_contents for c in launch.__closure__ if isinstance(c.cell_contents, view_launches._Kept))
+
+
+@pytest.mark.parametrize("op_type", sorted(OPS))
+def test_a_kept_view_is_the_ops_view_at_another_offset(op_type):
+    """An input of the sizes and strides met before, at another storage offset and with other values: the kept
+    (sizes, strides) as_strided at its offset is the op's tensor in every respect; a Reshape that copied keeps no
+    view and copies again."""
+    rng = np.random.default_rng(zlib.crc32(b"kept " + op_type.encode()))
+    base = torch.from_numpy(rng.standard_normal((5, 4, 6)).astype(np.float32))
+    inputs = [base[k:k + 3, :, 1:5] for k in (0, 2, 1)]  # [3, 4, 4], strides (24, 6, 1), offsets 1, 49, 25
+    if op_type == "Transpose":
+        other, attributes = [], {"perm": [2, 0, 1]}
+    elif op_type == "Reshape":
+        other, attributes = [torch.tensor([0, 16])], {"allowzero": 0}  # (not viewable: it copies)
+    elif op_type == "Expand":
+        inputs = [x[:, :1] for x in inputs]
+        other, attributes = [torch.tensor([3, 7, 4])], {}
+    elif op_type == "Unsqueeze":
+        other, attributes = [torch.tensor([-1, 1])], {}
+    else:
+        inputs = [x[:, :1] for x in inputs]
+        other, attributes = [torch.tensor([1])], {}
+    launch = lean_launch(op_type, "", OPS[op_type])
+    for x in inputs:
+        _same(launch, OPS[op_type], x, *other, **attributes)
+    (entry,) = _kept(launch).values()
+    assert (entry[2] is None) == (op_type == "Reshape")
+
+
 def _context(path, monkeypatch, lean: bool, record: bool):
     monkeypatch.setenv("KILN_PAD_FIRST_CALLS", "0")  # every shape runs at its own sizes
     monkeypatch.setattr(program_module, "LEAN_VIEWS", lean)
@@ -194,26 +225,41 @@ def _context(path, monkeypatch, lean: bool, record: bool):
 
 def test_llama_with_lean_views_equals_the_ops_and_onnxruntime_at_random_shapes(llama, monkeypatch):
     """llama_tiny at 14 random shapes of its profile (1x1..4x16: batches and sequences of 1 among them), each called
-    3 times (a first call, a second, a third: recorded views replayed where on), on three engines: the ops' own
-    implementations with nothing recorded (the reference), the lean launches alone, the lean launches with recorded
-    views. Every call bit for bit the reference's first call at that shape, and onnxruntime's within fp32 tolerance.
-    The check can fail: with LEAN_VIEWS off on all three, no layer takes a lean launch (asserted first)."""
+    3 times, on three engines: the ops' own implementations with nothing recorded (the reference), main's (the ops,
+    a signature's views recorded at its 2nd call, view_steps.py), and the lean launches (the default). Every call bit
+    for bit the reference's at that shape, and onnxruntime's within fp32 tolerance. On the lean engine every one of
+    the 34 view layers takes its launch, no op's implementation runs, and from a shape's 2nd call each layer that
+    views (28 of the 34 at least: 6 Reshapes copy where no size is 1) is one as_strided."""
     exported, path = llama
     reference = _context(path, monkeypatch, lean=False, record=False)
-    sides = [_context(path, monkeypatch, lean=True, record=False), _context(path, monkeypatch, lean=True, record=True)]
-    for context in sides:
-        program = context.engine.program
-        lean = [s for s in program.lean_steps if getattr(s.fn, "__module__", "") == view_launches.__name__]
-        assert len(lean) == 34  # every view layer between the segments (test_view_steps: 34)
-    assert not any(getattr(s.fn, "__module__", "") == view_launches.__name__ for s in reference.engine.program.steps)
+    main = _context(path, monkeypatch, lean=False, record=True)
+    context = _context(path, monkeypatch, lean=True, record=True)
+    program = context.engine.program
+    assert program.signature_views is None and main.engine.program.signature_views is not None
+    launches = [s.fn for s in program.lean_steps if getattr(s.fn, "__module__", "") == view_launches.__name__]
+    assert len(launches) == 34  # every view layer between the segments (test_view_steps: 34)
+    assert not any(getattr(s.fn, "__module__", "") == view_launches.__name__ for s in main.engine.program.steps)
+    ops = {name: getattr(tensor_ops, name) for name in ("reshape_to", "expand_to", "unsqueeze_axes", "squeeze_axes")}
+    called: list[str] = []
+    strided: list[int] = []
+    as_strided = torch.Tensor.as_strided
     session = ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
-    rng = np.random.default_rng()  # fresh shapes every run (the failing ones printed by the assertion)
+    rng = np.random.default_rng()  # fresh shapes every run (the failing one named by the assertion)
     shapes = [(int(rng.integers(1, 5)), int(rng.integers(1, 17))) for _ in range(12)] + [(1, 1), (4, 1)]
     for shape in shapes:
         feeds = {"input_ids": rng.integers(0, 100, shape, dtype=np.int64)}
         feeds = {n: feeds.get(n, np.ones(shape, np.int64)) for n in reference.engine.input_names}
         want = next(iter(reference.run(feeds).values()))
         np.testing.assert_allclose(want, session.run(None, feeds)[0], rtol=RTOL, atol=ATOL, err_msg=str(shape))
-        for context in sides:
-            for _ in range(3):
-                np.testing.assert_array_equal(next(iter(context.run(feeds).values())), want, err_msg=str(shape))
+        for _ in range(3):
+            np.testing.assert_array_equal(next(iter(main.run(feeds).values())), want, err_msg=str(shape))
+        for call in range(3):
+            with monkeypatch.context() as patch:
+                for name, op in ops.items():
+                    patch.setattr(tensor_ops, name, lambda *a, _name=name, _op=op: called.append(_name) or _op(*a))
+                patch.setattr(torch.Tensor, "as_strided", lambda *a: strided.append(1) or as_strided(*a))
+                strided.clear()
+                got = next(iter(context.run(feeds).values()))
+            np.testing.assert_array_equal(got, want, err_msg=str(shape))
+            assert not called, (shape, called)
+            assert call == 0 or len(strided) >= 28, (shape, len(strided))

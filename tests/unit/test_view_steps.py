@@ -1,4 +1,5 @@
-"""A signature's view layers recorded at its second run and run as one torch view each after (view_steps.py)."""
+"""A signature's view layers recorded at its second run and run as one torch view each after (view_steps.py), with
+program.LEAN_VIEWS off (on, each layer's lean launch keeps its views: test_view_launches.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 import kiln
 from kiln.errors import ExecutionError
 from kiln.ops import tensor as tensor_ops
-from kiln.runtime import view_steps
+from kiln.runtime import program as program_module, view_steps
 from kiln.runtime.view_steps import SignatureViews, _Reshaped, _Strided
 from tests.unit.llama_engine import llama  # noqa: F401  (the fixture)
 
@@ -23,6 +24,7 @@ RTOL = ATOL = 1e-4
 
 def _context(path, monkeypatch):
     monkeypatch.setenv("KILN_PAD_FIRST_CALLS", "0")  # every shape runs at its own sizes
+    monkeypatch.setattr(program_module, "LEAN_VIEWS", False)  # (on, view_launches.py keeps the views instead)
     context = kiln.load(str(path)).create_execution_context()
     context.warm_up()
     return context
