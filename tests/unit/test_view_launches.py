@@ -186,18 +186,21 @@ def _kept(launch) -> view_launches._Kept:
     return next(c.cell_contents for c in launch.__closure__ if isinstance(c.cell_contents, view_launches._Kept))
 
 
-@pytest.mark.parametrize("op_type", sorted(OPS))
-def test_a_kept_view_is_the_ops_view_at_another_offset(op_type):
-    """An input of the sizes and strides met before, at another storage offset and with other values: the kept
-    (sizes, strides) as_strided at its offset is the op's tensor in every respect; a Reshape that copied keeps no
-    view and copies again."""
-    rng = np.random.default_rng(zlib.crc32(b"kept " + op_type.encode()))
+@pytest.mark.parametrize("case", [*sorted(OPS), "Reshape that copies"])
+def test_a_kept_view_is_the_ops_view_at_another_offset(case):
+    """Inputs of the sizes and strides met before, at other storage offsets and with other values: the kept (sizes,
+    strides) as_strided at each one's offset is the op's tensor in every respect; a Reshape that copied keeps no view
+    and copies again."""
+    rng = np.random.default_rng(zlib.crc32(b"kept " + case.encode()))
     base = torch.from_numpy(rng.standard_normal((5, 4, 6)).astype(np.float32))
     inputs = [base[k:k + 3, :, 1:5] for k in (0, 2, 1)]  # [3, 4, 4], strides (24, 6, 1), offsets 1, 49, 25
+    op_type = case.split()[0]
     if op_type == "Transpose":
         other, attributes = [], {"perm": [2, 0, 1]}
+    elif case == "Reshape":
+        other, attributes = [torch.tensor([0, 0, 2, -1])], {"allowzero": 0}  # (the last dim split: a view)
     elif op_type == "Reshape":
-        other, attributes = [torch.tensor([0, 16])], {"allowzero": 0}  # (not viewable: it copies)
+        other, attributes = [torch.tensor([0, 16])], {"allowzero": 0}  # (dims 1 and 2 merged: not viewable)
     elif op_type == "Expand":
         inputs = [x[:, :1] for x in inputs]
         other, attributes = [torch.tensor([3, 7, 4])], {}
@@ -210,7 +213,7 @@ def test_a_kept_view_is_the_ops_view_at_another_offset(op_type):
     for x in inputs:
         _same(launch, OPS[op_type], x, *other, **attributes)
     (entry,) = _kept(launch).values()
-    assert (entry[2] is None) == (op_type == "Reshape")
+    assert (entry[2] is None) == (case == "Reshape that copies")
 
 
 def _context(path, monkeypatch, lean: bool, record: bool):
