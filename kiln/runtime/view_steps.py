@@ -1,5 +1,6 @@
 """A program's view layers at an input-shape signature already run: each one torch call with the geometry its op
-gave there (issue 10).
+gave there (issue 10). Used only with program.LEAN_VIEWS off (benches compare against it): on, each view layer's own
+launch keeps the views it gave per input geometry, from the first call, with no recording run (view_launches.py).
 
 Between a decoder's native segments the loop runs layers that only view an activation: its heads split (Reshape,
 Transpose), grouped-query attention's k and v repeated (Unsqueeze, Expand, then a Reshape that copies), kᵀ, the heads
