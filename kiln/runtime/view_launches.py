@@ -52,19 +52,22 @@ def _ints(value: torch.Tensor) -> tuple[int, ...] | None:
 
 
 class _Kept(dict):
-    """What a layer's launch found, by (the identity of its shape or axes tensor, or of its perm; the input's sizes;
-    its strides): (that tensor or perm, held so that its identity is no other's while kept; the argument of the op's
-    torch call, None where the op runs itself; the output's (sizes, strides) where it viewed the input at the input's
-    storage offset, else None). At most KEPT entries (then it starts over)."""
+    """What a layer's launch found, by (the input's sizes, its strides): (the shape or axes tensor, or the perm, it
+    was found with: an entry serves that one alone (by identity; held, so that its identity is no other's while
+    kept); the argument of the op's torch call, None where the op runs itself; the output's sizes and strides where
+    it viewed the input at the input's storage offset, else None, None). At most KEPT entries (then it starts
+    over)."""
 
     __slots__ = ()
 
     def add(self, key: tuple, other: Any, argument: Any, x: torch.Tensor, y: torch.Tensor | None) -> None:
         if len(self) >= KEPT:
             self.clear()
-        viewed = y is not None and y.numel() > 0 and y.data_ptr() == x.data_ptr() \
-            and y.storage_offset() == x.storage_offset()  # (a copy's storage is new: another address)
-        self[key] = (other, argument, (y.shape, y.stride()) if viewed else None)
+        # a view of x at x's offset: its first element's address x's (a copy's storage is new: another address)
+        if y is not None and y.data_ptr() == x.data_ptr() and y.numel() > 0:
+            self[key] = (other, argument, y.shape, y.stride())
+        else:
+            self[key] = (other, argument, None, None)
 
 
 def _reshape(op: Callable[..., Any]) -> Callable[..., Any]:
@@ -73,19 +76,19 @@ def _reshape(op: Callable[..., Any]) -> Callable[..., Any]:
     def reshape(ctx, data, shape_input=None, *, allowzero=0, shape=None, consumed_inputs=None):
         # ONNX Reshape-5+: target from the shape input; 0 copies the input's dim unless allowzero; -1 left to torch
         if type(data) is torch.Tensor and type(shape_input) is torch.Tensor:
-            key = (id(shape_input), data.shape, data.stride())
+            key = (data.shape, data.stride())
             found = kept.get(key)
-            if found is None:
+            if found is None or found[0] is not shape_input:
                 target = _ints(shape_input)
                 if target is not None and not allowzero and 0 in target:
-                    sizes = key[1]
+                    sizes = key[0]
                     target = tuple(sizes[i] if d == 0 else d for i, d in enumerate(target))
                 y = data.reshape(target) if target is not None else None
                 kept.add(key, shape_input, target, data, y)
                 if y is not None:
                     return y
             elif found[2] is not None:
-                return data.as_strided(*found[2], data.storage_offset())
+                return data.as_strided(found[2], found[3], data.storage_offset())
             elif found[1] is not None:
                 return data.reshape(found[1])  # (it copied)
         return op(ctx, data, shape_input, allowzero=allowzero, shape=shape, consumed_inputs=consumed_inputs)
@@ -99,10 +102,10 @@ def _expand(op: Callable[..., Any]) -> Callable[..., Any]:
     def expand(ctx, x, shape):
         # out[i] = x[i] where x[i] != 1 (the target's dim then 1 or x[i]), else the target's: broadcast_sizes's rule
         if type(x) is torch.Tensor and type(shape) is torch.Tensor:
-            key = (id(shape), x.shape, x.stride())
+            key = (x.shape, x.stride())
             found = kept.get(key)
-            if found is None:
-                sizes, target, out = key[1], _ints(shape), None
+            if found is None or found[0] is not shape:
+                sizes, target, out = key[0], _ints(shape), None
                 if target is not None and len(target) == len(sizes) \
                         and all(s == 1 or t == 1 or t == s for s, t in zip(sizes, target)):
                     out = tuple(t if s == 1 else s for s, t in zip(sizes, target))
@@ -111,7 +114,7 @@ def _expand(op: Callable[..., Any]) -> Callable[..., Any]:
                 if y is not None:
                     return y
             elif found[2] is not None:
-                return x.as_strided(*found[2], x.storage_offset())
+                return x.as_strided(found[2], found[3], x.storage_offset())
         return op(ctx, x, shape)
 
     return expand
@@ -124,17 +127,17 @@ def _resized(sizes_of: Callable[[torch.Size, tuple[int, ...]], tuple[int, ...]])
 
         def resized(ctx, x, axes_input=None, *, axes=None):
             if type(x) is torch.Tensor and type(axes_input) is torch.Tensor:
-                key = (id(axes_input), x.shape, x.stride())
+                key = (x.shape, x.stride())
                 found = kept.get(key)
-                if found is None:
+                if found is None or found[0] is not axes_input:
                     read = _ints(axes_input)
-                    out = sizes_of(key[1], read) if read is not None else None
+                    out = sizes_of(key[0], read) if read is not None else None
                     y = x.reshape(out) if out is not None else None
                     kept.add(key, axes_input, out, x, y)
                     if y is not None:
                         return y
                 elif found[2] is not None:
-                    return x.as_strided(*found[2], x.storage_offset())
+                    return x.as_strided(found[2], found[3], x.storage_offset())
                 elif found[1] is not None:
                     return x.reshape(found[1])
             return op(ctx, x, axes_input, axes=axes)
@@ -164,14 +167,14 @@ def _transpose(op: Callable[..., Any]) -> Callable[..., Any]:
 
     def transpose(ctx, x, *, perm=None):
         if type(x) is torch.Tensor and perm is not None:
-            key = (id(perm), x.shape, x.stride())
+            key = (x.shape, x.stride())
             found = kept.get(key)
-            if found is None:
+            if found is None or found[0] is not perm:
                 y = x.permute(perm)
                 kept.add(key, perm, perm, x, y)
                 return y
             if found[2] is not None:
-                return x.as_strided(*found[2], x.storage_offset())
+                return x.as_strided(found[2], found[3], x.storage_offset())
             return x.permute(perm)
         return op(ctx, x, perm=perm)
 
