@@ -172,9 +172,8 @@ class Program:
                                  | (shape_slots & set(self.output_slots)))
         self.shape_plans: OrderedDict[tuple, list[tuple[int, Any]]] | None = OrderedDict() if shape_steps else None
         # at a signature run before, the layers that view an activation as one torch view each (view_steps.py)
-        # (the lean launches keep what they viewed per input geometry themselves: view_launches.py)
         self.signature_views = SignatureViews.of(self.lean_steps, shape_slots | set(template_values)) \
-            if shape_steps and not on_cuda and not LEAN_VIEWS else None
+            if shape_steps and not on_cuda else None
         self._plan_sizes: dict[tuple, int] = {}
         # the plans' bytes and evictions (shape_plan_bytes, plan_evictions), in an object of their own: the copies of
         # with_own_arena share the plans, their lock and these counts by reference

@@ -93,6 +93,7 @@ def _reshape(op: Callable[..., Any]) -> Callable[..., Any]:
                 return data.reshape(found[1])  # (it copied)
         return op(ctx, data, shape_input, allowzero=allowzero, shape=shape, consumed_inputs=consumed_inputs)
 
+    reshape.kept = kept
     return reshape
 
 
@@ -117,6 +118,7 @@ def _expand(op: Callable[..., Any]) -> Callable[..., Any]:
                 return x.as_strided(found[2], found[3], x.storage_offset())
         return op(ctx, x, shape)
 
+    expand.kept = kept
     return expand
 
 
@@ -142,6 +144,7 @@ def _resized(sizes_of: Callable[[torch.Size, tuple[int, ...]], tuple[int, ...]])
                     return x.reshape(found[1])
             return op(ctx, x, axes_input, axes=axes)
 
+        resized.kept = kept
         return resized
 
     return make
@@ -178,6 +181,7 @@ def _transpose(op: Callable[..., Any]) -> Callable[..., Any]:
             return x.permute(perm)
         return op(ctx, x, perm=perm)
 
+    transpose.kept = kept
     return transpose
 
 

@@ -44,6 +44,16 @@ class _Strided:
         self.size, self.strides, self.offset = y.shape, y.stride(), y.storage_offset() - x.storage_offset()
         self.fn, self.rest, self.attributes = fn, rest, attributes  # the layer's own launch, for other inputs
 
+    @classmethod
+    def of_kept(cls, in_size: tuple, in_strides: tuple, size: Any, strides: Any, fn: Any, rest: tuple,
+                attributes: dict[str, Any]) -> _Strided:
+        """The layer as a lean launch (view_launches.py) kept it for an input of `in_size` and `in_strides`: `size`
+        and `strides` at the input's own offset (for _Reshaped: `size` the argument of its reshape)."""
+        made = object.__new__(cls)
+        made.in_size, made.in_strides, made.size, made.strides, made.offset = in_size, in_strides, size, strides, 0
+        made.fn, made.rest, made.attributes = fn, rest, attributes
+        return made
+
     def __call__(self, ctx, x):
         if type(x) is torch.Tensor and x.stride() == self.in_strides and x.shape == self.in_size:
             return x.as_strided(self.size, self.strides, x.storage_offset() + self.offset)
@@ -77,6 +87,25 @@ class _Recorder:
                 self.made = _Strided(x, y, self.fn, rest, attributes)
             elif self.op_type in COPYING and y.is_contiguous():
                 self.made = _Reshaped(x, y, self.fn, rest, attributes)
+        return y
+
+
+class _Noting(_Recorder):
+    """A lean launch's recorder (view_launches.py): what it gave is what the launch kept for the input's sizes and
+    strides (with the other input it ran on: the same tensor or perm), read back after the call; nothing is asked
+    of the output."""
+
+    __slots__ = ()
+
+    def __call__(self, ctx, x, *rest, **attributes):
+        y = self.fn(ctx, x, *rest, **attributes)
+        if type(x) is torch.Tensor:
+            found = self.fn.kept.get((x.shape, x.stride()))
+            if found is not None and found[0] is (rest[0] if rest else attributes.get("perm")):
+                if found[2] is not None:
+                    self.made = _Strided.of_kept(x.shape, x.stride(), found[2], found[3], self.fn, rest, attributes)
+                elif found[1] is not None and self.op_type in COPYING:
+                    self.made = _Reshaped.of_kept(x.shape, x.stride(), found[1], None, self.fn, rest, attributes)
         return y
 
 
@@ -132,7 +161,7 @@ class SignatureViews:
         recorders = []
         for i in self._positions:
             step = steps[i]
-            recorder = _Recorder(step.fn, step.ctx.op_type)
+            recorder = (_Noting if hasattr(step.fn, "kept") else _Recorder)(step.fn, step.ctx.op_type)
             recorders.append(recorder)
             steps[i] = BoundStep(recorder, step.ctx, step.inputs, step.outputs, step.attributes, step.free)
         return steps, recorders

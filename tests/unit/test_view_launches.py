@@ -13,7 +13,7 @@ import torch
 
 import kiln
 from kiln.ops import tensor as tensor_ops
-from kiln.runtime import program as program_module, view_launches
+from kiln.runtime import program as program_module, view_launches, view_steps
 from kiln.runtime.step import pinned_fp32
 from kiln.runtime.view_launches import lean_launch
 from tests.unit.llama_engine import llama  # noqa: F401  (the fixture)
@@ -231,14 +231,14 @@ def test_llama_with_lean_views_equals_the_ops_and_onnxruntime_at_random_shapes(l
     3 times, on three engines: the ops' own implementations with nothing recorded (the reference), main's (the ops,
     a signature's views recorded at its 2nd call, view_steps.py), and the lean launches (the default). Every call bit
     for bit the reference's at that shape, and onnxruntime's within fp32 tolerance. On the lean engine every one of
-    the 34 view layers takes its launch, no op's implementation runs, and from a shape's 2nd call each layer that
-    views (28 of the 34 at least: 6 Reshapes copy where no size is 1) is one as_strided."""
+    the 34 view layers takes its launch, no op's implementation runs, from a shape's 2nd call each layer that views
+    (28 of the 34 at least: 6 Reshapes copy where no size is 1) is one as_strided, and the shape's list of recorded
+    views (view_steps.py) is made from what the launches kept: every one of the 34 in it."""
     exported, path = llama
     reference = _context(path, monkeypatch, lean=False, record=False)
     main = _context(path, monkeypatch, lean=False, record=True)
     context = _context(path, monkeypatch, lean=True, record=True)
     program = context.engine.program
-    assert program.signature_views is None and main.engine.program.signature_views is not None
     launches = [s.fn for s in program.lean_steps if getattr(s.fn, "__module__", "") == view_launches.__name__]
     assert len(launches) == 34  # every view layer between the segments (test_view_steps: 34)
     assert not any(getattr(s.fn, "__module__", "") == view_launches.__name__ for s in main.engine.program.steps)
@@ -266,3 +266,7 @@ def test_llama_with_lean_views_equals_the_ops_and_onnxruntime_at_random_shapes(l
             np.testing.assert_array_equal(got, want, err_msg=str(shape))
             assert not called, (shape, called)
             assert call == 0 or len(strided) >= 28, (shape, len(strided))
+        views = program.signature_views  # the shape's list, made at its 2nd call from what the launches kept
+        recorded = views._lists[next(reversed(views._lists))]
+        made = [recorded[i].fn for i in views._positions]
+        assert all(type(m) in (view_steps._Strided, view_steps._Reshaped) and m.fn in launches for m in made), shape
