@@ -53,21 +53,26 @@ def _ints(value: torch.Tensor) -> tuple[int, ...] | None:
 
 class _Kept(dict):
     """What a layer's launch found, by (the input's sizes, its strides): (the shape or axes tensor, or the perm, it
-    was found with: an entry serves that one alone (by identity; held, so that its identity is no other's while
-    kept); the argument of the op's torch call, None where the op runs itself; the output's sizes and strides where
-    it viewed the input at the input's storage offset, else None, None). At most KEPT entries (then it starts
-    over)."""
+    was found with: an entry serves that one alone, by identity, and holds it, so that its identity is no other's
+    while kept; the argument of the op's torch call, None where the op runs itself; the output's sizes and strides
+    where it viewed the input at the input's storage offset, else None, None; whether the output was looked at).
+    An input geometry's first call keeps the argument alone, its second looks at what the call gave. At most KEPT
+    entries (then it starts over)."""
 
     __slots__ = ()
 
-    def add(self, key: tuple, other: Any, argument: Any, x: torch.Tensor, y: torch.Tensor | None) -> None:
+    def first(self, key: tuple, other: Any, argument: Any) -> None:
         if len(self) >= KEPT:
             self.clear()
-        # a view of x at x's offset: its first element's address x's (a copy's storage is new: another address)
-        if y is not None and y.data_ptr() == x.data_ptr() and y.numel() > 0:
-            self[key] = (other, argument, y.shape, y.stride())
+        self[key] = (other, argument, None, None, False)
+
+    def looked(self, key: tuple, found: tuple, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Keep whether `y` (what the torch call on found's argument gave for `x`) views `x`, and how; `y`."""
+        if y.data_ptr() == x.data_ptr() and y.numel() > 0:  # at x's offset (a copy's storage is new: elsewhere)
+            self[key] = (found[0], found[1], y.shape, y.stride(), True)
         else:
-            self[key] = (other, argument, None, None)
+            self[key] = (found[0], found[1], None, None, True)
+        return y
 
 
 def _reshape(op: Callable[..., Any]) -> Callable[..., Any]:
@@ -78,19 +83,20 @@ def _reshape(op: Callable[..., Any]) -> Callable[..., Any]:
         if type(data) is torch.Tensor and type(shape_input) is torch.Tensor:
             key = (data.shape, data.stride())
             found = kept.get(key)
-            if found is None or found[0] is not shape_input:
+            if found is not None and found[0] is shape_input:
+                if found[2] is not None:
+                    return data.as_strided(found[2], found[3], data.storage_offset())
+                if found[1] is not None:
+                    y = data.reshape(found[1])
+                    return y if found[4] else kept.looked(key, found, data, y)
+            else:
                 target = _ints(shape_input)
                 if target is not None and not allowzero and 0 in target:
                     sizes = key[0]
                     target = tuple(sizes[i] if d == 0 else d for i, d in enumerate(target))
-                y = data.reshape(target) if target is not None else None
-                kept.add(key, shape_input, target, data, y)
-                if y is not None:
-                    return y
-            elif found[2] is not None:
-                return data.as_strided(found[2], found[3], data.storage_offset())
-            elif found[1] is not None:
-                return data.reshape(found[1])  # (it copied)
+                kept.first(key, shape_input, target)
+                if target is not None:
+                    return data.reshape(target)
         return op(ctx, data, shape_input, allowzero=allowzero, shape=shape, consumed_inputs=consumed_inputs)
 
     reshape.kept = kept
@@ -105,17 +111,20 @@ def _expand(op: Callable[..., Any]) -> Callable[..., Any]:
         if type(x) is torch.Tensor and type(shape) is torch.Tensor:
             key = (x.shape, x.stride())
             found = kept.get(key)
-            if found is None or found[0] is not shape:
+            if found is not None and found[0] is shape:
+                if found[2] is not None:
+                    return x.as_strided(found[2], found[3], x.storage_offset())
+                if found[1] is not None:
+                    y = x.expand(found[1])
+                    return y if found[4] else kept.looked(key, found, x, y)
+            else:
                 sizes, target, out = key[0], _ints(shape), None
                 if target is not None and len(target) == len(sizes) \
                         and all(s == 1 or t == 1 or t == s for s, t in zip(sizes, target)):
                     out = tuple(t if s == 1 else s for s, t in zip(sizes, target))
-                y = x.expand(out) if out is not None else None
-                kept.add(key, shape, out, x, y)
-                if y is not None:
-                    return y
-            elif found[2] is not None:
-                return x.as_strided(found[2], found[3], x.storage_offset())
+                kept.first(key, shape, out)
+                if out is not None:
+                    return x.expand(out)
         return op(ctx, x, shape)
 
     expand.kept = kept
@@ -131,17 +140,18 @@ def _resized(sizes_of: Callable[[torch.Size, tuple[int, ...]], tuple[int, ...]])
             if type(x) is torch.Tensor and type(axes_input) is torch.Tensor:
                 key = (x.shape, x.stride())
                 found = kept.get(key)
-                if found is None or found[0] is not axes_input:
+                if found is not None and found[0] is axes_input:
+                    if found[2] is not None:
+                        return x.as_strided(found[2], found[3], x.storage_offset())
+                    if found[1] is not None:
+                        y = x.reshape(found[1])
+                        return y if found[4] else kept.looked(key, found, x, y)
+                else:
                     read = _ints(axes_input)
                     out = sizes_of(key[0], read) if read is not None else None
-                    y = x.reshape(out) if out is not None else None
-                    kept.add(key, axes_input, out, x, y)
-                    if y is not None:
-                        return y
-                elif found[2] is not None:
-                    return x.as_strided(found[2], found[3], x.storage_offset())
-                elif found[1] is not None:
-                    return x.reshape(found[1])
+                    kept.first(key, axes_input, out)
+                    if out is not None:
+                        return x.reshape(out)
             return op(ctx, x, axes_input, axes=axes)
 
         resized.kept = kept
@@ -172,12 +182,12 @@ def _transpose(op: Callable[..., Any]) -> Callable[..., Any]:
         if type(x) is torch.Tensor and perm is not None:
             key = (x.shape, x.stride())
             found = kept.get(key)
-            if found is None or found[0] is not perm:
+            if found is not None and found[0] is perm:
+                if found[2] is not None:
+                    return x.as_strided(found[2], found[3], x.storage_offset())
                 y = x.permute(perm)
-                kept.add(key, perm, perm, x, y)
-                return y
-            if found[2] is not None:
-                return x.as_strided(found[2], found[3], x.storage_offset())
+                return y if found[4] else kept.looked(key, found, x, y)
+            kept.first(key, perm, perm)
             return x.permute(perm)
         return op(ctx, x, perm=perm)
 

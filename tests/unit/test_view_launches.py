@@ -231,9 +231,9 @@ def test_llama_with_lean_views_equals_the_ops_and_onnxruntime_at_random_shapes(l
     3 times, on three engines: the ops' own implementations with nothing recorded (the reference), main's (the ops,
     a signature's views recorded at its 2nd call, view_steps.py), and the lean launches (the default). Every call bit
     for bit the reference's at that shape, and onnxruntime's within fp32 tolerance. On the lean engine every one of
-    the 34 view layers takes its launch, no op's implementation runs, from a shape's 2nd call each layer that views
-    (28 of the 34 at least: 6 Reshapes copy where no size is 1) is one as_strided, and the shape's list of recorded
-    views (view_steps.py) is made from what the launches kept: every one of the 34 in it."""
+    the 34 view layers takes its launch, no op's implementation runs, the shape's list of recorded views
+    (view_steps.py) is made at its 2nd call from what the launches kept (every one of the 34 in it), and from its 3rd
+    call each layer that views (28 of the 34 at least: 6 Reshapes copy where no size is 1) is one as_strided."""
     exported, path = llama
     reference = _context(path, monkeypatch, lean=False, record=False)
     main = _context(path, monkeypatch, lean=False, record=True)
@@ -265,7 +265,7 @@ def test_llama_with_lean_views_equals_the_ops_and_onnxruntime_at_random_shapes(l
                 got = next(iter(context.run(feeds).values()))
             np.testing.assert_array_equal(got, want, err_msg=str(shape))
             assert not called, (shape, called)
-            assert call == 0 or len(strided) >= 28, (shape, len(strided))
+            assert call < 2 or len(strided) >= 28, (shape, len(strided))
         views = program.signature_views  # the shape's list, made at its 2nd call from what the launches kept
         recorded = views._lists[next(reversed(views._lists))]
         made = [recorded[i].fn for i in views._positions]
