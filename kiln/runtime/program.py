@@ -317,7 +317,7 @@ class Program:
             if self.signature_views is not None:
                 self.signature_views.ran(signature)
         if recorders is not None:
-            self.signature_views.keep(recorded, steps, recorders)
+            self.signature_views.keep(recorded, steps, recorders, env)
         return [env[s] for s in self.output_slots]
 
     def plan_ahead(self, inputs: list[Any], signature: tuple) -> bool:

@@ -59,7 +59,11 @@ class _Kept(dict):
     An input geometry's first call keeps the argument alone, its second looks at what the call gave. At most KEPT
     entries (then it starts over)."""
 
-    __slots__ = ()
+    __slots__ = ("last",)  # the key of the entry a call last found or made (view_steps.SignatureViews.keep reads it)
+
+    def __init__(self):
+        super().__init__()
+        self.last: tuple | None = None
 
     def first(self, key: tuple, other: Any, argument: Any) -> None:
         if len(self) >= KEPT:
@@ -81,7 +85,7 @@ def _reshape(op: Callable[..., Any]) -> Callable[..., Any]:
     def reshape(ctx, data, shape_input=None, *, allowzero=0, shape=None, consumed_inputs=None):
         # ONNX Reshape-5+: target from the shape input; 0 copies the input's dim unless allowzero; -1 left to torch
         if type(data) is torch.Tensor and type(shape_input) is torch.Tensor:
-            key = (data.shape, data.stride())
+            kept.last = key = (data.shape, data.stride())
             found = kept.get(key)
             if found is not None and found[0] is shape_input:
                 if found[2] is not None:
@@ -109,7 +113,7 @@ def _expand(op: Callable[..., Any]) -> Callable[..., Any]:
     def expand(ctx, x, shape):
         # out[i] = x[i] where x[i] != 1 (the target's dim then 1 or x[i]), else the target's: broadcast_sizes's rule
         if type(x) is torch.Tensor and type(shape) is torch.Tensor:
-            key = (x.shape, x.stride())
+            kept.last = key = (x.shape, x.stride())
             found = kept.get(key)
             if found is not None and found[0] is shape:
                 if found[2] is not None:
@@ -138,7 +142,7 @@ def _resized(sizes_of: Callable[[torch.Size, tuple[int, ...]], tuple[int, ...]])
 
         def resized(ctx, x, axes_input=None, *, axes=None):
             if type(x) is torch.Tensor and type(axes_input) is torch.Tensor:
-                key = (x.shape, x.stride())
+                kept.last = key = (x.shape, x.stride())
                 found = kept.get(key)
                 if found is not None and found[0] is axes_input:
                     if found[2] is not None:
@@ -180,7 +184,7 @@ def _transpose(op: Callable[..., Any]) -> Callable[..., Any]:
 
     def transpose(ctx, x, *, perm=None):
         if type(x) is torch.Tensor and perm is not None:
-            key = (x.shape, x.stride())
+            kept.last = key = (x.shape, x.stride())
             found = kept.get(key)
             if found is not None and found[0] is perm:
                 if found[2] is not None:

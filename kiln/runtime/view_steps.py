@@ -90,23 +90,22 @@ class _Recorder:
         return y
 
 
-class _Noting(_Recorder):
-    """A lean launch's recorder (view_launches.py): what it gave is what the launch kept for the input's sizes and
-    strides (with the other input it ran on: the same tensor or perm), read back after the call; nothing is asked
-    of the output."""
-
-    __slots__ = ()
-
-    def __call__(self, ctx, x, *rest, **attributes):
-        y = self.fn(ctx, x, *rest, **attributes)
-        if type(x) is torch.Tensor:
-            found = self.fn.kept.get((x.shape, x.stride()))
-            if found is not None and found[0] is (rest[0] if rest else attributes.get("perm")):
-                if found[2] is not None:
-                    self.made = _Strided.of_kept(x.shape, x.stride(), found[2], found[3], self.fn, rest, attributes)
-                elif found[1] is not None and self.op_type in COPYING:
-                    self.made = _Reshaped.of_kept(x.shape, x.stride(), found[1], None, self.fn, rest, attributes)
-        return y
+def _kept_view(step: BoundStep, env: list[Any]) -> _Strided | None:
+    """What a lean launch (view_launches.py) kept at the input geometry it last met, as a _Strided (a _Reshaped: a
+    Reshape that copied), where that entry is for the other input `step` read in this run (`env` after it: its other
+    inputs are constants or shape values, never freed): the same tensor, or the same perm. None otherwise (another
+    thread's run at another signature since, or the entry let go): the layer keeps its launch."""
+    kept = step.fn.kept
+    key = kept.last
+    found = kept.get(key) if key is not None else None
+    rest = tuple(env[s] if s >= 0 else None for s in step.inputs[1:])
+    if found is None or found[0] is not (rest[0] if rest else step.attributes.get("perm")):
+        return None
+    if found[2] is not None:
+        return _Strided.of_kept(key[0], key[1], found[2], found[3], step.fn, rest, step.attributes)
+    if found[1] is not None and step.ctx.op_type in COPYING:
+        return _Reshaped.of_kept(key[0], key[1], found[1], None, step.fn, rest, step.attributes)
+    return None
 
 
 class SignatureViews:
@@ -158,20 +157,29 @@ class SignatureViews:
             self.ran(signature)
             return lean_steps, None
         steps = list(lean_steps)
-        recorders = []
+        recorders: list[_Recorder | None] = []
         for i in self._positions:
             step = steps[i]
-            recorder = (_Noting if hasattr(step.fn, "kept") else _Recorder)(step.fn, step.ctx.op_type)
+            if hasattr(step.fn, "kept"):  # a lean launch: read back at keep, nothing wrapped
+                recorders.append(None)
+                continue
+            recorder = _Recorder(step.fn, step.ctx.op_type)
             recorders.append(recorder)
             steps[i] = BoundStep(recorder, step.ctx, step.inputs, step.outputs, step.attributes, step.free)
         return steps, recorders
 
-    def keep(self, signature: tuple, steps: list[BoundStep], recorders: list[_Recorder]) -> None:
+    def keep(self, signature: tuple, steps: list[BoundStep], recorders: list[_Recorder | None], env: list[Any]
+             ) -> None:
         """The signature's list: the recording run's `steps` (from `steps`, this signature's alone), each view layer
-        taking what its recorder made (its own launch where none holds)."""
+        taking what its recorder made, or (a lean launch's) what its launch kept (_kept_view, `env` the run's
+        values); its own launch where none holds."""
         for i, recorder in zip(self._positions, recorders):
             step = steps[i]
-            if recorder.made is not None:
+            if recorder is None:
+                made = _kept_view(step, env)
+                if made is not None:
+                    steps[i] = BoundStep(made, step.ctx, step.inputs[:1], step.outputs, {}, step.free)
+            elif recorder.made is not None:
                 step.fn, step.inputs, step.attributes = recorder.made, step.inputs[:1], {}
             else:
                 step.fn = recorder.fn
