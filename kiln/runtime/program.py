@@ -430,7 +430,7 @@ SHAPE_PLANS = 256  # input-shape signatures whose shape values a Program remembe
 # many as a native segment keeps views (kiln/runtime/native.py VIEWS): a shape whose view is kept skips its shape steps
 SHAPE_PLAN_BYTES = 64 << 20  # ... and the most their tensors hold (BERT-base's at 8 x 256: ~7 MB a signature)
 LEAN_VIEWS = True  # a CPU program's view layers (Reshape, Expand, (Un)squeeze, Transpose) take view_launches.py's
-# launches: their ops' own torch calls, less Python (benches load an engine with it off to compare)
+# launches: their ops' torch calls on kept arguments, then kept views (benches load an engine with it off to compare)
 
 
 SHARE_MIN_ELEMENTS = 4096  # a weight this large is worth one prepared launch for every layer reading it

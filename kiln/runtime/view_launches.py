@@ -8,26 +8,29 @@ with Python lists: 9-11 µs a Reshape, 12-27 an Unsqueeze or Expand on a loaded 
 (bench/results/first-shape-views-2026-12-07.md). Session 29 took those from a signature's third call on as recorded
 views (view_steps.py); its first and second calls still paid them, and the second paid the recording too.
 
-Here each such layer's launch is its op's with what it found kept, per layer, by (the identity of its shape or axes
-tensor, or of its perm; its input's sizes; its input's strides):
+Here each such layer's launch is its op's with what it found kept, per layer, by its input's sizes and strides (an
+entry serves the shape or axes tensor, or the perm, it was found with, by identity):
 
-- an input geometry met for the first time: the op's torch call on the op's argument, read with one `tolist` of the
-  shape (axes) tensor (a 1-D integer tensor, as `ints()` reads it; Expand's broadcast as one comparison per dim,
-  broadcast_sizes's rule at equal ranks), and kept: the argument, and the output's sizes and strides where it viewed
-  the input at the input's storage offset;
-- met again: one `as_strided` of the input to the kept sizes and strides at its own storage offset (a view), or the
-  op's torch call on the kept argument (a Reshape that copied);
+- an input geometry's first call: the op's torch call on the op's argument, read with one `tolist` of the shape
+  (axes) tensor (a 1-D integer tensor, as `ints()` reads it; Expand's broadcast as one comparison per dim,
+  broadcast_sizes's rule at equal ranks); the argument kept, nothing read of the output (a shape met once pays
+  no more than the op);
+- its second: the torch call on the kept argument, and the output's sizes and strides kept where it viewed the
+  input at the input's storage offset;
+- from its third: one `as_strided` of the input to the kept sizes and strides at its own storage offset (a view), or
+  the torch call on the kept argument (a Reshape that copied);
 - anything else (no shape input, a non-tensor, a tensor of another kind, sizes that do not broadcast) the op itself.
 
-So no list is recorded per signature and no call records: a new shape's first call pays each layer's torch call and
-a few attribute reads, its later calls what session 29's third calls paid. What a view gives is a function of its
-input's sizes and strides and the argument alone (torch computes a view's strides from those), and its storage
-offset the input's; the argument is a function of the shape tensor's values and the input's sizes. The identity
-stands for the values: only layers whose other inputs are constants or shape values take these launches (Program),
-and those are never written in place (a shape plan serves every call of its signature, the template every call); the
-entry holds the tensor, so its identity is no other's while kept. Bit for bit the op's tensors (the same sizes,
-strides, offset and storage), at every shape, first call or not: tests/unit/test_view_launches.py against the op at
-random shapes, strides and offsets, and llama_tiny against the ops' run and onnxruntime at random shapes.
+A signature's second call also makes its list of recorded views (view_steps.SignatureViews) from these entries: no
+layer is wrapped and no output probed to record it (session 29's recording cost that call ~1.2x), and from its third
+call the list runs (one look-up a call, not one a layer). What a view gives is a function of its input's sizes and
+strides and the argument alone (torch computes a view's strides from those), at its input's storage offset; the
+argument is a function of the shape tensor's values and the input's sizes. The identity stands for the values: only
+layers whose other inputs are constants or shape values take these launches (Program), and those are never written
+in place (a shape plan serves every call of its signature, the template every call); the entry holds the tensor, so
+its identity is no other's while kept. Bit for bit the op's tensors (the same sizes, strides, offset and storage), at
+every shape and call: tests/unit/test_view_launches.py against the op at random shapes, strides and offsets, and
+llama_tiny against the ops' run and onnxruntime at random shapes.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """A program's view layers at an input-shape signature already run: each one torch call with the geometry its op
-gave there (issue 10). Used only with program.LEAN_VIEWS off (benches compare against it): on, each view layer's own
-launch keeps the views it gave per input geometry, from the first call, with no recording run (view_launches.py).
+gave there (issue 10). With program.LEAN_VIEWS on (the default) a layer's launch is a lean one (view_launches.py)
+that keeps what it gave per input geometry: the list is made from those entries after the signature's second run
+(_kept_view), no layer wrapped; off, each layer's launch is wrapped for that run (_Recorder), as below.
 
 Between a decoder's native segments the loop runs layers that only view an activation: its heads split (Reshape,
 Transpose), grouped-query attention's k and v repeated (Unsqueeze, Expand, then a Reshape that copies), kᵀ, the heads
