@@ -75,7 +75,8 @@ class _Kept(dict):
 
     def looked(self, key: tuple, found: tuple, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Keep whether `y` (what the torch call on found's argument gave for `x`) views `x`, and how; `y`."""
-        if y.data_ptr() == x.data_ptr() and y.numel() > 0:  # at x's offset (a copy's storage is new: elsewhere)
+        # at x's offset (a copy's storage is new: elsewhere; a meta tensor has no address to tell by)
+        if y.data_ptr() == x.data_ptr() and y.numel() > 0 and not x.is_meta:
             self[key] = (found[0], found[1], y.shape, y.stride(), True)
         else:
             self[key] = (found[0], found[1], None, None, True)

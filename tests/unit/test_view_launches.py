@@ -161,6 +161,19 @@ def test_lean_launch_reads_what_ints_reads_and_leaves_the_rest_to_the_op():
     _same(expand, tensor_ops.expand, x, torch.tensor([2, -1, 4]))  # (does not broadcast: both raise)
 
 
+def test_a_meta_input_keeps_no_view():
+    """On meta tensors (no storage: every address 0) a Reshape that copies is not taken for a view; a real input of
+    the same sizes and strides after it gets the op's copy."""
+    reshape = lean_launch("Reshape", "", tensor_ops.reshape)
+    target = torch.tensor([3, 16])
+    x = torch.empty(3, 4, 4, device="meta").transpose(1, 2)  # (not viewable as [3, 16])
+    for _ in range(2):
+        reshape(None, x, target, allowzero=0)
+    real = torch.from_numpy(np.random.default_rng(7).standard_normal((3, 4, 4)).astype(np.float32)).transpose(1, 2)
+    for _ in range(3):
+        _same(reshape, tensor_ops.reshape, real, target, allowzero=0)
+
+
 def test_kept_entries_are_bounded(monkeypatch):
     """Past KEPT entries a layer starts over; every call still its op's."""
     monkeypatch.setattr(view_launches, "KEPT", 3)
