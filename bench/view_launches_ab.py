@@ -4,8 +4,9 @@ The sides (one engine file loaded twice per process):
 
     main     program.LEAN_VIEWS off: the op's implementation for each view layer, a signature's view layers
              recorded at its 2nd call and replayed as as_strided from its 3rd (view_steps.py: main at 536393ad)
-    lean     view_launches.py's launches: the op's torch call on kept sizes at an input geometry's first call, an
-             as_strided of what it gave from its second (per layer, not per signature: nothing recorded per call)
+    lean     program.LEAN_VIEWS on (this tree's default): view_launches.py's launches, the op's torch call at an
+             input geometry's first and second call (the second keeps the view it gave), an as_strided from its
+             third; a signature's list of recorded views made after its 2nd call from those entries, nothing wrapped
 
 Per round, one fresh process: the shapes of batch 1-B x sequence 1-S none of which the load planned, shuffled by the
 round's seed; each called 4 times in a row on each side (which side first alternates: first call, 2nd, 3rd, 4th), every
