@@ -28,6 +28,7 @@ from kiln.runtime.native_runs import segments
 from kiln.runtime.shape_function import ShapeFunction, compile_shape_steps, computable_ahead
 from kiln.runtime.shapes import HOST_INPUTS, shape_only_steps
 from kiln.runtime.step import BoundStep, call_step, pinned_fp32
+from kiln.runtime.view_launches import lean_launch
 from kiln.runtime.view_steps import SignatureViews
 from kiln.tactics.registry import launch_for
 
@@ -154,6 +155,14 @@ class Program:
             after_packing()
         self.shape_steps = shape_steps
         self.shape_slots = sorted({slot(n) for n in shape_values if n not in spec.constants})
+        if not on_cuda and LEAN_VIEWS:  # the view layers between segments: their ops' torch calls, less Python
+            shape_step_ids = {id(self.steps[i]) for i in shape_steps}
+            fixed = set(self.shape_slots) | set(template_values)  # the same at every call of a signature
+            for step in self.run_steps:
+                if id(step) not in shape_step_ids and all(s < 0 or s in fixed for s in step.inputs[1:]):
+                    lean = lean_launch(step.ctx.op_type, step.ctx.domain, step.fn)
+                    if lean is not None:
+                        step.fn = lean
         # the loop once a signature's shape values are known: without the steps that compute them
         computed_once = {id(self.steps[i]) for i in shape_steps}
         self.lean_steps = [s for s in self.run_steps if id(s) not in computed_once]
@@ -308,7 +317,7 @@ class Program:
             if self.signature_views is not None:
                 self.signature_views.ran(signature)
         if recorders is not None:
-            self.signature_views.keep(recorded, steps, recorders)
+            self.signature_views.keep(recorded, steps, recorders, env)
         return [env[s] for s in self.output_slots]
 
     def plan_ahead(self, inputs: list[Any], signature: tuple) -> bool:
@@ -420,6 +429,8 @@ class _PlanTally:
 SHAPE_PLANS = 256  # input-shape signatures whose shape values a Program remembers (least recently used go): as
 # many as a native segment keeps views (kiln/runtime/native.py VIEWS): a shape whose view is kept skips its shape steps
 SHAPE_PLAN_BYTES = 64 << 20  # ... and the most their tensors hold (BERT-base's at 8 x 256: ~7 MB a signature)
+LEAN_VIEWS = True  # a CPU program's view layers (Reshape, Expand, (Un)squeeze, Transpose) take view_launches.py's
+# launches: their ops' torch calls on kept arguments, then kept views (benches load an engine with it off to compare)
 
 
 SHARE_MIN_ELEMENTS = 4096  # a weight this large is worth one prepared launch for every layer reading it

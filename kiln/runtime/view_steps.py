@@ -1,5 +1,7 @@
 """A program's view layers at an input-shape signature already run: each one torch call with the geometry its op
-gave there (issue 10).
+gave there (issue 10). With program.LEAN_VIEWS on (the default) a layer's launch is a lean one (view_launches.py)
+that keeps what it gave per input geometry: the list is made from those entries after the signature's second run
+(_kept_view), no layer wrapped; off, each layer's launch is wrapped for that run (_Recorder), as below.
 
 Between a decoder's native segments the loop runs layers that only view an activation: its heads split (Reshape,
 Transpose), grouped-query attention's k and v repeated (Unsqueeze, Expand, then a Reshape that copies), kᵀ, the heads
@@ -43,6 +45,16 @@ class _Strided:
         self.size, self.strides, self.offset = y.shape, y.stride(), y.storage_offset() - x.storage_offset()
         self.fn, self.rest, self.attributes = fn, rest, attributes  # the layer's own launch, for other inputs
 
+    @classmethod
+    def of_kept(cls, in_size: tuple, in_strides: tuple, size: Any, strides: Any, fn: Any, rest: tuple,
+                attributes: dict[str, Any]) -> _Strided:
+        """The layer as a lean launch (view_launches.py) kept it for an input of `in_size` and `in_strides`: `size`
+        and `strides` at the input's own offset (for _Reshaped: `size` the argument of its reshape)."""
+        made = object.__new__(cls)
+        made.in_size, made.in_strides, made.size, made.strides, made.offset = in_size, in_strides, size, strides, 0
+        made.fn, made.rest, made.attributes = fn, rest, attributes
+        return made
+
     def __call__(self, ctx, x):
         if type(x) is torch.Tensor and x.stride() == self.in_strides and x.shape == self.in_size:
             return x.as_strided(self.size, self.strides, x.storage_offset() + self.offset)
@@ -77,6 +89,24 @@ class _Recorder:
             elif self.op_type in COPYING and y.is_contiguous():
                 self.made = _Reshaped(x, y, self.fn, rest, attributes)
         return y
+
+
+def _kept_view(step: BoundStep, env: list[Any]) -> _Strided | None:
+    """What a lean launch (view_launches.py) kept at the input geometry it last met, as a _Strided (a _Reshaped: a
+    Reshape that copied), where that entry is for the other input `step` read in this run (`env` after it: its other
+    inputs are constants or shape values, never freed): the same tensor, or the same perm. None otherwise (another
+    thread's run at another signature since, or the entry let go): the layer keeps its launch."""
+    kept = step.fn.kept
+    key = kept.last
+    found = kept.get(key) if key is not None else None
+    rest = tuple(env[s] if s >= 0 else None for s in step.inputs[1:])
+    if found is None or found[0] is not (rest[0] if rest else step.attributes.get("perm")):
+        return None
+    if found[2] is not None:
+        return _Strided.of_kept(key[0], key[1], found[2], found[3], step.fn, rest, step.attributes)
+    if found[1] is not None and step.ctx.op_type in COPYING:
+        return _Reshaped.of_kept(key[0], key[1], found[1], None, step.fn, rest, step.attributes)
+    return None
 
 
 class SignatureViews:
@@ -128,20 +158,29 @@ class SignatureViews:
             self.ran(signature)
             return lean_steps, None
         steps = list(lean_steps)
-        recorders = []
+        recorders: list[_Recorder | None] = []
         for i in self._positions:
             step = steps[i]
+            if hasattr(step.fn, "kept"):  # a lean launch: read back at keep, nothing wrapped
+                recorders.append(None)
+                continue
             recorder = _Recorder(step.fn, step.ctx.op_type)
             recorders.append(recorder)
             steps[i] = BoundStep(recorder, step.ctx, step.inputs, step.outputs, step.attributes, step.free)
         return steps, recorders
 
-    def keep(self, signature: tuple, steps: list[BoundStep], recorders: list[_Recorder]) -> None:
+    def keep(self, signature: tuple, steps: list[BoundStep], recorders: list[_Recorder | None], env: list[Any]
+             ) -> None:
         """The signature's list: the recording run's `steps` (from `steps`, this signature's alone), each view layer
-        taking what its recorder made (its own launch where none holds)."""
+        taking what its recorder made, or (a lean launch's) what its launch kept (_kept_view, `env` the run's
+        values); its own launch where none holds."""
         for i, recorder in zip(self._positions, recorders):
             step = steps[i]
-            if recorder.made is not None:
+            if recorder is None:
+                made = _kept_view(step, env)
+                if made is not None:
+                    steps[i] = BoundStep(made, step.ctx, step.inputs[:1], step.outputs, {}, step.free)
+            elif recorder.made is not None:
                 step.fn, step.inputs, step.attributes = recorder.made, step.inputs[:1], {}
             else:
                 step.fn = recorder.fn

@@ -1,4 +1,5 @@
-"""A signature's view layers recorded at its second run and run as one torch view each after (view_steps.py)."""
+"""A signature's view layers recorded at its second run and run as one torch view each after (view_steps.py): from
+the ops' outputs (program.LEAN_VIEWS off) or from what the view layers' lean launches kept (on, view_launches.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 import kiln
 from kiln.errors import ExecutionError
 from kiln.ops import tensor as tensor_ops
-from kiln.runtime import view_steps
+from kiln.runtime import program as program_module, view_steps
 from kiln.runtime.view_steps import SignatureViews, _Reshaped, _Strided
 from tests.unit.llama_engine import llama  # noqa: F401  (the fixture)
 
@@ -21,8 +22,9 @@ from tests.unit.llama_engine import llama  # noqa: F401  (the fixture)
 RTOL = ATOL = 1e-4
 
 
-def _context(path, monkeypatch):
+def _context(path, monkeypatch, lean: bool):
     monkeypatch.setenv("KILN_PAD_FIRST_CALLS", "0")  # every shape runs at its own sizes
+    monkeypatch.setattr(program_module, "LEAN_VIEWS", lean)  # on: recorded from the lean launches' kept views
     context = kiln.load(str(path)).create_execution_context()
     context.warm_up()
     return context
@@ -60,13 +62,14 @@ def _calls_of(monkeypatch, owner, name) -> list:
     return calls
 
 
-def test_llama_repeated_shapes_take_their_recorded_views_and_match_onnxruntime(llama, monkeypatch):
+@pytest.mark.parametrize("lean", [False, True])
+def test_llama_repeated_shapes_take_their_recorded_views_and_match_onnxruntime(llama, monkeypatch, lean):
     """Shapes met again, other shapes between them (the same batch at another sequence, the same sequence at another
     batch, a batch or a sequence of 1): each call equals onnxruntime (fp32), and a shape's later calls equal its first
     call bit for bit (the same torch views and copies the ops make). From a shape's third call on, no view layer runs
     its op: every one of llama_tiny's 34 is one as_strided or reshape."""
     exported, path = llama
-    context = _context(path, monkeypatch)
+    context = _context(path, monkeypatch, lean)
     program = context.engine.program
     assert program.signature_views is not None and len(program.signature_views._positions) == 34
     session = ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
@@ -90,7 +93,8 @@ def test_llama_repeated_shapes_take_their_recorded_views_and_match_onnxruntime(l
     assert not _mismatched(program)
 
 
-def test_signature_views_follow_the_whole_signature(llama, monkeypatch):
+@pytest.mark.parametrize("lean", [False, True])
+def test_signature_views_follow_the_whole_signature(llama, monkeypatch, lean):
     """A shape after another of the same batch (or sequence) takes its own recorded views: each kept list's layers
     recorded at its own batch x sequence, the outputs onnxruntime's. The check can fail: keyed by the batch alone (a
     wrong key), a shape after another of its batch takes the other's list, whose layers' guards run their ops on the
@@ -107,7 +111,7 @@ def test_signature_views_follow_the_whole_signature(llama, monkeypatch):
                 got = next(iter(context.run(feeds).values()))
                 np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=RTOL, atol=ATOL)
 
-    context = _context(path, monkeypatch)
+    context = _context(path, monkeypatch, lean)
     run_all(context)
     assert not _mismatched(context.engine.program)
     assert len(context.engine.program.signature_views) == 4
@@ -116,14 +120,15 @@ def test_signature_views_follow_the_whole_signature(llama, monkeypatch):
     monkeypatch.setattr(SignatureViews, "steps", lambda self, signature, lean: steps(self, signature[0][0][:1], lean))
     monkeypatch.setattr(SignatureViews, "keep", lambda self, signature, *a: keep(self, signature[0][0][:1], *a))
     with pytest.raises((ExecutionError, AssertionError)):
-        run_all(_context(path, monkeypatch))
+        run_all(_context(path, monkeypatch, lean))
 
 
-def test_signature_views_are_bounded(llama, monkeypatch):
+@pytest.mark.parametrize("lean", [False, True])
+def test_signature_views_are_bounded(llama, monkeypatch, lean):
     """Past SIGNATURES, the least recently used signature's list goes; outputs stay onnxruntime's."""
     exported, path = llama
     monkeypatch.setattr(view_steps, "SIGNATURES", 3)
-    context = _context(path, monkeypatch)
+    context = _context(path, monkeypatch, lean)
     views = context.engine.program.signature_views
     session = ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(zlib.crc32(b"llama view bound"))
