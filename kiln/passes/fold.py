@@ -3,7 +3,8 @@
 A node whose inputs are all constants is run once at build time (through the very
 implementation the runtime would call, so folding can never disagree with running) and
 its outputs become initializers. `Shape` and `Size` of a value whose shape is fully static
-fold too, which resolves the Shape -> Gather -> Concat -> Reshape chains exporters emit.
+fold too, which resolves the Shape -> Gather -> Concat -> Reshape chains exporters emit; so does a
+GatherElements from a constant of one value throughout (its result is that value whatever the indices).
 
 Never folded: QuantizeLinear/DequantizeLinear (they carry calibration a later pass reads),
 random ops, nodes with subgraphs, and results much larger than their inputs (a folded
