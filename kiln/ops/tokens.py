@@ -62,6 +62,21 @@ def token_index(ctx, mask, bucket=None):
     return index[:size], scatter[:size], cu_seqlens
 
 
+@register("PaddingPositions", domain="kiln")
+def padding_positions(ctx, ids, *, padding_idx, offset):
+    """ids [..., S] -> int64 [..., S]: each real token's position along the last axis counted over the real
+    tokens only, 1-based, plus `offset`; `offset` at padding (ids == padding_idx):
+
+        keep = ids != padding_idx
+        positions = cumsum(keep, -1) · keep + offset
+
+    RoBERTa's position ids (transformers' create_position_ids_from_input_ids, offset = padding_idx + the past
+    length; XLM-R, CamemBERT, Longformer... share it), which its exporter writes as nine int steps
+    (kiln/passes/fusion/padding_positions.py)."""
+    keep = (ids != padding_idx).to(torch.int64)  # [..., S]
+    return torch.cumsum(keep, dim=-1) * keep + offset
+
+
 @register("KeyLengths", domain="kiln")
 def key_lengths(ctx, mask):
     """mask [B, S] -> int32 [B]: n_b where row b's real tokens (m ≠ 0) are its first n_b positions (right padding,

@@ -3,7 +3,8 @@
 A node whose inputs are all constants is run once at build time (through the very
 implementation the runtime would call, so folding can never disagree with running) and
 its outputs become initializers. `Shape` and `Size` of a value whose shape is fully static
-fold too, which resolves the Shape -> Gather -> Concat -> Reshape chains exporters emit.
+fold too, which resolves the Shape -> Gather -> Concat -> Reshape chains exporters emit; so does a
+GatherElements from a constant of one value throughout (its result is that value whatever the indices).
 
 Never folded: QuantizeLinear/DequantizeLinear (they carry calibration a later pass reads),
 random ops, nodes with subgraphs, and results much larger than their inputs (a folded
@@ -132,6 +133,21 @@ def _static_dims_picked(node: ir.Node) -> np.ndarray | None:
     return array if indices is None else array.reshape(indices.shape)
 
 
+def _uniform_gather(node: ir.Node) -> np.ndarray | None:
+    """GatherElements(data, indices) where data is a constant holding one value throughout and the indices'
+    shape is static: that value at every index, whatever the indices (RoBERTa's token-type ids, a zero
+    buffer gathered at the computed position ids). In-range indices are the op's contract; an out-of-range
+    one is an error onnxruntime raises and this result hides."""
+    data = const(node.inputs[0])
+    shape = static_shape(node.inputs[1]) if len(node.inputs) > 1 else None
+    if data is None or shape is None or data.size == 0 or const(node.inputs[1]) is not None:
+        return None
+    first = data.reshape(-1)[:1]
+    if not np.array_equal(data, np.broadcast_to(first.reshape((1,) * data.ndim), data.shape)):
+        return None
+    return np.full(shape, first[0], dtype=data.dtype)
+
+
 def _foldable(node: ir.Node) -> bool:
     if node.op_type in NEVER_FOLD or node.domain not in ("", "ai.onnx"):
         return False
@@ -139,6 +155,8 @@ def _foldable(node: ir.Node) -> bool:
         return True
     if node.op_type == "Gather" and node.inputs[0] is not None and is_op(node.inputs[0].producer(), "Shape"):
         return True  # a static dim of a dynamic shape
+    if node.op_type == "GatherElements" and _uniform_gather(node) is not None:
+        return True  # computed indices into a constant of one value throughout
     inputs = [v for v in node.inputs if v is not None]
     return bool(inputs) and all(const(v) is not None for v in inputs)
 
@@ -184,6 +202,10 @@ def fold_node(node: ir.Node, opset: int, folded: dict[tuple, _Folded] | None = N
         if picked is None:
             return False
         arrays = [picked]
+    elif node.op_type == "GatherElements" and const(node.inputs[1]) is None:
+        arrays = [_uniform_gather(node)]
+        if arrays[0] is None:
+            return False
     elif node.op_type in ("Shape", "Size"):
         result = _static_shape_result(node)
         if result is None and node.op_type == "Shape":

@@ -10,6 +10,9 @@
  *   kiln_unpack_rows   out[scatter[t]] = y[t], zeros at padding (mask == 0; `zero_padding` 0 at the identity
  *                      packing: every row copied as it is), a scatter of B·S dropped
  *
+ *   kiln_padding_positions  ids [rows, S] (int64 or int32) -> positions [rows, S] int64: cumsum(keep)·keep +
+ *                      offset along each row, keep = ids != padding (RoBERTa's position ids, kiln/ops/tokens.py)
+ *
  * The mask is int64, int32 or bool (mask_bytes 8, 4, 1; nonzero: a real token). Returns 0, or 2 for an
  * operand that is not bound, a mask with more real tokens than T' rows, or an index out of range.
  */
@@ -157,4 +160,33 @@ int kiln_unpack_rows(void *object, void *stream, int nargs, const void *args) {
     const long items = (most + p->grain - 1) / p->grain;
     parallel_items(items, items > 1 ? max_threads() : 1, unpack_item, &l);
     return l.failed ? 2 : 0;
+}
+
+/* ---- PaddingPositions ---------------------------------------------------------------------------- */
+
+typedef struct {
+    get_handle_fn get_handle;
+    void *ids, *out;      /* dnnl_memory_t */
+    long rows, S;         /* ids [rows, S] */
+    long padding, offset;
+    int ids_bytes;        /* 8 or 4 */
+} padding_positions_plan;
+
+int kiln_padding_positions(void *object, void *stream, int nargs, const void *args) {
+    (void)stream; (void)nargs; (void)args;
+    const padding_positions_plan *p = (const padding_positions_plan *)object;
+    const void *ids = handle_of(p->get_handle, p->ids);
+    int64_t *out = (int64_t *)handle_of(p->get_handle, p->out);
+    if ((!ids || !out) && p->rows * p->S > 0) return 2;
+    for (long r = 0; r < p->rows; ++r) {
+        int64_t count = 0;
+        for (long s = 0; s < p->S; ++s) {
+            const long i = r * p->S + s;
+            const int64_t v = p->ids_bytes == 8 ? ((const int64_t *)ids)[i] : (int64_t)((const int32_t *)ids)[i];
+            const int keep = v != (int64_t)p->padding;
+            count += keep;
+            out[i] = (keep ? count : 0) + (int64_t)p->offset;
+        }
+    }
+    return 0;
 }

@@ -1,5 +1,5 @@
 """A padding-free encoder's memory ops in kiln's C (tokens.c, built with transformer.c): TokenIndex, PackTokens,
-UnpackTokens (kiln/ops/tokens.py) as native-segment members.
+UnpackTokens (kiln/ops/tokens.py) as native-segment members; and PaddingPositions (RoBERTa's position ids).
 
 Why: as torch steps they stood between native segments, so a padding-free BERT ran as four segments and a dozen
 Python steps where the plain one runs as one segment; on the CPU that cost more than the padding it saved below
@@ -38,6 +38,15 @@ class _UnpackPlan(ctypes.Structure):  # unpack_plan
                 ("mask", ctypes.c_void_p), ("out", ctypes.c_void_p), ("rows", ctypes.c_long),
                 ("positions", ctypes.c_long), ("n", ctypes.c_long), ("grain", ctypes.c_long),
                 ("mask_bytes", ctypes.c_int), ("zero_padding", ctypes.c_int)]
+
+
+class _PaddingPositionsPlan(ctypes.Structure):  # padding_positions_plan
+    _fields_ = [("get_handle", ctypes.c_void_p), ("ids", ctypes.c_void_p), ("out", ctypes.c_void_p),
+                ("rows", ctypes.c_long), ("S", ctypes.c_long), ("padding", ctypes.c_long), ("offset", ctypes.c_long),
+                ("ids_bytes", ctypes.c_int)]
+
+
+IDS_BYTES = {torch.int64: 8, torch.int32: 4}  # the ids dtypes PaddingPositions reads
 
 
 def _mask_bytes(dtype: torch.dtype) -> int:
@@ -107,3 +116,22 @@ class UnpackRows(NativeKernel):
         self.roles = {0: ("y",), 1: ("scatter",), 2: ("mask",), "dst": ("out",)}
         self.fields = dict(rows=int(y_size[0]), positions=batch * seq, n=n, grain=_grain(n),
                            mask_bytes=_mask_bytes(mask_dtype), zero_padding=int(bool(zero_padding)))
+
+
+class PaddingPositions(NativeKernel):
+    """ids (step input 0) [..., S] int64 or int32 -> int64 [..., S]: cumsum(keep)·keep + offset along the last
+    axis, keep = ids != padding_idx (kiln/ops/tokens.py padding_positions)."""
+
+    PLAN, FUNCTION = _PaddingPositionsPlan, "kiln_padding_positions"
+    output_dtype = torch.int64
+
+    def __init__(self, ids_size: tuple[int, ...], ids_dtype: torch.dtype, padding_idx: int, offset: int):
+        super().__init__(f"padding positions of {list(ids_size)} ids")
+        if len(ids_size) < 1 or ids_dtype not in IDS_BYTES:
+            raise ValueError(f"ids of {list(ids_size)} {ids_dtype}: [..., S] int64 or int32")
+        seq = int(ids_size[-1])
+        rows = int(torch.Size(ids_size).numel()) // seq if seq else 0
+        self.output_size = tuple(int(d) for d in ids_size)
+        self.roles = {0: ("ids",), "dst": ("out",)}
+        self.fields = dict(rows=rows, S=seq, padding=int(padding_idx), offset=int(offset),
+                           ids_bytes=IDS_BYTES[ids_dtype])

@@ -26,6 +26,7 @@ from kiln.passes.fusion.layernorm_quantize import (fuse_dequantize_into_layer_no
                                                    fuse_int8_dequantize_into_layer_norm_quantize,
                                                    fuse_int8_layer_norm_quantize, fuse_layer_norm_quantize)
 from kiln.passes.fusion.packed_rotary import fuse_packed_rotary
+from kiln.passes.fusion.padding_positions import fuse_padding_positions
 from kiln.passes.fusion.parallel_gemm import merge_parallel_gemms
 from kiln.passes.fusion.qdq_layers import (fold_quantize_into_stem, fold_wide_quantize_into_layer, fuse_quantized_add,
                                           fuse_quantized_layer)
@@ -64,6 +65,7 @@ RULES = [
     ("conv1d_mean_as_global_pool", conv1d_mean_as_global_pool),
     ("fuse_squeeze_excite", fuse_squeeze_excite),  # after fuse_conv: reads the 1x1 convolutions' epilogues
     ("fuse_embedding_concat", fuse_embedding_concat),
+    ("fuse_padding_positions", fuse_padding_positions),  # RoBERTa's position ids: one step of the CPU's segment
     ("fuse_gemm", fuse_gemm),
     ("fuse_swiglu", fuse_swiglu),  # before merge_parallel_gemms: it would hide the up GEMM behind a Split
     ("fuse_split_swiglu", fuse_split_swiglu),  # a gate|up GEMM the model merged itself (Phi-3), then chunked
@@ -102,7 +104,7 @@ CPU_RULES = {"fuse_squeeze_excite", "fuse_conv_final_activation", "conv1d_as_con
              "drop_zero_initial_states", "constant_reshape_target", "split_as_slices", "fuse_relayout",
              "flatten_channels_last_runs", "fold_wide_quantize_into_layer", "fuse_int8_dequantize_into_elementwise",
              "fuse_int8_quantize_into_elementwise", "fuse_int8_layer_norm_quantize",
-             "fuse_int8_dequantize_into_layer_norm_quantize"}
+             "fuse_int8_dequantize_into_layer_norm_quantize", "fuse_padding_positions"}
 # (fuse_packed_rotary and fuse_split_swiglu run for both: CUDA has cuda.rotary.triton over a packed q|k|v,
 # the Triton attention's qkv_split, and kiln/tactics/cuda/swiglu.py for the gated GEMM)
 # Rules only a build for CUDA asks for (PassOptions.cuda_rules): every CUDA tactic of their fused op takes
