@@ -78,3 +78,33 @@ def test_launch_against_the_op_and_numpy(monkeypatch, k, n, dtype, bias):
     want = x @ w.T + (args[2].double().numpy() if bias else 0.0)  # the half inputs' exact products, float64
     # fp32 sums of K exact products: a few fp32 ulps of Σ|x·w| (half rounding would be ~5e-4 of |y|)
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5 * k ** 0.5)
+
+
+def test_an_fp16_engine_returns_the_strided_fp32_output(monkeypatch):
+    """Through the engine (the CPU runtime standing in): the last GEMM of an fp16 engine marked output_float32 as a
+    CUDA build marks it, run by this tactic; the [4, 13] output, a view of 32-float rows, matches onnxruntime."""
+    import onnxruntime as ort
+
+    import kiln
+    from kiln.builder.precision import write_float32_outputs
+    from tests.unit.tactic_check import cuda_tactics_on_cpu
+    from tests.unit.test_precision_float32_output import _two_gemms
+
+    cuda_tactics_on_cpu(monkeypatch, lambda name: name == NAME)
+    seen = []
+    monkeypatch.setattr(float32_out, "mm_float32_into", _cpu_mm_float32_into(seen))
+    proto, rng = _two_gemms(n_out=13)
+    plain = kiln.build(proto, precision="fp16", tactics=["none"])
+    write_float32_outputs(plain.plan.program, "fp16")
+    last = plain.plan.program.steps[-1]
+    assert last.attributes["output_float32"] == 1
+    last.tactic, last.tactic_config = NAME, {}
+    engine = kiln.Engine(plain.plan)
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    for _ in range(2):
+        x = rng.standard_normal((4, 16)).astype(np.float32)
+        got = engine.run({"x": x})["y"]
+        assert seen and got.dtype == np.float32 and got.shape == (4, 13)
+        seen.clear()
+        # fp16 weights and hidden activations, as test_precision_float32_output's engine
+        np.testing.assert_allclose(got, session.run(None, {"x": x})[0], rtol=2e-2, atol=2e-2)
