@@ -1,7 +1,7 @@
-"""cuda.gemm.cublas_float32_out (kiln/tactics/cuda/gemm_float32_out.py) on the GPU: cuBLAS's half GEMM storing fp32
-(aten::mm.dtype_out) into 128-byte-pitched rows, against torch's float64 matmul of the same half inputs, at GPT-2's LM head
-(8 x 512 x 768 -> 50257, no bias) and a small bf16 layer with a bias and K not a multiple of 8; then through an fp16
-engine whose last GEMM (an odd N) the tactic runs, CUDA graph included. Times are printed beside
+"""cuda.gemm.cublas_float32_out (kiln/tactics/cuda/gemm_float32_out.py) on the GPU: cuBLAS's half GEMM storing
+fp32 (aten::mm.dtype_out) into 128-byte-pitched rows, against torch's float64 matmul of the same half inputs, at
+GPT-2's LM head (8 x 512 x 768 -> 50257, no bias) and a small bf16 layer with a bias and K not a multiple of 8;
+then through an fp16 engine whose last GEMM (an odd N) the tactic runs, CUDA graph included. Times are printed beside
 cuda.gemm.cublas_addmm_act's fp32 path (contiguous output) and the Triton GEMM, never asserted."""
 
 from __future__ import annotations
