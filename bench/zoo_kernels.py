@@ -49,6 +49,17 @@ def main() -> None:
     lines = [f"# {args.model} {args.batch}x{args.seq} on {torch.cuda.get_device_name()}, kiln build {build_s:.1f} s",
              "engine outputs: " + ", ".join(f"{n} {outputs[n].dtype} {tuple(outputs[n].shape)}"
                                             for n in engine.output_names)]
+    # the layers writing the engine's outputs: the tactic the tuner kept and every candidate's time or refusal
+    # (an fp32 output of a half engine is stored by its GEMM, output_float32: GPT-2's LM head, issue 11)
+    records = engine.plan.header.get("tactics", {}).get("layers", {})
+    for step in engine.plan.program.steps:
+        if set(step.outputs) & set(engine.output_names):
+            record = records.get(step.name, {})
+            lines.append(f"output layer {step.name} ({step.op_type}, output_float32="
+                         f"{step.attributes.get('output_float32', 0)}): {step.tactic}"
+                         + (f", reverted: {record['reverted']}" if record.get("reverted") else ""))
+            for name, note in record.get("candidates", {}).items():
+                lines.append(f"  {name}: " + (f"{note:.3f} ms" if isinstance(note, float) else str(note)[:160]))
     runs = {"kiln": lambda: context.run(inputs32)}
     with torch.inference_mode():
         runs["torch eager"] = lambda: module(**inputs16)

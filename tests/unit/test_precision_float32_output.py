@@ -17,14 +17,15 @@ from tests.unit.tactic_check import make_step, metas
 from tests.unit.test_passes_cleanup import make_model
 
 
-def _two_gemms():
+def _two_gemms(n_out: int = 8):
     rng = np.random.default_rng()
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 16])
-    outs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])]
+    outs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, n_out])]
     nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], transB=1), helper.make_node("Relu", ["h"], ["r"]),
              helper.make_node("Gemm", ["r", "w2", "b2"], ["y"], transB=1)]
     inits = [("w1", rng.standard_normal((12, 16)).astype(np.float32)), ("b1", rng.standard_normal(12).astype(np.float32)),
-             ("w2", rng.standard_normal((8, 12)).astype(np.float32)), ("b2", rng.standard_normal(8).astype(np.float32))]
+             ("w2", rng.standard_normal((n_out, 12)).astype(np.float32)),
+             ("b2", rng.standard_normal(n_out).astype(np.float32))]
     return make_model(nodes, [x], outs, inits), rng
 
 

@@ -65,8 +65,11 @@ def test_every_cuda_tactic_is_registered_for_its_op():
     gemm = [t.name for t in registry.candidates("FusedGemm", "kiln", "cuda", opt_level=2)]
     assert gemm[:2] == ["cuda.gemm.cublas_triton_epilogue", "cuda.gemm.cublas_addmm_act"]
     assert "cuda.gemm.triton.128x256x64" not in gemm  # the widest tile is tried from opt_level 3
-    plain = [n for n in gemm if ".swiglu." not in n and n != "cuda.gemm.cublas_padded"]
-    assert len(plain) == 5  # a modest candidate list at default builds (+ the padded one for unaligned K or N)
+    # the padded cuBLAS ones take only unaligned K or N (kiln/tactics/cuda/gemm_padded.py, gemm_float32_out.py)
+    plain = [n for n in gemm if ".swiglu." not in n and n not in ("cuda.gemm.cublas_padded",
+                                                                  "cuda.gemm.cublas_float32_out")]
+    assert len(plain) == 5  # a modest candidate list at default builds
+    assert "cuda.gemm.cublas_float32_out" in gemm
     # the gated MLP's tactics (kiln/tactics/cuda/swiglu.py) take only SwiGLU layers, which the others refuse
     assert [n for n in gemm if ".swiglu." in n] == [
         "cuda.gemm.swiglu.cublas_elementwise", "cuda.gemm.swiglu.triton.128x64x64", "cuda.gemm.swiglu.triton.64x64x64",

@@ -3,6 +3,7 @@
     library.py     cuBLAS/cuBLASLt GEMMs (+ Triton GEMM and epilogues), cuDNN convolutions, SDPA backends
     memory_bound.py  Triton elementwise chains, LayerNorm, RMSNorm, Softmax
     gemm_padded.py a half GEMM of K or N not a multiple of 8 on zero-padded, aligned operands (cuBLAS)
+    gemm_float32_out.py  a half GEMM storing the engine's fp32 output on rows padded to 128 bytes (cuBLAS, odd N)
     swiglu.py      a gated MLP's gate|up GEMM (FusedGemm SwiGLU): cuBLAS + one gating kernel, or one Triton GEMM
     attention.py   kiln's Triton flash attention
     packed_attention.py  kiln::PackedAttention (padding-free encoders) on varlen flash attention
@@ -25,6 +26,7 @@ import kiln.tactics.cuda.library  # noqa: F401, I001
 import kiln.tactics.cuda.memory_bound  # noqa: F401
 import kiln.tactics.cuda.swiglu  # noqa: F401
 import kiln.tactics.cuda.gemm_padded  # noqa: F401
+import kiln.tactics.cuda.gemm_float32_out  # noqa: F401
 import kiln.tactics.cuda.attention  # noqa: F401
 import kiln.tactics.cuda.packed_attention  # noqa: F401
 import kiln.tactics.cuda.pool  # noqa: F401
