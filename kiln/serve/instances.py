@@ -147,7 +147,7 @@ class GraphCounts(NamedTuple):
         return GraphCounts(stats.replays, stats.captures, stats.eager_runs, stats.split_runs)
 
     def since(self, before: GraphCounts) -> GraphCounts:
-        return GraphCounts(*(a - b for a, b in zip(self, before)))
+        return GraphCounts(self[0] - before[0], self[1] - before[1], self[2] - before[2], self[3] - before[3])
 
 
 def _shape_label(key: tuple) -> str:
