@@ -19,14 +19,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
-import kiln
-from kiln import zoo
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+import kiln  # noqa: E402
+from kiln import zoo  # noqa: E402
 
 
 def _counts(context) -> tuple[int, int, int, int]:
