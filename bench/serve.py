@@ -293,7 +293,10 @@ def _delta(after: dict, before: dict) -> dict[str, float]:
     def call_ns(view: dict) -> int:
         return sum(s["compute_infer"]["ns"] for s in view["batch_stats"])
 
-    return {"phases": _phases(after.get("call_phases"), before.get("call_phases")),
+    phases = _phases(after.get("call_phases"), before.get("call_phases"))
+    if phases is not None:
+        phases["cuda_graphs"] = after.get("cuda_graphs") or []
+    return {"phases": phases,
             "server_us": per_request("success"), "queue_us": per_request("queue"),
             "merge_us": per_request("compute_input"), "engine_us": per_request("compute_infer"),
             "rows_per_call": requests / calls if calls else nan,
@@ -322,13 +325,17 @@ def _phases(after: dict | None, before: dict | None) -> dict | None:
             continue
         count = after[name]["count"] - before[name]["count"]
         out[name] = (after[name]["ns"] - before[name]["ns"]) / count / 1000 if count else float("nan")
+    graph_calls = after.get("graph_calls", 0) - before.get("graph_calls", 0)  # CUDA graph counts per call
+    for name in ("graph_replays", "graph_captures", "graph_eager", "graph_splits"):
+        out[name] = (after[name] - before[name]) / graph_calls if graph_calls and name in after else float("nan")
     return out
 
 
 PHASE_HEADER = ("| model | batching | protocol | front ends | client processes | concurrency | requests/call "
                 "| rows/call | queue us/req | gather us | handoff us | merge us | engine us | of it CPU us "
                 "| GPU span us | of it copy out us | split us | return us | answer us | respond us/req "
-                "| of it work us/req | send us/req | host share of the call |")
+                "| of it work us/req | send us/req | host share of the call | graph replays/call | captures/call "
+                "| eager runs/call | split calls |")
 
 
 def _format_phases(row: Row) -> str | None:
@@ -341,10 +348,13 @@ def _format_phases(row: Row) -> str | None:
     gpu = p["gpu"]
     share = f"{(per_call - gpu) / per_call:.0%}" if gpu == gpu and per_call else "-"
     cells = " | ".join("-" if p[k] != p[k] else f"{p[k]:.0f}" for k in PHASE_COLUMNS)
+    nan = float("nan")
+    graphs = " | ".join("-" if p.get(k, nan) != p.get(k, nan) else f"{p[k]:.2f}"
+                        for k in ("graph_replays", "graph_captures", "graph_eager", "graph_splits"))
     return (f"| {row.model}{' @' + row.variant if row.variant else ''} | {row.batching} | {row.protocol} "
             f"| {row.frontends} | {row.processes} | {row.result.concurrency} | {p['requests_per_call']:.1f} "
             f"| {p['rows_per_call']:.1f} | {p['queue']:.0f} | {cells} | {p['respond']:.0f} | {p['respond_work']:.0f} "
-            f"| {'-' if p['send'] != p['send'] else format(p['send'], '.0f')} | {share} |")
+            f"| {'-' if p['send'] != p['send'] else format(p['send'], '.0f')} | {share} | {graphs} |")
 
 
 def phase_table(rows: list[Row]) -> list[str]:
@@ -353,7 +363,28 @@ def phase_table(rows: list[Row]) -> list[str]:
     if not lines:
         return []
     return ["Where a call's time goes (kiln serve's call_phases over the window: us per engine call, queue and "
-            "respond per request):", "", PHASE_HEADER, "|---" * (PHASE_HEADER.count("|") - 1) + "|", *lines]
+            "respond per request; CUDA graphs per call: the engine call's replays, captures, eager runs of the "
+            "network, and the share of calls whose batch ran split into bucket chunks):", "", PHASE_HEADER,
+            "|---" * (PHASE_HEADER.count("|") - 1) + "|", *lines, *graph_lines(rows)]
+
+
+def graph_lines(rows: list[Row]) -> list[str]:
+    """Per served model (its last row's server stats): each CUDA instance's warm-up captures and its graph cache at
+    the end of the window (kiln serve's "cuda_graphs")."""
+    last: dict[str, list] = {}
+    for row in rows:
+        if row.phases and row.phases.get("cuda_graphs"):
+            last[f"{row.model} ({row.batching}{', ' + row.variant if row.variant else ''})"] = row.phases["cuda_graphs"]
+    lines = []
+    for name, reports in last.items():
+        for r in reports:
+            eager = "; ".join(f"{k}: {v}" for k, v in (r.get("warm_up_eager") or {}).items())
+            lines.append(f"- {name} instance {r['instance']}: warm-up captured {len(r['warm_up_captured'])} "
+                         f"[{' '.join(r['warm_up_captured'])}]{' eager: ' + eager if eager else ''}; captured_all "
+                         f"{r['captured_all']}; now {r['graphs']} graphs ({r['graph_bytes'] / 2**20:.0f} MiB), "
+                         f"{r['captures']} captures, {r['replays']} replays, {r['eager_runs']} eager runs, "
+                         f"{r['split_runs']} split runs, {r['evictions']} evictions")
+    return ["", "CUDA graphs per instance (kiln serve's cuda_graphs):", "", *lines] if lines else []
 
 
 def run(args, report) -> list[Row]:

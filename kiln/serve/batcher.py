@@ -223,6 +223,7 @@ class BatchResult:
     cpu_ns: int = 0  # the instance thread's CPU time in the engine call
     gpu_ns: int | None = None  # CUDA: the call's span on its stream
     copy_out_ns: int | None = None  # CUDA, pinned or blocking: of it, the outputs' copies to the host
+    graphs: tuple[int, int, int, int] | None = None  # CUDA: the call's graph replays, captures, eager runs, splits
 
 
 class Batcher:
@@ -252,6 +253,8 @@ class Batcher:
                                    warm_up_s=warm_up_s, cuda_sync=sync)
                           for k in range(config.instance_count)]
         stats.warm_up = [i.warmed_up for i in self.instances if i.warmed_up is not None]
+        if any(i.cuda for i in self.instances):
+            stats.graph_reports = lambda: [r for r in (i.graph_report() for i in self.instances) if r is not None]
         self.idle = list(reversed(self.instances))
         self.pending: deque[Pending] = deque()
         self.closing = False
@@ -315,7 +318,7 @@ class Batcher:
         self.idle.append(instance)
         self.stats.record_batch(rows, 1, t1 - t0, t2 - t1, 0)  # no output work: the outputs are the call's
         self.stats.record_phases(1, rows, 0, 0, t1 - t0, t2 - t1, instance.cpu_ns, instance.gpu_ns, 0, 0, 0,
-                                 instance.copy_out_ns)
+                                 instance.copy_out_ns, instance.graph_counts)
         self.stats.phases.queue.add(0)  # it never waited
         return outputs
 
@@ -484,7 +487,7 @@ class Batcher:
             self.stats.record_phases(len(batch), result.rows, gathered, result.begin_ns - start if start else 0,
                                      result.input_ns, result.infer_ns, result.cpu_ns, result.gpu_ns, result.output_ns,
                                      answering - result.end_ns if result.end_ns else 0,
-                                     time.monotonic_ns() - answering, result.copy_out_ns)
+                                     time.monotonic_ns() - answering, result.copy_out_ns, result.graphs)
 
     # ---- in an instance's thread ------------------------------------------------------------------
 
@@ -525,7 +528,7 @@ class Batcher:
         if len(batch) == 1 and padded == rows:
             t3 = time.monotonic_ns()
             return BatchResult([outputs], padded, t1 - t0, t2 - t1, t3 - t2, t0, t3, instance.cpu_ns, instance.gpu_ns,
-                               instance.copy_out_ns)
+                               instance.copy_out_ns, instance.graph_counts)
         split: list[dict[str, np.ndarray] | BaseException] = []
         offset = 0
         for r in batch:
@@ -536,7 +539,7 @@ class Batcher:
             offset += r.rows
         t3 = time.monotonic_ns()
         return BatchResult(split, padded, t1 - t0, t2 - t1, t3 - t2, t0, t3, instance.cpu_ns, instance.gpu_ns,
-                           instance.copy_out_ns)
+                           instance.copy_out_ns, instance.graph_counts)
 
     def _run_alone(self, instance: Instance, batch: list[Pending], padded: int, t0: int, t1: int) -> BatchResult:
         """The batch's failed call (merged at t0, run from t1) rerun request by request; the reruns count as its

@@ -54,7 +54,10 @@ What a call cost (the batcher's call phases, kiln/serve/stats.py CallPhases): af
 thread's CPU time in it and, on CUDA, `gpu_ns` its span on the instance's stream between two timing events recorded
 before and after it (the copies in and out included; read once the stream is done, so it costs no wait); where this
 thread copies the outputs to the host itself (pinned, blocking), `copy_out_ns` the span of those copies (a third
-event between the network and them).
+event between the network and them); and `graph_counts`, what the runtime's CUDA graph cache did in it (GraphCounts:
+graphs replayed, captured, runs eager, batches split into bucket-sized chunks: its GraphStats read before and after
+the call, on this instance's own context, so no other instance's runs count). `warm_up_graphs` lists the input
+shapes whose graphs the CUDA warm-up left captured (graph_report: the stats' "cuda_graphs", issue 14).
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -131,6 +134,34 @@ class GpuGate:
 GATE = GpuGate()  # one per process: a capture constrains every thread of it
 
 
+class GraphCounts(NamedTuple):
+    """What a context's CUDA graph cache did over a span of its runs (GraphStats' counters, after minus before)."""
+
+    replays: int = 0
+    captures: int = 0
+    eager: int = 0  # runs of the network not from a graph: a signature's first run, one that cannot be captured
+    splits: int = 0  # runs whose batch ran as several bucket-sized chunks (each chunk a replay, or eager)
+
+    @staticmethod
+    def of(stats: Any) -> GraphCounts:
+        return GraphCounts(stats.replays, stats.captures, stats.eager_runs, stats.split_runs)
+
+    def since(self, before: GraphCounts) -> GraphCounts:
+        return GraphCounts(self[0] - before[0], self[1] - before[1], self[2] - before[2], self[3] - before[3])
+
+
+def _shape_label(key: tuple) -> str:
+    """A graph cache key (GraphRunner._key: (shape, dtype) per input) as its inputs' shapes: "16x128,16x128"; a
+    padding-free engine's plain program marked "plain:"."""
+    parts, plain = [], False
+    for item in key:
+        if item == ("other program",):
+            plain = True
+        elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], tuple):
+            parts.append("x".join(map(str, item[0])) or "scalar")
+    return ("plain:" if plain else "") + ",".join(parts)
+
+
 class Instance:
     """One execution context and the thread (and CUDA stream) that runs it."""
 
@@ -152,6 +183,9 @@ class Instance:
         self.cpu_ns = 0  # the last call's CPU time on its thread
         self.gpu_ns: int | None = None  # CUDA: the last call's span on the stream (None: not measured)
         self.copy_out_ns: int | None = None  # CUDA, pinned or blocking: of it, the outputs' copies to the host
+        self.graph_counts: GraphCounts | None = None  # CUDA: what the last call's graph cache did (None: no runner)
+        self.warm_up_graphs: list[str] = []  # CUDA: the input shapes whose graphs warm-up left captured
+        self.warm_up_eager: dict[str, str] = {}  # CUDA: shapes warm-up ran that stay eager, and why
         # timing events: the call's start, its outputs ready on the GPU (pinned, blocking), its end
         self._span = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3)) if self.cuda else None
         self._work: queue.SimpleQueue = queue.SimpleQueue()
@@ -180,7 +214,27 @@ class Instance:
                 log.warning("instance %d: warm-up failed (%s: %s); graphs are captured on first requests",
                             self.index, type(e).__name__, str(e).splitlines()[0][:200])
             self.stream.synchronize()
-        self._evictions = self.context.runner.stats.evictions if self.context.runner is not None else 0
+        runner = self.context.runner
+        self._evictions = runner.stats.evictions if runner is not None else 0
+        if runner is not None:
+            self.warm_up_graphs = [_shape_label(k) for k, e in runner.entries.items() if e.graph is not None]
+            self.warm_up_eager = {_shape_label(k): e.reason for k, e in runner.entries.items() if e.graph is None}
+            log.info("instance %d: warm-up captured %d graph(s) (%s)%s%s", self.index, len(self.warm_up_graphs),
+                     " ".join(self.warm_up_graphs), "; eager: " + "; ".join(
+                         f"{k}: {r}" for k, r in self.warm_up_eager.items()) if self.warm_up_eager else "",
+                     "" if self.captured_all else "; not every shape the engine takes (runs capture while serving)")
+
+    def graph_report(self) -> dict | None:
+        """CUDA: what warm-up captured and the context's graph cache now (the model stats' "cuda_graphs"); None for
+        an instance without a graph runner. Read from the event loop while the thread runs: plain ints."""
+        runner = self.context.runner if self.cuda else None
+        if runner is None:
+            return None
+        s = runner.stats
+        return {"instance": self.index, "use_graphs": bool(runner.use_graphs), "captured_all": self.captured_all,
+                "warm_up_captured": list(self.warm_up_graphs), "warm_up_eager": dict(self.warm_up_eager),
+                "graphs": s.graphs, "graph_bytes": s.graph_bytes, "captures": s.captures, "replays": s.replays,
+                "eager_runs": s.eager_runs, "split_runs": s.split_runs, "evictions": s.evictions}
 
     def warm_up_cpu(self, name: str, seconds: float) -> None:
         """CPU: bind the profile's host shapes now, for at most `seconds` (ExecutionContext.warm_up)."""
@@ -223,7 +277,9 @@ class Instance:
         if not self.captured_all:
             key = tuple((tuple(v.shape), str(v.dtype)) for v in feeds.values())
             seen = self._seen.get(key, 0)
-        self.gpu_ns = self.copy_out_ns = None
+        self.gpu_ns = self.copy_out_ns = self.graph_counts = None
+        runner = self.context.runner
+        before = GraphCounts.of(runner.stats) if runner is not None else None
         with GATE.alone() if seen < 2 else GATE.shared(), torch.cuda.stream(self.stream):
             self._span[0].record(self.stream)
             outputs = self._run_pinned(feeds) if self.pinned else self._run_spinning(feeds)
@@ -231,7 +287,7 @@ class Instance:
             if self.pinned:
                 self.copy_out_ns = self._span_ns(1, 2)
         self.cpu_ns = time.thread_time_ns() - start
-        runner = self.context.runner
+        self.graph_counts = GraphCounts.of(runner.stats).since(before) if runner is not None else None
         if runner is not None and runner.stats.evictions != self._evictions:
             self._evictions = runner.stats.evictions
             self.captured_all = False  # an evicted signature captures again: run alone until seen twice more

@@ -1,8 +1,9 @@
 """Per-model statistics in Triton's shape: the /stats endpoint, gRPC ModelStatistics and /metrics read them.
 
-kiln adds two keys to Triton's (gRPC's ModelStatistics has no field for either): "warm_up", what each CPU
-instance's warm-up did at load (kiln/serve/instances.py; [] when none ran), and "call_phases", where a batched
-engine call's time goes on the host (CallPhases; issue 14).
+kiln adds three keys to Triton's (gRPC's ModelStatistics has no field for any): "warm_up", what each CPU
+instance's warm-up did at load (kiln/serve/instances.py; [] when none ran), "call_phases", where a batched
+engine call's time goes on the host (CallPhases; issue 14), and "cuda_graphs", per CUDA instance the input shapes
+its warm-up captured and its graph cache's counters now (Instance.graph_report; [] on the CPU).
 
 Durations are cumulative nanoseconds with a count, as Triton keeps them: per request (success,
 fail, queue, and the compute phases of the batch each request ran in) and per batch size (one
@@ -12,6 +13,7 @@ entry per engine call). Written from the event loop only, so no lock.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from kiln.runtime.engine import WarmUp
@@ -40,6 +42,7 @@ class BatchStats:
 PHASES_PER_CALL = ("gather", "handoff", "merge", "engine", "engine_cpu", "gpu", "gpu_copy_out", "split", "return",
                    "answer")
 PHASES_PER_REQUEST = ("queue", "respond", "respond_work", "send")
+GRAPH_COUNTS = ("graph_calls", "graph_replays", "graph_captures", "graph_eager", "graph_splits")
 
 
 @dataclass
@@ -58,7 +61,11 @@ class CallPhases:
     queued for its front end: the loop's other work in between included), respond_work (of it, the time building and
     queuing the response itself) and, with front ends (`--frontends N`), send: its share of the write that sent it
     (the answers of a loop turn pickled together and their tensors copied into the socket). Monotonic clocks: a few
-    reads per call and per request."""
+    reads per call and per request.
+    And, on CUDA, what each call's engine run did with the context's CUDA graphs (kiln/runtime/cuda_graphs.py
+    GraphStats, read before and after it on the instance's own context): graph_calls (calls that counted them),
+    graph_replays, graph_captures, graph_eager (runs of the network not from a graph), graph_splits (calls whose
+    batch ran as bucket-sized chunks: kiln/runtime/buckets.py split), summed over those calls."""
 
     calls: int = 0
     requests: int = 0
@@ -77,9 +84,15 @@ class CallPhases:
     respond: Duration = field(default_factory=Duration)
     respond_work: Duration = field(default_factory=Duration)
     send: Duration = field(default_factory=Duration)
+    graph_calls: int = 0
+    graph_replays: int = 0
+    graph_captures: int = 0
+    graph_eager: int = 0
+    graph_splits: int = 0
 
     def to_json(self) -> dict:
         out = {"calls": self.calls, "requests": self.requests, "rows": self.rows}
+        out.update({name: getattr(self, name) for name in GRAPH_COUNTS})
         for name in PHASES_PER_CALL + PHASES_PER_REQUEST:
             out[name] = getattr(self, "return_" if name == "return" else name).to_json()
         return out
@@ -103,6 +116,7 @@ class ModelStats:
     failures_by_reason: dict[str, int] = field(default_factory=dict)
     warm_up: list[WarmUp] = field(default_factory=list)  # per CPU instance that warmed up at load
     phases: CallPhases = field(default_factory=CallPhases)  # where the engine calls' time goes (kiln's own)
+    graph_reports: Callable[[], list[dict]] | None = None  # CUDA: each instance's graph_report (set by the batcher)
 
     def record_batch(self, batch_size: int, requests: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
         """One engine call over `requests` requests of `batch_size` rows in all."""
@@ -121,8 +135,10 @@ class ModelStats:
 
     def record_phases(self, requests: int, rows: int, gather_ns: int, handoff_ns: int, merge_ns: int, engine_ns: int,
                       engine_cpu_ns: int, gpu_ns: int | None, split_ns: int, return_ns: int, answer_ns: int,
-                      copy_out_ns: int | None = None) -> None:
-        """One engine call's phases (CallPhases); gpu_ns, copy_out_ns None where not measured."""
+                      copy_out_ns: int | None = None, graphs: tuple[int, int, int, int] | None = None) -> None:
+        """One engine call's phases (CallPhases); gpu_ns, copy_out_ns None where not measured; `graphs`: what the
+        call did with CUDA graphs (instances.GraphCounts: replays, captures, eager runs, splits), None where none
+        counted."""
         p = self.phases
         p.calls += 1
         p.requests += requests
@@ -139,6 +155,12 @@ class ModelStats:
         p.split.add(split_ns)
         p.return_.add(return_ns)
         p.answer.add(answer_ns)
+        if graphs is not None:
+            p.graph_calls += 1
+            p.graph_replays += graphs[0]
+            p.graph_captures += graphs[1]
+            p.graph_eager += graphs[2]
+            p.graph_splits += graphs[3]
 
     def record_respond(self, respond_ns: int, work_ns: int) -> None:
         """A request answered from its call: since the call was answered, and of it building and sending its answer."""
@@ -171,4 +193,13 @@ class ModelStats:
             "memory_usage": [],
             "warm_up": [{**asdict(w), "seconds": round(w.seconds, 4)} for w in self.warm_up],
             "call_phases": self.phases.to_json(),
+            "cuda_graphs": self._graph_reports(),
         }
+
+    def _graph_reports(self) -> list[dict]:
+        if self.graph_reports is None:
+            return []
+        try:
+            return self.graph_reports()
+        except Exception:  # noqa: BLE001 - a statistic must never fail the stats endpoint
+            return []

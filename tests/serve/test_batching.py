@@ -122,6 +122,8 @@ def test_call_phases_are_recorded_per_call_and_request(double_engine):
             assert phases[name]["count"] == phases["calls"], name
             assert phases[name]["ns"] >= 0, name
         assert phases["gpu"]["count"] == 0  # a CPU instance has no GPU span
+        assert phases["graph_calls"] == phases["graph_replays"] == 0  # nor CUDA graphs to count
+        assert stats.to_json()["cuda_graphs"] == []
         assert phases["engine"]["ns"] > 0 and phases["queue"]["count"] == len(xs)
         if inline:
             assert phases["handoff"]["ns"] == 0 and phases["return"]["ns"] == 0

@@ -358,3 +358,109 @@ def test_cuda_sync_selects_the_wait(monkeypatch, sync):
             assert instance.done.waited == 3 and instance.stream.synchronized == 0 and fed == [torch.Tensor] * 3
     finally:
         instance.stop()
+
+
+class _CudaLike:  # a CPU engine that the Instance takes for a CUDA one: its context a CUDA-graph context's stand-in
+    device = torch.device("cuda")
+
+    def __init__(self, engine, cost_ms):
+        self.engine, self.cost_ms = engine, cost_ms
+
+    def create_execution_context(self, buckets=None):  # None: on, as a CUDA context with graphs defaults to
+        return _graph_context(self.engine, True, self.cost_ms, buckets=True if buckets is None else buckets)
+
+
+def _graph_context(engine, direct, cost_ms, **options):
+    """tests/unit/test_direct_replay.py's stand-in graph context, its 'captures' timed as the runner's are (`cost_ms`
+    of the bucket's batch size: what the context's batch splits decide on)."""
+    from kiln.runtime.cuda_graphs import _Captured
+    from tests.unit.test_direct_replay import _StandInRunner
+    from tests.unit.test_direct_replay import _graph_context as stand_in
+
+    class Timed(_StandInRunner):
+        def _first_run(self, key, inputs, program):
+            outputs = super()._first_run(key, inputs, program)
+            entry: _Captured = self.entries[key]
+            entry.ms = cost_ms(inputs[0].shape[0])
+            return outputs
+
+    context = stand_in(engine, direct, **options)
+    context.runner = Timed(engine.program, plain_inputs=direct)
+    return context
+
+
+@pytest.fixture(scope="module")
+def bert_fixed_seq():
+    """bert_tiny as bench/serve.py serves BERT-base: batch 1..16 at one sequence length (16), the mask an input."""
+    import onnxruntime as ort
+
+    from kiln import zoo
+
+    exported = zoo.export("bert_tiny", dynamic=True, batch=2)
+    engine = kiln.build(str(exported.path), profiles=[{"input_ids": "1x16,16x16,16x16"}])
+    return engine, ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("costs", ["flat", "linear"])
+def test_every_batch_a_served_engine_forms_replays_a_graph_warm_up_captured(monkeypatch, bert_fixed_seq, costs):
+    """Issue 14: a CUDA instance's warm-up captures the graph of every batch bucket of a fixed-sequence profile (bench/
+    serve.py's BERT: batch 1..max, seq fixed), reports them (graph_report: warm_up_captured, captured_all), and every
+    batch size the batcher can hand it after (1..max rows, numpy as the spin path feeds, torch as pinned's) replays
+    graphs only: no capture, no eager run (each call's graph_counts, summed into call_phases' graph counts); its
+    answers are onnxruntime's. 'linear' replay times (ms = rows) make every batch off a bucket run split into
+    bucket chunks (buckets.split), 'flat' ones (ms = 1 + rows / 100) padded to its bucket: both replay only.
+    The runtime's graphs are CPU stand-ins (tests/unit/test_direct_replay.py), torch.cuda's stream and event too."""
+    from kiln.serve.stats import ModelStats
+
+    engine, session = bert_fixed_seq
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: None)
+    cost = (lambda rows: float(rows)) if costs == "linear" else (lambda rows: 1.0 + rows / 100)
+    instance = Instance(_CudaLike(engine, cost), "bert", 0, None, None, warm_up=True, cuda_sync="spin")
+    stats = ModelStats("bert", "1")
+    stats.graph_reports = lambda: [instance.graph_report()]
+    try:
+        report = instance.graph_report()
+        assert instance.captured_all and report["captured_all"]
+        assert report["warm_up_captured"] == [f"{b}x16,{b}x16" for b in (1, 2, 4, 8, 16)], report
+        assert report["warm_up_eager"] == {} and report["captures"] == 5 and report["evictions"] == 0
+        rng = np.random.default_rng()
+        sizes = list(range(1, 17)) + [int(b) for b in rng.integers(1, 17, 8)]
+        for k, batch in enumerate(sizes):
+            ids = rng.integers(0, 1024, (batch, 16))
+            mask = np.ones((batch, 16), np.int64)
+            mask[:, int(rng.integers(1, 17)):] = 0  # the batcher's rows padded to the longest: zeros under a 0 mask
+            feeds = {"input_ids": ids, "attention_mask": mask}
+            if k % 2:  # as cuda_sync pinned feeds it: host tensors
+                feeds = {n: torch.from_numpy(v) for n, v in feeds.items()}
+            outputs = instance.execute(feeds)
+            counts = instance.graph_counts
+            stats.record_phases(1, batch, 0, 0, 0, 1, instance.cpu_ns, instance.gpu_ns, 0, 0, 0, None, counts)
+            split = costs == "linear" and batch & (batch - 1) != 0  # off a bucket: chunks of buckets
+            assert (counts.captures, counts.eager, counts.splits) == (0, 0, int(split)), (batch, counts)
+            assert counts.replays == (bin(batch).count("1") if split else 1), (batch, counts)
+            got = next(iter(outputs.values()))
+            got = got.numpy() if isinstance(got, torch.Tensor) else got
+            want = session.run(None, {"input_ids": ids, "attention_mask": mask})[0]
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"batch {batch}")
+        phases = stats.to_json()["call_phases"]
+        assert phases["graph_calls"] == len(sizes) and phases["graph_captures"] == phases["graph_eager"] == 0
+        assert phases["graph_replays"] >= len(sizes)
+        assert stats.to_json()["cuda_graphs"][0]["replays"] == report["replays"] + phases["graph_replays"]
+    finally:
+        instance.stop()
+
+
+def test_graph_counts_are_the_calls_own():
+    """GraphCounts: the runtime's counters after minus before a call; an instance without a runner counts none."""
+    from kiln.runtime.cuda_graphs import GraphStats
+    from kiln.serve.instances import GraphCounts
+
+    s = GraphStats(captures=2, replays=5, eager_runs=3, split_runs=1)
+    before = GraphCounts.of(s)
+    s.replays += 2
+    s.eager_runs += 1
+    assert GraphCounts.of(s).since(before) == GraphCounts(replays=2, captures=0, eager=1, splits=0)
+    assert _Context.runner is None  # the stub above: Instance.graph_report() is None, graph_counts None
