@@ -1,6 +1,6 @@
 /* A network's first convolution: few input channels (C_in <= 4: an RGB image), any kernel up to 11x11, any stride and
- * padding, no dilation or groups, with its epilogue (bias, ReLU / Clip), NHWC in and out, a member of native
- * segments (kiln/runtime/native.py): compiled once by kiln/kernels/cpu/stem.py through native_loop.build.
+ * padding, no dilation or groups, with its epilogue (bias, ReLU / Clip), NCHW in (the image as it arrives: a segment's entry
+ * needs no relayout), NHWC out (what the convolutions after it read), a member of native segments (kiln/runtime/native.py): compiled once by kiln/kernels/cpu/stem.py through native_loop.build.
  *
  *   y[n, oh, ow, o] = act(b[o] + sum_{kh, kw, c} x[n, oh·s - pt + kh, ow·s - pl + kw, c] · w[o, c, kh, kw])
  *
@@ -9,7 +9,8 @@
  * Zen 3 (bench/results/zoo-cpu-zen3-all-2026-12-07.md). Here the reduction is over every tap (KH·KW·C_in: 147 for
  * a 7x7 on RGB) and the vector over output channels: per tap, one broadcast input value per output pixel meets
  * G weight vectors of 8 output channels, into U x G accumulators (U pixels of a row x G vectors: 6 x 2 = 12 of 16
- * ymm). Which kernel a layer runs is the autotuner's pick, timed beside oneDNN's (kiln/tactics/cpu/stem.py).
+ * ymm). Reading NCHW, a segment whose entry is the image (NCHW) reads it where it lies, where oneDNN's NHWC
+ * convolution has it copied into NHWC first. Which kernel a layer runs is the autotuner's pick, timed beside oneDNN's (kiln/tactics/cpu/stem.py).
  *
  * The weights are packed at build as [Op/8][KH][KW][C][8] (Op: O rounded up to 8, zeros past O): one vector load
  * per tap and group. Padding is never materialised: tap rows outside the input are skipped for the whole block,
@@ -29,7 +30,7 @@ enum { ACT_NONE = 0, ACT_RELU = 1, ACT_CLIP = 4 };  /* se.c's numbering */
 
 typedef struct {
     get_handle_fn get_handle;
-    void *x, *y;                  /* dnnl_memory_t: NHWC [N, H, W, C], [N, OH, OW, O] */
+    void *x, *y;                  /* dnnl_memory_t: NCHW [N, C, H, W], NHWC [N, OH, OW, O] */
     const float *w;               /* [Op/8][KH][KW][C][8] */
     const float *b;               /* [Op] (zeros without a bias) */
     long N, C, O, Op, H, W, OH, OW;
@@ -74,9 +75,10 @@ static inline void store(const stem_plan *p, float *out, long g, v8 v) {
     }
 }
 
-/* U output pixels (ow0 .. ow0 + U - 1 of row `oh`) x G groups of 8 channels from group g0, every tap column inside
-   the input (checked = 0), or one pixel whose tap columns are checked (U = 1, checked = 1). Inlined with constant
-   U, G, checked: the accumulators live in registers. */
+/* U output pixels (ow0 .. ow0 + U - 1 of row `oh`) x G groups of 8 channels from group g0. checked = 0: every tap
+   column of the block lies inside the input; checked = 1 (a block at a side): a column outside reads zero. Inlined
+   with constant U, G, checked: the U x G accumulators live in registers (U = 1 would chain every FMA on one or two
+   accumulators: 4 cycles a tap on Zen 3, so the sides run in blocks too). */
 static inline __attribute__((always_inline)) void block(const stem_plan *p, const float *x, float *y, long n, long oh,
                                                          long ow0, long g0, const int U, const int G,
                                                          const int checked) {
@@ -91,18 +93,23 @@ static inline __attribute__((always_inline)) void block(const stem_plan *p, cons
     for (long kh = 0; kh < p->KH; ++kh) {
         const long ih = ih0 + kh;
         if (ih < 0 || ih >= p->H) continue;
-        const float *row = x + ((n * p->H + ih) * W) * C;
+        const float *row = x + (n * C * p->H + ih) * W;  /* channel 0's row ih; channel c's is c·H·W further */
         const float *wk = p->w + g0 * tap_stride + kh * KW * C * 8;
         for (long kw = 0; kw < KW; ++kw) {
             const long iw = iw0 + kw;
-            if (checked && (iw < 0 || iw >= W)) continue;
-            const float *px = row + iw * C;
             const float *wt = wk + kw * C * 8;
             for (long c = 0; c < C; ++c) {
+                const float *px = row + c * p->H * W + iw;
                 v8 wv[2];
                 for (int g = 0; g < G; ++g) wv[g] = *(const v8 *)(wt + g * tap_stride + c * 8);
                 for (int u = 0; u < U; ++u) {
-                    const float xv = px[u * SW * C + c];
+                    float xv;
+                    if (checked) {
+                        const long col = iw + u * SW;
+                        xv = col >= 0 && col < W ? px[u * SW] : 0.0f;
+                    } else {
+                        xv = px[u * SW];
+                    }
                     const v8 xb = {xv, xv, xv, xv, xv, xv, xv, xv};
                     for (int g = 0; g < G; ++g) acc[u][g] += xb * wv[g];
                 }
@@ -115,30 +122,37 @@ static inline __attribute__((always_inline)) void block(const stem_plan *p, cons
     }
 }
 
-/* One output row: the groups two at a time (one at the end of an odd count); the interior columns in blocks of
-   6 (2 groups) or 12... pixels, the edges pixel by pixel. */
+#define UMAX 6  /* pixels a block: 6 x 2 accumulators + 2 weights + 1 input of 16 ymm */
+
+/* a block of u <= UMAX pixels (u known only at run time: the sides' and a row's last) */
+static void block_any(const stem_plan *p, const float *x, float *y, long n, long oh, long ow0, long g0, int u, int G,
+                      int checked) {
+#define CASE(U) case U: \
+        if (G == 2) { if (checked) block(p, x, y, n, oh, ow0, g0, U, 2, 1); else block(p, x, y, n, oh, ow0, g0, U, 2, 0); } \
+        else { if (checked) block(p, x, y, n, oh, ow0, g0, U, 1, 1); else block(p, x, y, n, oh, ow0, g0, U, 1, 0); } \
+        break;
+    switch (u) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) default: break; }
+#undef CASE
+}
+
+/* One output row: the groups two at a time (one at the end of an odd count), the row in blocks of UMAX pixels; a
+   block reaching past a side of the input checks its columns. */
 static void row(const stem_plan *p, const float *x, float *y, long n, long oh) {
-    /* interior: ow·SW - PL >= 0 and ow·SW - PL + KW - 1 < W */
+    /* interior columns: ow·SW - PL >= 0 and ow·SW - PL + KW - 1 < W */
     long lo = (p->PL + p->SW - 1) / p->SW, hi = p->W - p->KW + p->PL >= 0 ? (p->W - p->KW + p->PL) / p->SW + 1 : 0;
     if (hi > p->OW) hi = p->OW;
     if (lo > hi) lo = hi;
     const long groups = p->Op / 8;
     for (long g0 = 0; g0 < groups; g0 += 2) {
-        const int two = g0 + 1 < groups;
-        for (long ow = 0; ow < lo; ++ow) {
-            if (two) block(p, x, y, n, oh, ow, g0, 1, 2, 1); else block(p, x, y, n, oh, ow, g0, 1, 1, 1);
-        }
-        long ow = lo;
-        if (two) {
-            for (; ow + 6 <= hi; ow += 6) block(p, x, y, n, oh, ow, g0, 6, 2, 0);
-            for (; ow + 3 <= hi; ow += 3) block(p, x, y, n, oh, ow, g0, 3, 2, 0);
-            for (; ow < hi; ++ow) block(p, x, y, n, oh, ow, g0, 1, 2, 0);
-        } else {
-            for (; ow + 6 <= hi; ow += 6) block(p, x, y, n, oh, ow, g0, 6, 1, 0);
-            for (; ow < hi; ++ow) block(p, x, y, n, oh, ow, g0, 1, 1, 0);
-        }
-        for (ow = hi; ow < p->OW; ++ow) {
-            if (two) block(p, x, y, n, oh, ow, g0, 1, 2, 1); else block(p, x, y, n, oh, ow, g0, 1, 1, 1);
+        const int G = g0 + 1 < groups ? 2 : 1;
+        for (long ow = 0; ow < p->OW; ow += UMAX) {
+            const int u = p->OW - ow < UMAX ? (int)(p->OW - ow) : UMAX;
+            const int checked = ow < lo || ow + u > hi;
+            if (u == UMAX && !checked) {
+                if (G == 2) block(p, x, y, n, oh, ow, g0, UMAX, 2, 0); else block(p, x, y, n, oh, ow, g0, UMAX, 1, 0);
+            } else {
+                block_any(p, x, y, n, oh, ow, g0, u, G, checked);
+            }
         }
     }
 }

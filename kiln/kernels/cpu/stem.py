@@ -1,14 +1,15 @@
 """A network's first convolution in kiln's C (stem.c): few input channels (C_in <= 4, an RGB image), its bias (a
-folded BatchNorm) and ReLU / Clip in one pass over NHWC memory, a native-segment member.
+folded BatchNorm) and ReLU / Clip in one pass, NCHW in (the image as
+it arrives) and NHWC out (what the convolutions after it read), a native-segment member.
 
 Why: with 3 input channels oneDNN's direct convolution reduces over 3 values per vector of outputs, and ResNet-tiny's
 7x7/2 and RegNetY-tiny's 3x3/2 stems were the gap to onnxruntime on the Zen 3 (bench/results/
 zoo-cpu-zen3-all-2026-12-07.md). stem.c reduces over every tap (KH·KW·C_in) into blocks of output pixels x 16
-output channels held in registers. Which kernel a layer runs is the autotuner's pick between this and oneDNN,
+output channels held in registers; reading NCHW, a segment's image entry needs no copy into NHWC. Which kernel a layer runs is the autotuner's pick between this and oneDNN,
 timed on the machine (kiln/tactics/cpu/stem.py; bench/results/stem-avx2-2026-12-07.md).
 
 A StemConv is one layer at one input size (weights packed at build); `bind(src, dst)` gives a segment its call on
-memory objects of its own (plan_member.py), and `__call__` runs it on a channels-last tensor. Built by
+memory objects of its own (plan_member.py), and `__call__` runs it on a contiguous (NCHW) tensor. Built by
 native_loop.build with the machine's C compiler; `load()` is None without one.
 """
 
@@ -69,9 +70,9 @@ def refusal(weight_shape: tuple[int, ...], input_size: tuple[int, ...], groups: 
 
 
 class StemConv(plan_member.PlanKernel):
-    """y = act(conv(x, w) + b), x [N, C, H, W] channels-last float32 (C <= 4), w [O, C, KH, KW]; pads [top, left,
-    bottom, right], strides [sh, sw]; activation one of ACTIVATIONS (Clip: alpha = min, beta = max).
-    `bind(src, dst)` reads and writes NHWC."""
+    """y = act(conv(x, w) + b), x [N, C, H, W] contiguous (NCHW) float32 (C <= 4), w [O, C, KH, KW]; pads [top,
+    left, bottom, right], strides [sh, sw]; activation one of ACTIVATIONS (Clip: alpha = min, beta = max).
+    `bind(src, dst)` reads NCHW and writes NHWC."""
 
     NO_RESIDUAL = "the stem kernel adds no residual"
 
@@ -111,10 +112,9 @@ class StemConv(plan_member.PlanKernel):
         self._own_calls()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, C, H, W] channels-last float32 of the built size -> a new channels-last y."""
-        if tuple(x.shape) != self.input_size or x.dtype != torch.float32 or \
-                not x.is_contiguous(memory_format=torch.channels_last):
-            raise ValueError(f"{self.what}: given {x.dtype} {list(x.shape)} (channels-last float32 of the built size)")
+        """x [N, C, H, W] contiguous (NCHW) float32 of the built size -> a new channels-last y."""
+        if tuple(x.shape) != self.input_size or x.dtype != torch.float32 or not x.is_contiguous():
+            raise ValueError(f"{self.what}: given {x.dtype} {list(x.shape)} (contiguous float32 of the built size)")
         n, o, h, w = self.output_size
         y = torch.empty_strided(self.output_size, (o * h * w, 1, w * o, o), dtype=torch.float32)
         self.run_into(x.data_ptr(), y.data_ptr())
