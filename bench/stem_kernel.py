@@ -5,7 +5,8 @@ direct convolution (cpu.conv.onednn_direct) and onnxruntime's MLAS, one process,
     python bench/stem_kernel.py --threads 2 --stat p10
 
 Each layer is the model's stem: its input channels, size, kernel, stride, padding and epilogue (bias + ReLU;
-MobileNetV2's ReLU6 as Clip), NHWC for kiln's two kernels (a segment's layout). kiln's kernels are timed as a segment
+MobileNetV2's ReLU6 as Clip); kiln's stem.c reads the image NCHW (as a segment's entry hands it), oneDNN NHWC (in
+an engine the image is copied into NHWC first: not counted here); both write NHWC. kiln's kernels are timed as a segment
 calls them: their bound call through the native loop (the same ctypes call for both). onnxruntime runs a model of the
 Conv and its activation; its time is the profiler's kernel time of the nodes other than its NCHWc reorders. Wall
 time, medians of --rounds rounds of 30 calls (--stat p10: the 10th percentile of every call); the ratio is kiln /
@@ -133,7 +134,7 @@ def main() -> None:
         ref = ref.relu() if activation == "Relu" else ref.clamp(0, 6)
         out = {name: torch.empty(kiln_stem.output_size).contiguous(memory_format=torch.channels_last)
                for name in ("kiln", "onednn")}
-        runs = {"kiln": looped(kiln_stem.bind(nhwc.data_ptr(), out["kiln"].data_ptr())),
+        runs = {"kiln": looped(kiln_stem.bind(xt.data_ptr(), out["kiln"].data_ptr())),  # NCHW in
                 "onednn": looped(dnnl.bind(nhwc.data_ptr(), out["onednn"].data_ptr()))}
         for name, run in runs.items():
             run()

@@ -12,9 +12,9 @@
  * ymm). Reading NCHW, a segment whose entry is the image (NCHW) reads it where it lies, where oneDNN's NHWC
  * convolution has it copied into NHWC first. Which kernel a layer runs is the autotuner's pick, timed beside oneDNN's (kiln/tactics/cpu/stem.py).
  *
- * The weights are packed at build as [Op/8][KH][KW][C][8] (Op: O rounded up to 8, zeros past O): one vector load
- * per tap and group. Padding is never materialised: tap rows outside the input are skipped for the whole block,
- * and the output columns whose taps reach past a side run one pixel at a time with the columns checked.
+ * The weights are packed at build as [Op/8][C][KH][KW][8] (Op: O rounded up to 8, zeros past O): one vector load
+ * per tap and group. Tap rows outside the input are skipped for the whole row; a block whose tap columns reach past
+ * a side of the input reads a zero-padded copy of its window ([C][KH][span] floats on the stack).
  *
  * Returns 0, or 2 (oneDNN's "invalid arguments") when an operand is not bound: the segment names the layer.
  */
@@ -31,7 +31,7 @@ enum { ACT_NONE = 0, ACT_RELU = 1, ACT_CLIP = 4 };  /* se.c's numbering */
 typedef struct {
     get_handle_fn get_handle;
     void *x, *y;                  /* dnnl_memory_t: NCHW [N, C, H, W], NHWC [N, OH, OW, O] */
-    const float *w;               /* [Op/8][KH][KW][C][8] */
+    const float *w;               /* [Op/8][C][KH][KW][8] */
     const float *b;               /* [Op] (zeros without a bias) */
     long N, C, O, Op, H, W, OH, OW;
     int KH, KW, SH, SW, PT, PL;
@@ -75,84 +75,102 @@ static inline void store(const stem_plan *p, float *out, long g, v8 v) {
     }
 }
 
-/* U output pixels (ow0 .. ow0 + U - 1 of row `oh`) x G groups of 8 channels from group g0. checked = 0: every tap
-   column of the block lies inside the input; checked = 1 (a block at a side): a column outside reads zero. Inlined
-   with constant U, G, checked: the U x G accumulators live in registers (U = 1 would chain every FMA on one or two
-   accumulators: 4 cycles a tap on Zen 3, so the sides run in blocks too). */
-static inline __attribute__((always_inline)) void block(const stem_plan *p, const float *x, float *y, long n, long oh,
-                                                         long ow0, long g0, const int U, const int G,
-                                                         const int checked) {
+/* U output pixels x G groups of 8 channels from group g0, from `src`: channel 0's tap row 0 at the block's first
+   input column, channels `cstride` floats apart, rows `rstride` (the image itself, or a block's zero-padded copy at
+   a side); tap rows kh_lo .. kh_hi - 1 (the others lie in the padding). Inlined with constant U, G and KWC (the
+   kernel's width where specialised, 0: p->KW): the U x G accumulators live in registers (one pixel at a time would
+   chain every FMA on one or two accumulators), and a 3- or 7-wide tap row is unrolled. */
+static inline __attribute__((always_inline)) void block(const stem_plan *p, const float *src, long cstride,
+                                                         long rstride, long kh_lo, long kh_hi, float *out, long g0,
+                                                         const int U, const int G, const int KWC) {
     v8 acc[6][2];
     for (int g = 0; g < G; ++g) {
         const v8 bias = *(const v8_u *)(p->b + (g0 + g) * 8);
         for (int u = 0; u < U; ++u) acc[u][g] = bias;
     }
-    const long C = p->C, W = p->W, KW = p->KW, SW = p->SW;
-    const long tap_stride = p->KH * KW * C * 8;  /* floats between groups' packed weights */
-    const long ih0 = oh * p->SH - p->PT, iw0 = ow0 * SW - p->PL;
-    for (long kh = 0; kh < p->KH; ++kh) {
-        const long ih = ih0 + kh;
-        if (ih < 0 || ih >= p->H) continue;
-        const float *row = x + (n * C * p->H + ih) * W;  /* channel 0's row ih; channel c's is c·H·W further */
-        const float *wk = p->w + g0 * tap_stride + kh * KW * C * 8;
-        for (long kw = 0; kw < KW; ++kw) {
-            const long iw = iw0 + kw;
-            const float *wt = wk + kw * C * 8;
-            for (long c = 0; c < C; ++c) {
-                const float *px = row + c * p->H * W + iw;
+    const long C = p->C, KH = p->KH, KW = KWC ? KWC : p->KW, SW = p->SW;
+    const long group_stride = C * KH * KW * 8;  /* floats between groups' packed weights */
+    for (long c = 0; c < C; ++c) {
+        for (long kh = kh_lo; kh < kh_hi; ++kh) {
+            const float *r = src + c * cstride + kh * rstride;
+            const float *wt = p->w + g0 * group_stride + ((c * KH + kh) * KW) * 8;
+            for (long kw = 0; kw < KW; ++kw) {
                 v8 wv[2];
-                for (int g = 0; g < G; ++g) wv[g] = *(const v8 *)(wt + g * tap_stride + c * 8);
+                for (int g = 0; g < G; ++g) wv[g] = *(const v8 *)(wt + g * group_stride + kw * 8);
                 for (int u = 0; u < U; ++u) {
-                    float xv;
-                    if (checked) {
-                        const long col = iw + u * SW;
-                        xv = col >= 0 && col < W ? px[u * SW] : 0.0f;
-                    } else {
-                        xv = px[u * SW];
-                    }
+                    const float xv = r[kw + u * SW];
                     const v8 xb = {xv, xv, xv, xv, xv, xv, xv, xv};
                     for (int g = 0; g < G; ++g) acc[u][g] += xb * wv[g];
                 }
             }
         }
     }
-    for (int u = 0; u < U; ++u) {
-        float *out = y + ((n * p->OH + oh) * p->OW + ow0 + u) * p->O;
-        for (int g = 0; g < G; ++g) store(p, out, g0 + g, epilogue(p, acc[u][g]));
-    }
+    for (int u = 0; u < U; ++u)
+        for (int g = 0; g < G; ++g) store(p, out + u * p->O, g0 + g, epilogue(p, acc[u][g]));
 }
 
 #define UMAX 6  /* pixels a block: 6 x 2 accumulators + 2 weights + 1 input of 16 ymm */
 
 /* a block of u <= UMAX pixels (u known only at run time: the sides' and a row's last) */
-static void block_any(const stem_plan *p, const float *x, float *y, long n, long oh, long ow0, long g0, int u, int G,
-                      int checked) {
+static void block_any(const stem_plan *p, const float *src, long cstride, long rstride, long kh_lo, long kh_hi,
+                      float *out, long g0, int u, int G) {
 #define CASE(U) case U: \
-        if (G == 2) { if (checked) block(p, x, y, n, oh, ow0, g0, U, 2, 1); else block(p, x, y, n, oh, ow0, g0, U, 2, 0); } \
-        else { if (checked) block(p, x, y, n, oh, ow0, g0, U, 1, 1); else block(p, x, y, n, oh, ow0, g0, U, 1, 0); } \
+        if (G == 2) block(p, src, cstride, rstride, kh_lo, kh_hi, out, g0, U, 2, 0); \
+        else block(p, src, cstride, rstride, kh_lo, kh_hi, out, g0, U, 1, 0); \
         break;
     switch (u) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) default: break; }
 #undef CASE
 }
 
-/* One output row: the groups two at a time (one at the end of an odd count), the row in blocks of UMAX pixels; a
-   block reaching past a side of the input checks its columns. */
+/* a whole block of two groups, the kernel's width unrolled where it is 3 or 7 (RegNet's / MobileNet's and ResNet's
+   stems) */
+static void block_full(const stem_plan *p, const float *src, long cstride, long rstride, long kh_lo, long kh_hi,
+                       float *out, long g0) {
+    if (p->KW == 3) block(p, src, cstride, rstride, kh_lo, kh_hi, out, g0, UMAX, 2, 3);
+    else if (p->KW == 7) block(p, src, cstride, rstride, kh_lo, kh_hi, out, g0, UMAX, 2, 7);
+    else block(p, src, cstride, rstride, kh_lo, kh_hi, out, g0, UMAX, 2, 0);
+}
+
+#define MAX_C 4
+#define MAX_K 11
+#define MAX_SPAN (5 * 4 + MAX_K)  /* (UMAX - 1) · stride + KW input columns of a block, strides up to 4 */
+
+/* One output row: blocks of UMAX pixels, each for every group (two at a time, one at the end of an odd count); a
+   block whose tap columns reach past a side of the input reads a zero-padded copy of its window. */
 static void row(const stem_plan *p, const float *x, float *y, long n, long oh) {
+    const long C = p->C, H = p->H, W = p->W, KH = p->KH, KW = p->KW, SW = p->SW;
     /* interior columns: ow·SW - PL >= 0 and ow·SW - PL + KW - 1 < W */
-    long lo = (p->PL + p->SW - 1) / p->SW, hi = p->W - p->KW + p->PL >= 0 ? (p->W - p->KW + p->PL) / p->SW + 1 : 0;
+    long lo = (p->PL + SW - 1) / SW, hi = W - KW + p->PL >= 0 ? (W - KW + p->PL) / SW + 1 : 0;
     if (hi > p->OW) hi = p->OW;
     if (lo > hi) lo = hi;
+    const long ih0 = oh * p->SH - p->PT;
+    const long kh_lo = ih0 < 0 ? -ih0 : 0, kh_hi = ih0 + KH > H ? H - ih0 : KH;
+    const float *image = x + n * C * H * W;
     const long groups = p->Op / 8;
-    for (long g0 = 0; g0 < groups; g0 += 2) {
-        const int G = g0 + 1 < groups ? 2 : 1;
-        for (long ow = 0; ow < p->OW; ow += UMAX) {
-            const int u = p->OW - ow < UMAX ? (int)(p->OW - ow) : UMAX;
-            const int checked = ow < lo || ow + u > hi;
-            if (u == UMAX && !checked) {
-                if (G == 2) block(p, x, y, n, oh, ow, g0, UMAX, 2, 0); else block(p, x, y, n, oh, ow, g0, UMAX, 1, 0);
-            } else {
-                block_any(p, x, y, n, oh, ow, g0, u, G, checked);
-            }
+    float window[MAX_C * MAX_K * MAX_SPAN];
+    for (long ow = 0; ow < p->OW; ow += UMAX) {
+        const int u = p->OW - ow < UMAX ? (int)(p->OW - ow) : UMAX;
+        const long iw0 = ow * SW - p->PL;
+        float *out = y + ((n * p->OH + oh) * p->OW + ow) * p->O;
+        const float *src = image + ih0 * W + iw0;  /* tap row 0 may lie above the image: only kh_lo.. are read */
+        long cstride = H * W, rstride = W;
+        if (ow < lo || ow + u > hi) {  /* a side: the window [C][KH][span], zeros outside the image */
+            const long span = (u - 1) * SW + KW;
+            for (long c = 0; c < C; ++c)
+                for (long kh = kh_lo; kh < kh_hi; ++kh) {
+                    const float *in = image + c * H * W + (ih0 + kh) * W;
+                    float *to = window + (c * KH + kh) * span;
+                    for (long j = 0; j < span; ++j) {
+                        const long col = iw0 + j;
+                        to[j] = col >= 0 && col < W ? in[col] : 0.0f;
+                    }
+                }
+            src = window, cstride = KH * span, rstride = span;
+        }
+        for (long g0 = 0; g0 < groups; g0 += 2) {
+            const int G = g0 + 1 < groups ? 2 : 1;
+            if (u == UMAX && G == 2) block_full(p, src, cstride, rstride, kh_lo, kh_hi, out, g0);
+            else block_any(p, src, cstride, rstride, kh_lo, kh_hi, out, g0, u, G);
         }
     }
 }

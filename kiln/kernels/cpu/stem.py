@@ -27,7 +27,8 @@ SOURCE = Path(__file__).with_name("stem.c").read_text()
 # stem.c's activation kinds (se.c's numbering; kiln/ops/fused.py names)
 ACTIVATIONS = {"": 0, "Relu": 1, "Clip": 4}
 MAX_CHANNELS = 4  # input channels: the reduction is over taps, not channels; wider layers are oneDNN's
-MAX_KERNEL = 11
+MAX_KERNEL = 11  # stem.c's MAX_K
+MAX_STRIDE = 4  # stem.c's MAX_SPAN
 PARALLEL_ELEMENTS = 1 << 14  # below this many outputs one thread: a parallel region costs ~2-5 µs
 GROUP = 8  # output channels per vector (stem.c's v8)
 
@@ -61,7 +62,7 @@ def refusal(weight_shape: tuple[int, ...], input_size: tuple[int, ...], groups: 
         return f"dilations {list(dilations)}"
     if any(not 1 <= k <= MAX_KERNEL for k in weight_shape[2:]):
         return f"kernel {list(weight_shape[2:])}: 1 to {MAX_KERNEL} taps a side"
-    if any(p < 0 for p in pads) or any(s < 1 for s in strides):
+    if any(p < 0 for p in pads) or any(not 1 <= s <= MAX_STRIDE for s in strides):
         return f"pads {list(pads)}, strides {list(strides)}"
     out = [(input_size[2 + i] + pads[i] + pads[2 + i] - weight_shape[2 + i]) // strides[i] + 1 for i in range(2)]
     if min(out) < 1:
@@ -90,10 +91,10 @@ class StemConv(plan_member.PlanKernel):
             raise ValueError(f"stem kernel: {why}")
         o, kh, kw = int(w.shape[0]), int(w.shape[2]), int(w.shape[3])
         op = -(-o // GROUP) * GROUP
-        # [Op/8, KH, KW, C, 8]: a tap's weights for 8 consecutive output channels are one vector; zeros past O
+        # [Op/8, C, KH, KW, 8]: a tap's weights for 8 consecutive output channels are one vector; zeros past O
         packed = torch.zeros(op, c, kh, kw, dtype=torch.float32)
         packed[:o] = w.detach().to(torch.float32)
-        self._w = packed.reshape(op // GROUP, GROUP, c, kh, kw).permute(0, 3, 4, 2, 1).contiguous()
+        self._w = packed.reshape(op // GROUP, GROUP, c, kh, kw).permute(0, 2, 3, 4, 1).contiguous()
         self._b = torch.zeros(op, dtype=torch.float32)
         if b is not None:
             if b.numel() != o:
