@@ -67,9 +67,8 @@ def build(folder: Path, threads: int, variant: str) -> None:
         path = zoo.export(model).path
         engine = kiln.build(str(path))
         engine.save(str(folder / f"{model}-{variant}-{threads}t.kiln"))
-        picked = [layer for layer in engine.plan.header["tactics"]["layers"]][:1] if hasattr(engine.plan, "header") \
-            else None
-        print(model, variant, "built", picked if picked else "")
+        steps = engine.plan.program.steps
+        print(model, variant, "stem on", steps[0].tactic)
 
 
 def run(folder: Path, threads: int, rounds: int, calls: int) -> None:
