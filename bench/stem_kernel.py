@@ -115,7 +115,8 @@ def main() -> None:
                 if line.startswith("model name")), "?")
     print(f"CPU {cpu}, ATen {torch.backends.cpu.get_cpu_capability()}, {args.threads} thread(s), {args.stat}, "
           f"load {os.getloadavg()[0]:.1f}")
-    print("| model | layer | kiln stem.c us | oneDNN us (kernel) | ORT us | kiln/ORT | oneDNN/ORT | kiln/oneDNN | load |")
+    print("| model | layer | kiln stem.c us | oneDNN us (kernel) | ORT us | kiln/ORT | oneDNN/ORT | kiln/oneDNN "
+          "| load |")
     print("|---|---|---|---|---|---|---|---|---|")
     for model, n, c, hw, o, k, s, activation in LAYERS:
         if model not in args.models.split(","):

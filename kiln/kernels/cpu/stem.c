@@ -1,16 +1,18 @@
-/* A network's first convolution: few input channels (C_in <= 4: an RGB image), any kernel up to 11x11, any stride and
- * padding, no dilation or groups, with its epilogue (bias, ReLU / Clip), NCHW in (the image as it arrives: a segment's entry
- * needs no relayout), NHWC out (what the convolutions after it read), a member of native segments (kiln/runtime/native.py): compiled once by kiln/kernels/cpu/stem.py through native_loop.build.
+/* A network's first convolution: few input channels (C_in <= 4: an RGB image), any kernel up to 11x11, strides 1 to
+ * 4, any padding, no dilation or groups, with its epilogue (bias, ReLU / Clip); NCHW in (the image as it arrives: a
+ * segment's entry needs no relayout), NHWC out (what the convolutions after it read); a member of native segments
+ * (kiln/runtime/native.py), compiled once by kiln/kernels/cpu/stem.py through native_loop.build.
  *
- *   y[n, oh, ow, o] = act(b[o] + sum_{kh, kw, c} x[n, oh·s - pt + kh, ow·s - pl + kw, c] · w[o, c, kh, kw])
+ *   y[n, oh, ow, o] = act(b[o] + sum_{c, kh, kw} x[n, c, oh·s - pt + kh, ow·s - pl + kw] · w[o, c, kh, kw])
  *
- * Why: with 3 input channels oneDNN's direct convolution keeps an FMA port about half busy on AVX2 (its reduction
- * over C_in is 3 long), and ResNet-tiny's 7x7/2 and RegNetY-tiny's 3x3/2 stems were the gap to onnxruntime on the
- * Zen 3 (bench/results/zoo-cpu-zen3-all-2026-12-07.md). Here the reduction is over every tap (KH·KW·C_in: 147 for
- * a 7x7 on RGB) and the vector over output channels: per tap, one broadcast input value per output pixel meets
- * G weight vectors of 8 output channels, into U x G accumulators (U pixels of a row x G vectors: 6 x 2 = 12 of 16
- * ymm). Reading NCHW, a segment whose entry is the image (NCHW) reads it where it lies, where oneDNN's NHWC
- * convolution has it copied into NHWC first. Which kernel a layer runs is the autotuner's pick, timed beside oneDNN's (kiln/tactics/cpu/stem.py).
+ * Why: ResNet-tiny's 7x7/2 and RegNetY-tiny's 3x3/2 stems were the gap to onnxruntime on the Zen 3
+ * (bench/results/zoo-cpu-zen3-all-2026-12-07.md). oneDNN's NHWC convolution needs the image copied into NHWC at
+ * the segment's entry; this kernel reads it where it lies. The reduction is over every tap (C_in·KH·KW: 147 for a
+ * 7x7 on RGB) and the vector over output channels: per tap, one broadcast input value per output pixel meets G
+ * weight vectors of 8 output channels, into U x G accumulators (U pixels of a row x G vectors: 6 x 2 = 12 of 16
+ * ymm). Alone it is ~5-10% ahead of oneDNN's jit:avx2 on 16 output channels and behind on 32-64 at 224²
+ * (bench/results/stem-avx2-2026-12-07.md): which kernel a layer runs is the autotuner's pick
+ * (kiln/tactics/cpu/stem.py).
  *
  * The weights are packed at build as [Op/8][C][KH][KW][8] (Op: O rounded up to 8, zeros past O): one vector load
  * per tap and group. Tap rows outside the input are skipped for the whole row; a block whose tap columns reach past

@@ -2,11 +2,11 @@
 folded BatchNorm) and ReLU / Clip in one pass, NCHW in (the image as
 it arrives) and NHWC out (what the convolutions after it read), a native-segment member.
 
-Why: with 3 input channels oneDNN's direct convolution reduces over 3 values per vector of outputs, and ResNet-tiny's
-7x7/2 and RegNetY-tiny's 3x3/2 stems were the gap to onnxruntime on the Zen 3 (bench/results/
-zoo-cpu-zen3-all-2026-12-07.md). stem.c reduces over every tap (KH·KW·C_in) into blocks of output pixels x 16
-output channels held in registers; reading NCHW, a segment's image entry needs no copy into NHWC. Which kernel a layer runs is the autotuner's pick between this and oneDNN,
-timed on the machine (kiln/tactics/cpu/stem.py; bench/results/stem-avx2-2026-12-07.md).
+Why: ResNet-tiny's 7x7/2 and RegNetY-tiny's 3x3/2 stems were the gap to onnxruntime on the Zen 3
+(bench/results/zoo-cpu-zen3-all-2026-12-07.md). stem.c reduces over every tap (C_in·KH·KW) into blocks of 6 output
+pixels x 16 output channels held in registers, and reads NCHW: a segment's image entry needs no copy into NHWC, which
+oneDNN's NHWC convolution needs. Which kernel a layer runs is the autotuner's pick between this and oneDNN, timed on
+the machine (kiln/tactics/cpu/stem.py; bench/results/stem-avx2-2026-12-07.md).
 
 A StemConv is one layer at one input size (weights packed at build); `bind(src, dst)` gives a segment its call on
 memory objects of its own (plan_member.py), and `__call__` runs it on a contiguous (NCHW) tensor. Built by

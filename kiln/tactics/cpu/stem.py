@@ -1,14 +1,15 @@
 """CPU tactic for a network's first convolution (C_in <= 4: an RGB image) on kiln's C kernel
 (kiln/kernels/cpu/stem.py), a native-segment member.
 
-    cpu.conv.stem_native   a KxK convolution of <= 4 input channels (K <= 11, any stride and padding, no dilation,
+    cpu.conv.stem_native   a KxK convolution of <= 4 input channels (K <= 11, strides 1-4, any padding, no dilation,
                            one group), bias and ReLU / Clip in the same pass, NCHW in (the image: a segment
                            reads it where it lies, no relayout), NHWC out
 
-Why: with 3 input channels oneDNN's direct convolution (cpu.conv.onednn_direct) keeps an FMA port about half busy
-on AVX2, and the stems of ResNet-tiny (7x7/2) and RegNetY-tiny (3x3/2) were the gap to onnxruntime on the Zen 3
-(bench/results/zoo-cpu-zen3-all-2026-12-07.md). No rule picks it: the autotuner times it against the oneDNN
-tactics per layer on the machine and keeps the faster (bench/results/stem-avx2-2026-12-07.md).
+Why: the stems of ResNet-tiny (7x7/2) and RegNetY-tiny (3x3/2) were the gap to onnxruntime on the Zen 3
+(bench/results/zoo-cpu-zen3-all-2026-12-07.md); oneDNN's NHWC stem needs the image copied into NHWC at the segment's
+entry, this kernel reads it NCHW. No rule picks it: the autotuner times it against the oneDNN tactics per layer on
+the machine and keeps the faster (bench/results/stem-avx2-2026-12-07.md: picked for ResNet-tiny at 1 thread, -4%
+on the engine).
 
 Refused: more than 4 input channels, groups, dilations, a residual input, a final activation, activations other
 than ReLU / Clip. A kernel is bound per input size (another batch: one more on first sight, no JIT).
