@@ -359,9 +359,10 @@ def input_size_config(step: StepSpec, inputs: list[InputMeta]) -> dict[str, Any]
     return {"input_size": list(inputs[0].shape)}
 
 
-def prepared_sized(step: StepSpec, make: Callable[[tuple[int, ...]], Any]):
-    """launch(ctx, x) on the kernel `make(size)` for x's size (channels-last in and out), with launch.native at the
-    tuned size; the tuned size's kernel is made now (at load), others on first sight, a few kept."""
+def prepared_sized(step: StepSpec, make: Callable[[tuple[int, ...]], Any], rows_input: bool = False):
+    """launch(ctx, x) on the kernel `make(size)` for x's size (channels-last in and out; rows_input: x contiguous,
+    NCHW, as the stem kernel reads it), with launch.native at the tuned size; the tuned size's kernel is made now (at
+    load), others on first sight, a few kept."""
     tuned = tuple(step.tactic_config["input_size"])
     sized: dict[tuple[int, ...], Any] = {}
 
@@ -371,13 +372,14 @@ def prepared_sized(step: StepSpec, make: Callable[[tuple[int, ...]], Any]):
     kernel(tuned)  # at load: the tuned size's kernel
 
     def launch(ctx, x, *_inputs, **_attributes):
-        x = x.contiguous(memory_format=torch.channels_last)  # [N, C, H, W]; free when already channels-last
+        # x: [N, C, H, W]; free when already in the kernel's layout
+        x = x.contiguous() if rows_input else x.contiguous(memory_format=torch.channels_last)
         return kernel(tuple(x.shape))(x)  # channels-last
 
     @resizable
     def native_at(size: tuple[int, ...]) -> NativeStep:
         found = kernel(tuple(size))
-        return NativeStep(tuple(size), found.output_size, same_primitive(found))
+        return NativeStep(tuple(size), found.output_size, same_primitive(found), rows_input=rows_input)
 
     launch.native = native_at(tuned)
     return launch

@@ -1,0 +1,82 @@
+"""CPU tactic for a network's first convolution (C_in <= 4: an RGB image) on kiln's C kernel
+(kiln/kernels/cpu/stem.py), a native-segment member.
+
+    cpu.conv.stem_native   a KxK convolution of <= 4 input channels (K <= 11, strides 1-4, any padding, no dilation,
+                           one group), bias and ReLU / Clip in the same pass, NCHW in (the image: a segment
+                           reads it where it lies, no relayout), NHWC out
+
+Why: the stems of ResNet-tiny (7x7/2) and RegNetY-tiny (3x3/2) were the gap to onnxruntime on the Zen 3
+(bench/results/zoo-cpu-zen3-all-2026-12-07.md); oneDNN's NHWC stem needs the image copied into NHWC at the segment's
+entry, this kernel reads it NCHW. No rule picks it: the autotuner times it against the oneDNN tactics per layer on
+the machine and keeps the faster (bench/results/stem-avx2-2026-12-07.md: picked for ResNet-tiny at 1 thread, -4%
+on the engine).
+
+Refused: more than 4 input channels, groups, dilations, a residual input, a final activation, activations other
+than ReLU / Clip. A kernel is bound per input size (another batch: one more on first sight, no JIT).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kiln.kernels.cpu import stem
+from kiln.plan.spec import StepSpec
+from kiln.tactics.cpu.native_member import (float_constant_refusal, input_size_config, not_built_refusal,
+                                            prepared_sized)
+from kiln.tactics.registry import register
+from kiln.tactics.tactic import InputMeta, Tactic, conv_geometry, conv_operands_refusal
+from kiln.tactics.tactic import attribute as _attr
+
+_F32 = torch.float32
+
+
+def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    x = inputs[0]
+    w = inputs[1] if len(inputs) > 1 else None
+    b = inputs[2] if len(inputs) > 2 else None
+    if x.shape is None or len(x.shape) != 4:
+        return "only 2-D convolutions (4-D input)"
+    if x.dtype != _F32:
+        return f"input dtype {x.dtype}, only float32"
+    if not isinstance(x.shape[1], int) or x.shape[1] > stem.MAX_CHANNELS:
+        return f"{x.shape[1]} input channels: the stem kernel takes at most {stem.MAX_CHANNELS}"
+    if (refusal := not_built_refusal(stem, "stem")) is not None:
+        return refusal
+    if w is None or not w.constant or w.shape is None or len(w.shape) != 4 or w.dtype != _F32:
+        return "the weight is not a constant float32 4-D tensor of the engine"
+    if b is not None and b.shape is not None and (refusal := float_constant_refusal(b, "bias")) is not None:
+        return refusal
+    if len(inputs) > 3 and inputs[3].shape is not None:
+        return "a residual: the stem kernel adds none"
+    if _attr(step, "final_activation", ""):
+        return "a final activation: the stem kernel applies one activation"
+    activation = _attr(step, "activation", "")
+    if activation not in stem.ACTIVATIONS:
+        return f"activation {activation!r}: the kernel applies {sorted(stem.ACTIVATIONS)}"
+    if (refusal := conv_operands_refusal(step, x, w)) is not None:
+        return refusal
+    pads, strides, dilations = conv_geometry(step, tuple(w.shape))
+    why = stem.refusal(tuple(w.shape), tuple(x.shape), int(_attr(step, "group", 1)), pads, strides, dilations)
+    return True if why is None else why
+
+
+def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
+    w = constants[1]
+    b = constants[2] if len(constants) > 2 else None
+    pads, strides, dilations = conv_geometry(step, tuple(w.shape))
+    epilogue = dict(activation=_attr(step, "activation", ""), alpha=float(_attr(step, "alpha", 0.0)),
+                    beta=float(_attr(step, "beta", 0.0)))
+    # NCHW in (rows_input: a segment hands it the image as it arrives, no relayout), NHWC out
+    return prepared_sized(step, lambda size: stem.StemConv(w, b, size, strides, pads, dilations=dilations, **epilogue),
+                          rows_input=True)
+
+
+register(Tactic(
+    name="cpu.conv.stem_native", op_type="FusedConv", domain="kiln", device="cpu", dtypes=(_F32,),
+    supports=_supports, configure=input_size_config, prepare=_prepare,
+    available=stem.available, native=True,
+    description="convolution of <= 4 input channels (a network's stem) + bias + ReLU/Clip in kiln's C (AVX2 "
+                "vectors over output channels), NCHW in, NHWC out, a native-segment member",
+))
