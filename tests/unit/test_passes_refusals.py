@@ -26,6 +26,7 @@ from kiln.frontend import onnx as onnx_frontend
 from kiln.passes import PassReport, fusion
 from kiln.passes._rewrite import new_initializer, run_rule
 from kiln.passes.batchnorm import fold_batchnorm
+from tests.unit.test_padding_positions import roberta_embeddings
 
 F, F16, I64, BOOL = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.INT64, TensorProto.BOOL
 RULES = dict(fusion.RULES) | {"fold_batchnorm": fold_batchnorm}
@@ -727,6 +728,8 @@ CASES = {
     "int8_dequantize_into_layer_norm_quantize/read_twice": Case("fuse_int8_dequantize_into_layer_norm_quantize",
                                                                 uint8_residual_dequantize_read_twice,
                                                                 "other readers"),
+    "padding_positions/exclusive_cumsum": Case("fuse_padding_positions", lambda: roberta_embeddings(exclusive=1),
+                                               "an exclusive or reversed CumSum"),
 }
 
 

@@ -24,7 +24,9 @@ from kiln.kernels.cpu import native_loop
 from kiln.kernels.cpu import transformer as kernels
 from kiln.plan.spec import StepSpec
 from kiln.tactics.traced_rules import TracedRule
-from kiln.tactics.tactic import InputMeta, NativeStep, PlanRule, SizedPlan, built_at, resizable, same_primitive
+from kiln.tactics.tactic import (InputMeta, NativeStep, PlanRule, SizedPlan, built_at, conv_geometry,
+                                conv_operands_refusal, resizable, same_primitive)
+from kiln.tactics.tactic import attribute as _attr
 
 # kernels kept per layer for input sizes met at run time (least recently used out): as many as a segment keeps
 # views (kiln/runtime/native.py VIEWS), so that a size a segment has bound once is never built again while its
@@ -352,6 +354,35 @@ def float_constant_refusal(meta: InputMeta, name: str) -> str | None:
     if not meta.constant or meta.dtype != torch.float32:
         return f"the {name} is not a float32 constant of the engine"
     return None
+
+
+def direct_conv_refusal(step: StepSpec, inputs: list[InputMeta], module: Any, what: str) -> bool | str:
+    """True, or why kiln's own direct-convolution kernel `module` (depthwise, stem: float32, a constant 4-D weight,
+    bias and one of `module.ACTIVATIONS` in the same pass, no residual) cannot run this kiln::FusedConv; the
+    geometry is `module.refusal`'s to judge."""
+    x = inputs[0]
+    w = inputs[1] if len(inputs) > 1 else None
+    b = inputs[2] if len(inputs) > 2 else None
+    if x.shape is None or len(x.shape) != 4:
+        return "only 2-D convolutions (4-D input)"
+    if x.dtype != torch.float32:
+        return f"input dtype {x.dtype}, only float32"
+    if w is None or not w.constant or w.shape is None or len(w.shape) != 4 or w.dtype != torch.float32:
+        return "the weight is not a constant float32 4-D tensor of the engine"
+    if b is not None and b.shape is not None and (refusal := float_constant_refusal(b, "bias")) is not None:
+        return refusal
+    if len(inputs) > 3 and inputs[3].shape is not None:
+        return f"a residual: the {what} kernel adds none"
+    if _attr(step, "final_activation", ""):
+        return f"a final activation: the {what} kernel applies one activation"
+    activation = _attr(step, "activation", "")
+    if activation not in module.ACTIVATIONS:
+        return f"activation {activation!r}: the kernel applies {sorted(module.ACTIVATIONS)}"
+    if (refusal := conv_operands_refusal(step, x, w)) is not None:
+        return refusal
+    pads, strides, dilations = conv_geometry(step, tuple(w.shape))
+    why = module.refusal(tuple(w.shape), tuple(x.shape), int(_attr(step, "group", 1)), pads, strides, dilations)
+    return True if why is None else why
 
 
 def input_size_config(step: StepSpec, inputs: list[InputMeta]) -> dict[str, Any]:

@@ -23,10 +23,10 @@ import torch
 
 from kiln.kernels.cpu import stem
 from kiln.plan.spec import StepSpec
-from kiln.tactics.cpu.native_member import (float_constant_refusal, input_size_config, not_built_refusal,
+from kiln.tactics.cpu.native_member import (direct_conv_refusal, input_size_config, not_built_refusal,
                                             prepared_sized)
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, Tactic, conv_geometry, conv_operands_refusal
+from kiln.tactics.tactic import InputMeta, Tactic, conv_geometry
 from kiln.tactics.tactic import attribute as _attr
 
 _F32 = torch.float32
@@ -34,32 +34,12 @@ _F32 = torch.float32
 
 def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     x = inputs[0]
-    w = inputs[1] if len(inputs) > 1 else None
-    b = inputs[2] if len(inputs) > 2 else None
-    if x.shape is None or len(x.shape) != 4:
-        return "only 2-D convolutions (4-D input)"
-    if x.dtype != _F32:
-        return f"input dtype {x.dtype}, only float32"
-    if not isinstance(x.shape[1], int) or x.shape[1] > stem.MAX_CHANNELS:
+    if x.shape is not None and len(x.shape) == 4 and x.dtype == _F32 and (
+            not isinstance(x.shape[1], int) or x.shape[1] > stem.MAX_CHANNELS):
         return f"{x.shape[1]} input channels: the stem kernel takes at most {stem.MAX_CHANNELS}"
     if (refusal := not_built_refusal(stem, "stem")) is not None:
         return refusal
-    if w is None or not w.constant or w.shape is None or len(w.shape) != 4 or w.dtype != _F32:
-        return "the weight is not a constant float32 4-D tensor of the engine"
-    if b is not None and b.shape is not None and (refusal := float_constant_refusal(b, "bias")) is not None:
-        return refusal
-    if len(inputs) > 3 and inputs[3].shape is not None:
-        return "a residual: the stem kernel adds none"
-    if _attr(step, "final_activation", ""):
-        return "a final activation: the stem kernel applies one activation"
-    activation = _attr(step, "activation", "")
-    if activation not in stem.ACTIVATIONS:
-        return f"activation {activation!r}: the kernel applies {sorted(stem.ACTIVATIONS)}"
-    if (refusal := conv_operands_refusal(step, x, w)) is not None:
-        return refusal
-    pads, strides, dilations = conv_geometry(step, tuple(w.shape))
-    why = stem.refusal(tuple(w.shape), tuple(x.shape), int(_attr(step, "group", 1)), pads, strides, dilations)
-    return True if why is None else why
+    return direct_conv_refusal(step, inputs, stem, "stem")
 
 
 def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
