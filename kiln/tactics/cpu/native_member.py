@@ -385,6 +385,18 @@ def direct_conv_refusal(step: StepSpec, inputs: list[InputMeta], module: Any, wh
     return True if why is None else why
 
 
+def direct_conv_prepared(step: StepSpec, constants: list[Any], kernel: Callable[..., Any], rows_input: bool = False):
+    """`prepared_sized` for kiln's own direct-convolution kernels (depthwise, stem): `kernel(w, b, size, strides, pads,
+    dilations=, activation=, alpha=, beta=)` per input size, the geometry and epilogue from the step."""
+    w = constants[1]
+    b = constants[2] if len(constants) > 2 else None
+    pads, strides, dilations = conv_geometry(step, tuple(w.shape))
+    epilogue = dict(activation=_attr(step, "activation", ""), alpha=float(_attr(step, "alpha", 0.0)),
+                    beta=float(_attr(step, "beta", 0.0)))
+    return prepared_sized(step, lambda size: kernel(w, b, size, strides, pads, dilations=dilations, **epilogue),
+                          rows_input=rows_input)
+
+
 def input_size_config(step: StepSpec, inputs: list[InputMeta]) -> dict[str, Any]:
     """The tuned size of the one activation input."""
     return {"input_size": list(inputs[0].shape)}

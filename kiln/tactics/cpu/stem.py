@@ -23,11 +23,10 @@ import torch
 
 from kiln.kernels.cpu import stem
 from kiln.plan.spec import StepSpec
-from kiln.tactics.cpu.native_member import (direct_conv_refusal, input_size_config, not_built_refusal,
-                                            prepared_sized)
+from kiln.tactics.cpu.native_member import (direct_conv_prepared, direct_conv_refusal, input_size_config,
+                                            not_built_refusal)
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, Tactic, conv_geometry
-from kiln.tactics.tactic import attribute as _attr
+from kiln.tactics.tactic import InputMeta, Tactic
 
 _F32 = torch.float32
 
@@ -43,14 +42,8 @@ def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
 
 
 def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
-    w = constants[1]
-    b = constants[2] if len(constants) > 2 else None
-    pads, strides, dilations = conv_geometry(step, tuple(w.shape))
-    epilogue = dict(activation=_attr(step, "activation", ""), alpha=float(_attr(step, "alpha", 0.0)),
-                    beta=float(_attr(step, "beta", 0.0)))
     # NCHW in (rows_input: a segment hands it the image as it arrives, no relayout), NHWC out
-    return prepared_sized(step, lambda size: stem.StemConv(w, b, size, strides, pads, dilations=dilations, **epilogue),
-                          rows_input=True)
+    return direct_conv_prepared(step, constants, stem.StemConv, rows_input=True)
 
 
 register(Tactic(
