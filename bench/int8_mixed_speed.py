@@ -93,18 +93,9 @@ def main() -> None:
         context = engine.create_execution_context()
         runners[label] = lambda feeds, c=context: np.asarray(next(iter(c.run(feeds).values())))
     with tempfile.TemporaryDirectory() as folder:
-        session = ort_qdq_session(path, calibration, folder, args.threads)
-        if args.threads > 1:
-            # onnxruntime's intra-op threads spin after each run by default: on 2 shared vCPUs that spin took the
-            # cores from the kiln engine timed next (kiln fp32 at 15-28 ms in such rounds, 5.5 ms in the build's own
-            # check): the same QDQ model again without spinning
-            import onnxruntime as ort
-            options = ort.SessionOptions()
-            options.intra_op_num_threads, options.inter_op_num_threads = args.threads, 1
-            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-            session = ort.InferenceSession(str(Path(folder) / "mnv2_qdq.onnx"), options,
-                                           providers=["CPUExecutionProvider"])
+        # onnxruntime's intra-op threads spin after each run by default: on 2 shared vCPUs that spin took the cores
+        # from the kiln engine timed next (kiln fp32 at 15-28 ms in such rounds, 5.5 ms in the build's own check)
+        session = ort_qdq_session(path, calibration, folder, args.threads, spinning=args.threads == 1)
         name = session.get_inputs()[0].name
         runners["onnxruntime int8 QDQ"] = lambda feeds: session.run(None, {name: feeds["pixel_values"]})[0]
         notes["onnxruntime int8 QDQ"] = {"ran": {}}

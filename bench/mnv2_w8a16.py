@@ -51,7 +51,7 @@ from kiln.zoo.timing import time_samples  # noqa: E402
 GEMM = "cpu.qconv.w8a16_gemm"
 
 
-def ort_qdq_session(path: str, calibration: list[dict], folder: str, threads: int = 1):
+def ort_qdq_session(path: str, calibration: list[dict], folder: str, threads: int = 1, spinning: bool = True):
     import onnxruntime as ort
     from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, \
         quantize_static
@@ -70,6 +70,8 @@ def ort_qdq_session(path: str, calibration: list[dict], folder: str, threads: in
     options = ort.SessionOptions()
     options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if not spinning:  # its intra-op threads sleep after a run instead of spinning (a shared machine's cores)
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return ort.InferenceSession(out, options, providers=["CPUExecutionProvider"])
 
 

@@ -16,13 +16,10 @@ onnxruntime. Outputs are checked against torch's conv2d (float64) first.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import json
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -40,9 +37,9 @@ import torch  # noqa: E402
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 import kiln  # noqa: E402,F401  (the library caps)
-from kiln.kernels.cpu import native_loop, stem, onednn, onednn_primitives  # noqa: E402
+from kiln.kernels.cpu import onednn, onednn_primitives, stem  # noqa: E402
+from dw_kernel import looped, ort_layer_us  # noqa: E402  (the same onnxruntime profile and native-loop call)
 
-# (model, channels, input height = width, kernel, stride) at 224x224; MobileNetV2's 17 layers are 10 shapes
 # (model, batch, input channels, input height = width, output channels, kernel, stride, activation)
 LAYERS = [("resnet_tiny", 1, 3, 64, 16, 7, 2, "Relu"), ("regnet_tiny", 2, 3, 64, 16, 3, 2, "Relu"),
           ("resnet50", 1, 3, 224, 64, 7, 2, "Relu"), ("mobilenet_v2", 1, 3, 224, 32, 3, 2, "Clip")]
@@ -67,38 +64,6 @@ def ort_session(w: np.ndarray, b: np.ndarray, n: int, c: int, hw: int, k: int, s
     options.enable_profiling = True
     options.profile_file_prefix = prefix
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-
-
-def ort_layer_us(session: ort.InferenceSession, calls: int) -> tuple[list[float], list[str]]:
-    """Per call, onnxruntime's kernel time of the nodes that are not reorders (us), and the op types it ran."""
-    profile = Path(session.end_profiling())
-    events = [e for e in json.loads(profile.read_text())
-              if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
-    profile.unlink()
-    ops = sorted({e["args"].get("op_name", "?") for e in events})
-    layer = [e for e in events if not e["args"].get("op_name", "").startswith("Reorder")]
-    per_call = len(layer) // calls if calls else 0
-    sums = [sum(e["dur"] for e in layer[i * per_call:(i + 1) * per_call]) for i in range(calls)]
-    return sums, ops
-
-
-def looped(bound) -> Callable[[], None]:
-    """The bound layer's calls through the native loop, its arrays built once (a segment's path)."""
-    lib = onednn.load()
-    loop = native_loop.load()
-    calls = bound.calls()
-    functions, objects, nargs, args = native_loop.call_arrays(calls)
-    nothing = (ctypes.c_void_p * 1)()
-    failed = ctypes.c_int(-1)
-    set_handle = ctypes.cast(lib.lib.dnnl_memory_set_data_handle, ctypes.c_void_p)
-
-    def run() -> None:
-        assert bound is not None  # the plans the call arrays point at live as long as this closure
-        status = loop.kiln_run_segment(functions, set_handle, lib.stream, 0, nothing, nothing, len(calls), objects,
-                                       nargs, args, ctypes.byref(failed))
-        if status:
-            raise RuntimeError(f"status {status}")
-    return run
 
 
 def main() -> None:
