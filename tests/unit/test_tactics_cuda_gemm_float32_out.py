@@ -55,9 +55,9 @@ def test_declines_without_mm_dtype(monkeypatch):
 
 
 def _cpu_mm_float32_into(seen: list):
-    """aten::mm.dtype_out's contract on CPU: fp32 sums of the half products written into `out` (any row pitch)."""
+    """aten::mm.dtype_out's contract on CPU: fp32 sums of the half products written into a contiguous `out`."""
     def mm(x2, w_t, out):
-        assert out.dtype == torch.float32 and out.stride(1) == 1 and out.stride(0) % float32_out.OUT_ALIGN == 0
+        assert out.dtype == torch.float32 and out.is_contiguous() and out.shape[1] % float32_out.OUT_ALIGN == 0
         assert x2.shape[1] % float32_out.K_ALIGN == 0 and x2.dtype == w_t.dtype
         seen.append(out.data_ptr())
         torch.mm(x2.float(), w_t.float(), out=out)
