@@ -114,7 +114,8 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
         self._static_replay: StaticReplay | None = None  # run()'s path once a fixed-shape engine's graph is captured
         self._token_buckets: dict[int, torch.Tensor] = {}  # a padding-free run's token bucket by rows (its shape)
         self._host_staging: HostStaging | None = None  # numpy calls on CUDA through pinned buffers (host_staging.py)
-        self.host_staging = host_staging if engine.device.type == "cuda" else "off"
+        self._staging_kept: HostStaging | None = None  # its buffers, kept while staging is switched off
+        self.host_staging = host_staging
         if warm_up:
             self.warm_up()
 
@@ -127,12 +128,14 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
     @host_staging.setter
     def host_staging(self, mode: str | bool | None) -> None:
         mode = staging_mode(mode)
-        if mode == "off":
-            self._host_staging = None
-        elif self._host_staging is None:
-            self._host_staging = HostStaging(self.engine.device, mode)
-        else:
-            self._host_staging.mode = mode  # the buffers kept
+        if mode == "off" or self.engine.device.type != "cuda":  # a CPU engine's numpy feeds are its own memory
+            self._host_staging = None  # (its buffers kept for a later switch back on: self._staging_kept)
+            return
+        kept = self._staging_kept
+        if kept is None:
+            kept = self._staging_kept = HostStaging(self.engine.device, mode)
+        kept.mode = mode
+        self._host_staging = kept
 
     def _graph_packing_rule(self):
         """The device's PackingRule where its graph_rows apply: a padding-free engine whose runs replay CUDA graphs
