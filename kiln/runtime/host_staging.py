@@ -62,15 +62,15 @@ class HostStaging:
     """One CUDA context's pinned buffers for its numpy inputs and outputs, and the event its numpy calls wait on."""
 
     def __init__(self, device: torch.device, mode: str = "copy",
-                 allocate: Callable[[int], torch.Tensor] = _pinned_bytes,
-                 event: Callable[[], Any] = torch.cuda.Event):
-        """`allocate(nbytes)`: a uint8 host tensor of that many bytes (pinned; tests stand plain memory in);
-        `event()`: a CUDA event (torch.cuda.Event; tests stand one in). Nothing is allocated before a call needs it."""
+                 allocate: Callable[[int], torch.Tensor] | None = None, event: Callable[[], Any] | None = None):
+        """`allocate(nbytes)`: a uint8 host tensor of that many bytes (default: pinned, from torch's caching host
+        allocator; tests stand plain memory in); `event()`: a CUDA event (default torch.cuda.Event, looked up at the
+        first wait; tests stand one in). Nothing is allocated before a call needs it."""
         if mode not in ("copy", "pinned"):
             raise ValueError(f"HostStaging mode {mode!r}: expected 'copy' or 'pinned'")
         self.device = device
         self.mode = mode
-        self._allocate = allocate
+        self._allocate = allocate or _pinned_bytes
         self._new_event = event
         self._event: Any = None
         self._inputs_pending = False  # input copies enqueued and not yet known done (a call that raised)
@@ -99,7 +99,7 @@ class HostStaging:
     def _wait(self) -> None:
         """Wait for everything enqueued so far on the current stream; the GIL is released while waiting."""
         if self._event is None:
-            self._event = self._new_event()
+            self._event = self._new_event() if self._new_event is not None else torch.cuda.Event()
         self._event.record()
         self._event.synchronize()
 
