@@ -14,8 +14,11 @@
 #   probe.txt, serve.md and the log in $OUT.
 # Runs on the device's python3 (torch 2.11, no pip install but part 2's wheels into /tmp/serve-deps) from the repo
 # root. Without CUDA it stops at once, saying so.
-# Options by environment: BUDGET_S (default 150), PROBE_S (default 95; 0: skip 1), PROBE_ARGS (more probe flags, e.g.
-# "--rounds 1 --pair-batches 12"), SYNCS (default "spin staged"), SERVE_CONCURRENCY (default 64), SERVE_PROCESSES
+# Estimate (from gpu_s31b.sh's run: export + build 37 s, serve.py 74 s for two servers, wheels 10 s): the probe ~55 s at
+# --rounds 1, ~70 s at 2; part 2 ~85 s, so 150 s holds both only just: part 2's bench gets what is left (its table is
+# rewritten after every row: a cut run keeps the rows done).
+# Options by environment: BUDGET_S (default 150), PROBE_S (default 95; 0: skip 1), PROBE_ARGS (the probe's flags after
+# --calls 20; default "--rounds 1"; e.g. "--rounds 2" with SERVE_MIN_S=999 for the probe alone), SYNCS (default "spin staged"), SERVE_CONCURRENCY (default 64), SERVE_PROCESSES
 # (default 8), FRONTENDS (default 8), SERVE_MIN_S (part 2 runs only with this much of the budget left; default 60).
 set -u
 START=$(date +%s)
@@ -32,7 +35,7 @@ PROBE_S=${PROBE_S:-95}
 if [ "$PROBE_S" != "0" ]; then
   echo "== 1. bench/serve_graphs_probe.py (<= $PROBE_S s)"
   # shellcheck disable=SC2086
-  timeout "$PROBE_S" python3 bench/serve_graphs_probe.py --calls 20 ${PROBE_ARGS:-} > "$OUT/probe.txt" 2>&1
+  timeout "$PROBE_S" python3 bench/serve_graphs_probe.py --calls 20 ${PROBE_ARGS:---rounds 1} > "$OUT/probe.txt" 2>&1
   echo "probe exit $?"
   grep -vE "Warning|warn\(|^\s*$" "$OUT/probe.txt" | cut -c1-260 | tail -70
 fi

@@ -307,7 +307,10 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
         else:
             feeds = dict(feeds)
         tokens = self._count_tokens(feeds)  # a host mask's real tokens (a CUDA mask's: counted if needed)
-        signature = _tensor_signature(self.engine.input_names, feeds) if self.buckets is not None else None
+        signature = None
+        if self.buckets is not None:  # torch feeds, else numpy feeds (a served instance's): checked once a signature
+            signature = _tensor_signature(self.engine.input_names, feeds) \
+                or _numpy_signature(self.engine.input_names, feeds)
         known = self._bucketed.get(signature) if signature is not None else None
         if known is None:
             self._check(feeds)
