@@ -18,8 +18,9 @@
 # --rounds 1, ~70 s at 2; part 2 ~85 s, so 150 s holds both only just: part 2's bench gets what is left (its table is
 # rewritten after every row: a cut run keeps the rows done).
 # Options by environment: BUDGET_S (default 150), PROBE_S (default 95; 0: skip 1), PROBE_ARGS (the probe's flags after
-# --calls 20; default "--rounds 1"; e.g. "--rounds 2" with SERVE_MIN_S=999 for the probe alone), SYNCS (default "spin staged"), SERVE_CONCURRENCY (default 64), SERVE_PROCESSES
-# (default 8), FRONTENDS (default 8), SERVE_MIN_S (part 2 runs only with this much of the budget left; default 60).
+# --calls 20; default "--rounds 1"; e.g. "--rounds 2" with SERVE_MIN_S=999 for the probe alone), SYNCS (default
+# "spin staged"), SERVE_CONCURRENCY (default 64), SERVE_PROCESSES (default 8), FRONTENDS (default 8), SERVE_MIN_S
+# (part 2 runs only with this much of the budget left; default 60).
 set -u
 START=$(date +%s)
 BUDGET_S=${BUDGET_S:-150}

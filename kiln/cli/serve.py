@@ -55,7 +55,7 @@ def add_parser(verbs) -> None:
     p.add_argument("--cuda-sync", default="spin", choices=["spin", "pinned", "blocking", "staged"],
                    help="how CUDA instances wait for their streams, where a model's config sets no cuda_sync parameter: "
                         "spin (CUDA's default schedule: a waiting thread polls, a core while it waits), pinned (spin's "
-                        "wait, the outputs copied into pinned host memory on the stream) or blocking (pinned's copies, "
+                        "wait, the outputs copied into pinned host memory on the stream), blocking (pinned's copies, "
                         "then it sleeps on an event until the GPU signals) or staged (spin's numpy calls, their copies "
                         "through pinned buffers of the context, one wait per call) (default %(default)s; "
                         "kiln/serve/instances.py)")
