@@ -20,7 +20,8 @@
 # Options by environment: BUDGET_S (default 150), PROBE_S (default 95; 0: skip 1), PROBE_ARGS (the probe's flags after
 # --calls 20; default "--rounds 1"; e.g. "--rounds 2" with SERVE_MIN_S=999 for the probe alone), SYNCS (default
 # "spin staged"), SERVE_CONCURRENCY (default 64), SERVE_PROCESSES (default 8), FRONTENDS (default 8), SERVE_MIN_S
-# (part 2 runs only with this much of the budget left; default 60).
+# (part 2 runs only with this much of the budget left; default 60), STAGING_TESTS_S (default 0: off; e.g. 60 runs
+# tests/gpu/test_host_staging.py after the probe, on the device's pytest).
 set -u
 START=$(date +%s)
 BUDGET_S=${BUDGET_S:-150}
@@ -39,6 +40,12 @@ if [ "$PROBE_S" != "0" ]; then
   timeout "$PROBE_S" python3 bench/serve_graphs_probe.py --calls 20 ${PROBE_ARGS:---rounds 1} > "$OUT/probe.txt" 2>&1
   echo "probe exit $?"
   grep -vE "Warning|warn\(|^\s*$" "$OUT/probe.txt" | cut -c1-260 | tail -70
+fi
+
+if [ "${STAGING_TESTS_S:-0}" != "0" ]; then  # opt-in: the GPU tests of host staging (~30 s: a deep fp16 MLP's build)
+  echo "== 1b. tests/gpu/test_host_staging.py (<= $STAGING_TESTS_S s)"
+  timeout "$STAGING_TESTS_S" python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_host_staging.py 2>&1 \
+    | grep -vE "Warning|warn\(" | tail -8
 fi
 
 LEFT=$(( BUDGET_S - ($(date +%s) - START) - 10 ))
