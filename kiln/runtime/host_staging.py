@@ -110,18 +110,21 @@ class HostStaging:
         for name, value in feeds.items():
             if type(value) is not np.ndarray:
                 continue
-            host = dtypes.numpy_to_torch(value)  # a zero-copy view where it can be (C-contiguous, writeable)
-            if not isinstance(host, torch.Tensor):
-                continue  # strings, sub-byte types: the old path
+            dt = dtypes.BY_NUMPY.get(value.dtype)
+            if dt is None or dt.torch is None:
+                continue  # strings, sub-byte types, another byte order: the old path
             if staged is None:
                 if self._inputs_pending:  # the last call raised before its wait: its input copies may still read
                     self._wait()
                 staged = dict(feeds)
-            nbytes = host.numel() * host.element_size()
-            buffer = self._buffer(("input", name), nbytes).view(host.dtype).view(host.shape)
-            buffer.copy_(host)
+            raw = self._buffer(("input", name), value.nbytes)
+            host = raw.view(dt.torch).view(value.shape)
+            if value.dtype.type.__module__ == "numpy":  # one pass from any layout, a read-only array too (no copy first)
+                np.copyto(raw.numpy().view(value.dtype).reshape(value.shape), value, casting="no")
+            else:  # ml_dtypes' (bfloat16, float8): their bytes, as numpy_to_torch reads them
+                host.copy_(dtypes.numpy_to_torch(value))
             self._inputs_pending = True
-            staged[name] = buffer.to(self.device, non_blocking=True)
+            staged[name] = host.to(self.device, non_blocking=True)
         return feeds if staged is None else staged
 
     def outputs(self, names: list[str], results: list[Any], to_user: Callable[[Any], Any]) -> dict[str, Any]:

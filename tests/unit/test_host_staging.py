@@ -129,6 +129,25 @@ def test_buffers_grow_to_powers_of_two_and_are_kept():
     assert event.waited == 6
 
 
+def test_inputs_of_any_layout_are_copied_in_as_given():
+    """A read-only array (a request's bytes), a transposed one, a strided slice, a 0-d one, an empty one, bfloat16
+    (ml_dtypes): each fed as its values in the same dtype and shape (kiln/ir/dtypes.py numpy_to_torch, the oracle)."""
+    from kiln.ir.dtypes import numpy_to_torch
+
+    staging, _, _ = _staging()
+    rng = np.random.default_rng()
+    read_only = rng.standard_normal((3, 5)).astype(np.float32)
+    read_only.flags.writeable = False
+    feeds = {"read_only": read_only, "transposed": rng.integers(-9, 9, (4, 6)).T,
+             "strided": rng.standard_normal((8, 6)).astype(np.float16)[::2, 1::2], "scalar": np.array(7, np.int32),
+             "empty": np.zeros((0, 3), np.uint8), "bf16": rng.standard_normal((2, 3)).astype(ml_dtypes.bfloat16),
+             "mask": rng.integers(0, 2, (5,)).astype(np.bool_)}
+    fed = staging.feeds(feeds)
+    for name, value in feeds.items():
+        want = numpy_to_torch(value.copy())  # C-contiguous and writeable: torch.from_numpy's zero-copy view
+        assert fed[name].dtype == want.dtype and fed[name].shape == want.shape and torch.equal(fed[name], want), name
+
+
 def test_an_input_buffer_is_rewritten_only_after_its_last_copy_is_known_done():
     """A call that raised between its input copies and its wait leaves them perhaps in flight: the next call's feeds
     wait for them before writing the buffer again."""
