@@ -585,7 +585,7 @@ def main() -> None:
     parser.add_argument("--trees", nargs="+", default=[str(ROOT)],
                         help="kiln checkouts serving, a server each for every front-end setting (A/B in one run; rows "
                              "say the folder's name after the model); the engines are built by this one")
-    parser.add_argument("--cuda-sync", nargs="+", choices=["spin", "pinned", "blocking"],
+    parser.add_argument("--cuda-sync", nargs="+", choices=["spin", "pinned", "blocking", "staged"],
                         help="kiln serve --cuda-sync values, a server each for every other setting (A/B in one run; "
                              "rows say the value after the model); default: the flag left out")
     parser.add_argument("--out", help="write serve.md into this folder instead of appending to bench/results/")

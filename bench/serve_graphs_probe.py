@@ -10,8 +10,14 @@ One execution context as a served instance makes it (kiln/serve/instances.py: bu
    to the GPU, the padded fill, the replay, the outputs' cast and copy to pageable host memory) and as device
    tensors in and out (no host copies): wall ms, the span on the stream (CUDA events), the graph counts per call
    (replays, captures, eager runs, splits: GraphStats before/after) and the span over the bucket's bare replay;
-3. two contexts on two threads and two streams at once (two served instances), each at --pair-batch rows, numpy
-   in and out: calls/s together against one alone, and each call's span (the other's kernels inside it).
+   and (issue 14, bench/gpu_s31d.sh) the same context's numpy calls through its host staging (kiln/runtime/
+   host_staging.py: pinned buffers of the context, one async copy each way, one wait with the GIL released):
+   "staged" (outputs copied out into fresh arrays) and "staged-pinned" (arrays over pinned blocks), their outputs
+   checked bitwise against the pageable path's, and each mode's thread CPU ms per call;
+3. two contexts on two threads and two streams at once (two served instances), at each of --pair-batches rows: for
+   every feed mode (device in/out; numpy in/out today, pageable both ways; numpy in / device out and device in /
+   numpy out, one pageable direction each; staged; staged-pinned), calls/s of the two together against one alone
+   (together / alone: 2.00 is full overlap, 1.00 none), each call's wall, span and thread CPU ms.
 Medians of `calls` calls each. A table per step on stdout. No server, no network.
 """
 
@@ -49,31 +55,102 @@ def _label(key) -> str:
                     and isinstance(item[0], tuple))
 
 
-def _time_calls(context, feeds, calls: int, cuda: bool, stream=None) -> dict:
-    """`calls` timed calls (after 3 untimed): medians of wall ms and span ms, graph counts per call."""
+# feed modes: (feeds on the device?, the context's host staging, outputs then copied to numpy by the caller?)
+MODES = {
+    "device": ("all", "off", False),  # device tensors in, the context's device outputs: no host copy
+    "numpy": ("none", "off", False),  # numpy in/out today: pageable H2D (_to_runtime) and D2H (tensor.cpu())
+    "numpy in, device out": ("mask", "off", False),  # ids pageable H2D; the mask a device tensor: torch out
+    "device in, numpy out": ("all", "off", True),  # device in; each output then .cpu() (pageable D2H) as _to_user
+    "staged": ("none", "copy", False),  # numpy in/out through the context's pinned buffers, fresh arrays out
+    "staged-pinned": ("none", "pinned", False),  # the same, arrays over pinned blocks handed over (no host copy)
+}
+
+
+def _mode_feeds(feeds: dict, mode: str, device: str) -> dict:
+    on_device = MODES[mode][0]
+    if on_device == "none":
+        return feeds
+    return {n: torch.from_numpy(v).to(device) if on_device == "all" or n == "attention_mask" else v
+            for n, v in feeds.items()}
+
+
+def _time_calls(context, feeds, calls: int, cuda: bool, to_numpy: bool = False) -> dict:
+    """`calls` timed calls (after 3 untimed): medians of wall ms, span ms and the thread's CPU ms, graph counts per
+    call. `to_numpy`: each output then copied to numpy as the runtime's pageable path does (kiln/ir/dtypes.py)."""
+    from kiln.ir.dtypes import torch_to_numpy
+
     for _ in range(3):
         out = context.run(feeds)
     if cuda:
-        torch.cuda.synchronize()
-    walls, spans = [], []
+        torch.cuda.current_stream().synchronize()  # this thread's stream only: the other context's runs go on
+    walls, spans, cpus = [], [], []
     before = _counts(context)
     for _ in range(calls):
         start = end = None
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         out = context.run(feeds)
+        if to_numpy:
+            out = {n: torch_to_numpy(v) for n, v in out.items()}
         if cuda:
             end.record()
             end.synchronize()  # numpy out: already done; device tensors out: the run's kernels
             spans.append(start.elapsed_time(end))
         walls.append((time.perf_counter() - t0) * 1e3)
+        cpus.append((time.thread_time() - c0) * 1e3)
     after = _counts(context)
     del out
     per_call = [(a - b) / calls for a, b in zip(after, before)]
     return {"wall": statistics.median(walls), "wall_spread": (min(walls), max(walls)),
-            "span": statistics.median(spans) if spans else float("nan"), "counts": per_call}
+            "span": statistics.median(spans) if spans else float("nan"), "cpu": statistics.median(cpus),
+            "counts": per_call}
+
+
+def _same_outputs(context, feeds: dict, mode: str) -> bool:
+    """The context's numpy outputs under host staging `mode`: bitwise those of its pageable path (the same replay)."""
+    context.host_staging = "off"
+    want = context.run(feeds)
+    want = {n: v.copy() for n, v in want.items()}
+    context.host_staging = mode
+    got = context.run(feeds)
+    context.host_staging = "off"
+    return all(type(got[n]) is np.ndarray and got[n].dtype == w.dtype and got[n].shape == w.shape
+               and got[n].tobytes() == w.tobytes() for n, w in want.items())
+
+
+def _pair(contexts, streams, feeds: dict, mode: str, calls: int, device: str) -> tuple[dict, list[dict], float, float]:
+    """One context alone, then both at once on two threads and two streams, in feed `mode`: (alone's timing, each
+    context's timing together, calls/s alone, calls/s together)."""
+    _, staging, to_numpy = MODES[mode]
+    for c in contexts:
+        c.host_staging = staging
+    feeds = _mode_feeds(feeds, mode, device)
+    results: list[dict | None] = [None, None]
+    for c, stream in zip(contexts, streams):  # a context's first staged call makes its pinned buffers: not timed
+        with torch.cuda.stream(stream):
+            c.run(feeds)
+        stream.synchronize()
+
+    def serve(k: int) -> None:
+        with torch.cuda.stream(streams[k]):
+            results[k] = _time_calls(contexts[k], feeds, calls, True, to_numpy)
+
+    t = time.perf_counter()
+    serve(0)
+    alone = results[0]
+    alone_rate = (calls + 3) / (time.perf_counter() - t)
+    t = time.perf_counter()
+    threads = [threading.Thread(target=serve, args=(k,)) for k in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    together = 2 * (calls + 3) / (time.perf_counter() - t)
+    for c in contexts:
+        c.host_staging = "off"
+    return alone, results, alone_rate, together
 
 
 def main() -> None:
@@ -84,10 +161,15 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--batches", default="1,4,8,12,16,24,32,64")
-    ap.add_argument("--pair-batch", type=int, default=12, help="rows per call of step 3 (0: skip it)")
+    ap.add_argument("--pair-batches", default="12,64", help="rows per call of step 3, comma-separated (0: skip it)")
+    ap.add_argument("--pair-modes", default=",".join(MODES), help="step 3's feed modes, comma-separated")
+    ap.add_argument("--rounds", type=int, default=2, help="step 3: every mode this many times, modes interleaved")
     ap.add_argument("--calls", type=int, default=30)
     args = ap.parse_args()
     cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        sys.exit("serve_graphs_probe.py: --device cuda, but torch sees no CUDA device here (torch "
+                 f"{torch.__version__}); for a CPU smoke run: --model bert_tiny --device cpu --max-batch 16 --calls 5")
     t = time.perf_counter()
     exported = zoo.export(args.model, dynamic=True, batch=2)
     shape = f"x{args.seq}"
@@ -97,7 +179,7 @@ def main() -> None:
     print(f"== {args.model} {args.precision if cuda else 'fp32'} on {torch.cuda.get_device_name() if cuda else 'cpu'}"
           f", batch 1..{args.max_batch} x seq {args.seq}; export + build {time.perf_counter() - t:.1f} s", flush=True)
 
-    context = engine.create_execution_context()
+    context = engine.create_execution_context(host_staging="off")
     t = time.perf_counter()
     context.warm_up()
     context.warm_up()
@@ -114,53 +196,53 @@ def main() -> None:
 
     rng = np.random.default_rng(0)
     costs = next(iter(context.buckets.costs.values()), {}) if context.buckets is not None else {}
+    kinds = ["numpy", "device", "staged", "staged-pinned"] if cuda else ["numpy"]
     print("\n2. calls: batch | bucket | feeds | wall ms (min-max) | span ms | bucket replay ms | span / replay "
-          "| replays/call | captures/call | eager/call | splits/call")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| thread CPU ms | replays/call | captures/call | eager/call | splits/call | outputs = numpy's")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for batch in [int(b) for b in args.batches.split(",") if int(b) <= args.max_batch]:
         bucket = min((b for b in costs if b >= batch), default=None)
         replay = costs.get(bucket) if bucket else None
-        for kind, device in (("numpy", None), ("device", args.device if cuda else None)):
-            if kind == "device" and not cuda:
-                continue
-            r = _time_calls(context, _feeds(rng, batch, args.seq, device), args.calls, cuda)
+        host = _feeds(rng, batch, args.seq, None)
+        for kind in kinds:
+            _, staging, _ = MODES[kind]
+            same = _same_outputs(context, host, staging) if staging != "off" else "-"
+            context.host_staging = staging
+            r = _time_calls(context, _mode_feeds(host, kind, args.device), args.calls, cuda)
+            context.host_staging = "off"
             c = r["counts"]
             ratio = f"{r['span'] / replay:.2f}" if replay and r["span"] == r["span"] else "-"
             print(f"| {batch} | {bucket or '-'} | {kind} | {r['wall']:.3f} ({r['wall_spread'][0]:.3f}-"
                   f"{r['wall_spread'][1]:.3f}) | {r['span']:.3f} | {replay if replay is None else f'{replay:.3f}'} "
-                  f"| {ratio} | {c[0]:.2f} | {c[1]:.2f} | {c[2]:.2f} | {c[3]:.2f} |", flush=True)
+                  f"| {ratio} | {r['cpu']:.3f} | {c[0]:.2f} | {c[1]:.2f} | {c[2]:.2f} | {c[3]:.2f} | {same} |",
+                  flush=True)
 
-    if cuda and args.pair_batch:
-        print(f"\n3. two contexts, two threads, two streams at once, {args.pair_batch} rows a call, numpy in and out "
-              "(as two served instances; each context warmed up alone first)")
-        contexts = [context, engine.create_execution_context()]
+    pair_batches = [int(b) for b in args.pair_batches.split(",") if 0 < int(b) <= args.max_batch]
+    if cuda and pair_batches:
+        modes = [m.strip() for m in args.pair_modes.split(",") if m.strip()]
+        unknown = [m for m in modes if m not in MODES]
+        if unknown:
+            sys.exit(f"--pair-modes: unknown {unknown}; known: {', '.join(MODES)}")
+        contexts = [context, engine.create_execution_context(host_staging="off")]
         contexts[1].warm_up()
         contexts[1].warm_up()
         streams = [torch.cuda.Stream() for _ in contexts]
-        feeds = _feeds(rng, args.pair_batch, args.seq, None)
-        results: list[dict | None] = [None, None]
-
-        def serve(k: int) -> None:
-            with torch.cuda.stream(streams[k]):
-                results[k] = _time_calls(contexts[k], feeds, args.calls * 3, True)
-
-        with torch.cuda.stream(streams[0]):
-            alone = _time_calls(contexts[0], feeds, args.calls * 3, True)
-        t = time.perf_counter()
-        threads = [threading.Thread(target=serve, args=(k,)) for k in range(2)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        together = time.perf_counter() - t
-        print("| run | wall ms/call | span ms/call | calls/s | replays/call | eager/call |")
-        print("|---|---|---|---|---|---|")
-        print(f"| one context alone | {alone['wall']:.3f} | {alone['span']:.3f} | {1e3 / alone['wall']:.0f} "
-              f"| {alone['counts'][0]:.2f} | {alone['counts'][2]:.2f} |")
-        for k, r in enumerate(results):
-            print(f"| context {k} of two | {r['wall']:.3f} | {r['span']:.3f} | - | {r['counts'][0]:.2f} "
-                  f"| {r['counts'][2]:.2f} |")
-        print(f"| both (3 warm + {args.calls * 3} calls each) | - | - | {2 * (args.calls * 3 + 3) / together:.0f} | - | - |")
+        calls = args.calls * 3
+        print(f"\n3. two contexts, two threads, two streams at once (as two served instances; each context warmed up "
+              f"alone first), {calls} calls each after 3, modes interleaved over {args.rounds} round(s); together / "
+              "alone: 2.00 = full overlap, 1.00 = none")
+        print("| rows | feeds | round | alone calls/s | together calls/s | together / alone | alone wall ms | "
+              "alone CPU ms | ctx 0 wall ms | ctx 1 wall ms | ctx 0 span ms | ctx 0 CPU ms | replays/call |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for rows in pair_batches:
+            feeds = _feeds(rng, rows, args.seq, None)
+            for round_ in range(args.rounds):
+                for mode in modes:
+                    alone, both, alone_rate, together = _pair(contexts, streams, feeds, mode, calls, args.device)
+                    print(f"| {rows} | {mode} | {round_ + 1} | {alone_rate:.0f} | {together:.0f} | "
+                          f"{together / alone_rate:.2f} | {alone['wall']:.3f} | {alone['cpu']:.3f} | "
+                          f"{both[0]['wall']:.3f} | {both[1]['wall']:.3f} | {both[0]['span']:.3f} | "
+                          f"{both[0]['cpu']:.3f} | {both[0]['counts'][0]:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -52,11 +52,12 @@ def add_parser(verbs) -> None:
                         "before the model is ready, so no request pays a new shape's binding (a model's config "
                         "overrides it: parameters warm_up) (default %(default)s s; true: that cap; bench/results/"
                         "serve-warmup-2026-12-04c.md)")
-    p.add_argument("--cuda-sync", default="spin", choices=["spin", "pinned", "blocking"],
+    p.add_argument("--cuda-sync", default="spin", choices=["spin", "pinned", "blocking", "staged"],
                    help="how CUDA instances wait for their streams, where a model's config sets no cuda_sync parameter: "
                         "spin (CUDA's default schedule: a waiting thread polls, a core while it waits), pinned (spin's "
-                        "wait, the outputs copied into pinned host memory on the stream) or blocking (pinned's copies, "
-                        "then it sleeps on an event until the GPU signals) (default %(default)s; "
+                        "wait, the outputs copied into pinned host memory on the stream), blocking (pinned's copies, "
+                        "then it sleeps on an event until the GPU signals) or staged (spin's numpy calls, their copies "
+                        "through pinned buffers of the context, one wait per call) (default %(default)s; "
                         "kiln/serve/instances.py)")
     p.add_argument("--max-request-mb", type=float, default=64, metavar="MB", help="largest request body (default 64)")
     p.add_argument("--shutdown-timeout", type=float, default=30, metavar="S",

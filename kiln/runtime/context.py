@@ -22,6 +22,7 @@ from kiln.runtime.buckets import PACKING, graph_rows, packed_rows, packing_rule,
 from kiln.runtime.cpu_paths import CpuPaths, _static_signature, _whole_segment
 from kiln.runtime.cuda_graphs import MAX_GRAPHS, MEMORY_BUDGET, GraphRunner
 from kiln.runtime.graph_paths import GraphPaths, _cuda_static_signature
+from kiln.runtime.host_staging import HostStaging, staging_mode
 from kiln.runtime.static_replay import StaticReplay
 from kiln.runtime.warm_up import WarmingUp, WarmUp
 
@@ -36,7 +37,7 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
 
     def __init__(self, engine: Any, use_cuda_graphs: bool | None = None, buckets: bool | None = None,
                  max_graphs: int = MAX_GRAPHS, graph_memory_budget: int = MEMORY_BUDGET, packing: str = "auto",
-                 pad_first_calls: bool | None = None, warm_up: bool = False):
+                 pad_first_calls: bool | None = None, warm_up: bool = False, host_staging: str | bool | None = None):
         """`buckets`: pad dynamic dims to a few sizes where padding is exact (kiln/runtime/buckets.py);
         default on for CUDA graphs (a bounded number of graphs), off on the CPU (padding only costs
         there). `max_graphs`, `graph_memory_budget`: the CUDA graph cache's bounds (LRU). `packing`, for a
@@ -49,7 +50,11 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
         `pad_first_calls`: on the CPU without buckets, run a call at a shape not yet bound padded inside a bound
         one where padding is exact and costs less than binding (kiln/runtime/first_calls.py); default on, off with
         the environment's KILN_PAD_FIRST_CALLS=0 (and for a padding-free engine, whose runs pack their tokens).
-        `warm_up`: run warm_up() before returning (at load, so a stream's first calls capture no graph)."""
+        `warm_up`: run warm_up() before returning (at load, so a stream's first calls capture no graph).
+        `host_staging`, for a CUDA engine: a numpy call's inputs and outputs through pinned buffers of this context,
+        one wait per call with the GIL released (kiln/runtime/host_staging.py): "copy" (outputs fresh arrays, as
+        before), "pinned" (outputs over pinned blocks of torch's host cache), "off" (pageable copies, as before);
+        default the environment's KILN_HOST_STAGING, else "off". Ignored on the CPU."""
         if packing not in PACKING:
             raise ValueError(f"packing={packing!r}: expected one of {PACKING}")
         self.engine = engine
@@ -108,8 +113,29 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
         self.warmed_up: WarmUp | None = None  # the last warm_up()'s report
         self._static_replay: StaticReplay | None = None  # run()'s path once a fixed-shape engine's graph is captured
         self._token_buckets: dict[int, torch.Tensor] = {}  # a padding-free run's token bucket by rows (its shape)
+        self._host_staging: HostStaging | None = None  # numpy calls on CUDA through pinned buffers (host_staging.py)
+        self._staging_kept: HostStaging | None = None  # its buffers, kept while staging is switched off
+        self.host_staging = host_staging
         if warm_up:
             self.warm_up()
+
+    @property
+    def host_staging(self) -> str:
+        """How a numpy call's inputs and outputs cross to and from the GPU: "off", "copy" or "pinned"
+        (kiln/runtime/host_staging.py)."""
+        return self._host_staging.mode if self._host_staging is not None else "off"
+
+    @host_staging.setter
+    def host_staging(self, mode: str | bool | None) -> None:
+        mode = staging_mode(mode)
+        if mode == "off" or self.engine.device.type != "cuda":  # a CPU engine's numpy feeds are its own memory
+            self._host_staging = None  # (its buffers kept for a later switch back on: self._staging_kept)
+            return
+        kept = self._staging_kept
+        if kept is None:
+            kept = self._staging_kept = HostStaging(self.engine.device, mode)
+        kept.mode = mode
+        self._host_staging = kept
 
     def _graph_packing_rule(self):
         """The device's PackingRule where its graph_rows apply: a padding-free engine whose runs replay CUDA graphs
@@ -281,14 +307,18 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
         else:
             feeds = dict(feeds)
         tokens = self._count_tokens(feeds)  # a host mask's real tokens (a CUDA mask's: counted if needed)
-        signature = _tensor_signature(self.engine.input_names, feeds) if self.buckets is not None else None
+        signature = None
+        if self.buckets is not None:  # torch feeds, else numpy feeds (a served instance's): checked once a signature
+            signature = _tensor_signature(self.engine.input_names, feeds) \
+                or _numpy_signature(self.engine.input_names, feeds)
         known = self._bucketed.get(signature) if signature is not None else None
         if known is None:
             self._check(feeds)
         else:  # these shapes and dtypes were checked by an earlier run
             self.profile = known.profile
         as_torch = any(isinstance(v, torch.Tensor) for v in feeds.values())
-        args = self.engine.program_inputs(feeds)
+        staging = self._host_staging if not as_torch else None
+        args = self.engine.program_inputs(feeds if staging is None else staging.feeds(feeds))
         internal = self.engine.internal_dtype
         with torch.inference_mode():
             targets = None
@@ -327,6 +357,8 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
             key = _numpy_signature(self.engine.input_names, feeds)
             if key is not None:
                 self._remember_checked(key)
+        if staging is not None:  # one wait for every output's copy, the GIL released
+            return staging.outputs(self.engine.output_names, results, _numpy_out)
         return {b.name: _to_user(v, as_torch) for b, v in zip(self.engine.outputs, results)}
 
     def _run_program(self, args: list[Any], rows: int | None = None) -> list[Any]:
@@ -449,6 +481,10 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
         if self.runner is not None:
             self.runner.stats.split_runs += 1
         return outputs
+
+
+def _numpy_out(value: Any) -> Any:
+    return _to_user(value, False)
 
 
 CHECKED_SIGNATURES = 4096  # input signatures a CPU context remembers as checked (a few hundred bytes each)

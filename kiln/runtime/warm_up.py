@@ -77,8 +77,19 @@ class WarmingUp:
         if self._graph_packing is not None:
             runs = self._warm_up_graph_packing(plan, shapes)
         elif self._first_calls is None:
+            largest: dict[tuple[str, str], int] = {}  # host staging: the most bytes each binding met
             for sizes in shapes:
-                self.run(self._warm_up_feeds(plan, sizes))
+                feeds = self._warm_up_feeds(plan, sizes)
+                outputs = self.run(feeds)
+                if self._host_staging is not None:
+                    for kind, values in (("input", feeds), ("output", outputs)):
+                        for name, v in values.items():
+                            if isinstance(v, torch.Tensor):
+                                key = (kind, name)
+                                largest[key] = max(largest.get(key, 0), v.numel() * v.element_size())
+            if self._host_staging is not None:  # each buffer made once, at its largest (kiln/runtime/host_staging.py)
+                for (kind, name), nbytes in largest.items():
+                    self._host_staging.reserve(kind, name, nbytes)
             runs = len(shapes)
         else:
             runs, stopped = self._bind_hosts(plan, sorted(shapes, key=lambda sizes: math.prod(sizes.values())),

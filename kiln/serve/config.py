@@ -19,7 +19,7 @@ its name, never silently dropped. What kiln serve reads:
                             ready, for at most SECONDS, "true": WARM_UP_DEFAULT; default: the server's
                             --warm-up; "false" also skips a CUDA instance's graph captures at load;
                             Triton's model_warmup, sample requests, is refused: kiln makes its own);
-                            cuda_sync: spin | pinned | blocking (how a CUDA instance waits for its stream,
+                            cuda_sync: spin | pinned | blocking | staged (how a CUDA instance waits for its stream,
                             kiln/serve/instances.py; default: the server's --cuda-sync);
                             under --ray, with --autoscale: ray_target_ongoing_requests and the
                             autoscaler's timing, ray_upscale_delay_s, ray_downscale_delay_s,
@@ -63,7 +63,7 @@ UNSUPPORTED = ["sequence_batching", "ensemble_scheduling", "batch_input", "batch
 WARM_UP_DEFAULT = "0.5"
 # how a CUDA instance waits for its stream (kiln/serve/instances.py), where a model's config sets no cuda_sync parameter
 # (ServeOptions.cuda_sync, `kiln serve --cuda-sync`)
-CUDA_SYNCS = ("spin", "pinned", "blocking")
+CUDA_SYNCS = ("spin", "pinned", "blocking", "staged")
 CUDA_SYNC_DEFAULT = "spin"
 
 
@@ -329,7 +329,8 @@ def parse_seconds(value: str, what: str, positive: bool = False) -> float:
 
 
 def parse_cuda_sync(value: str, what: str) -> str:
-    """A CUDA instance's wait for its stream: "spin", "pinned" or "blocking" (ValueError naming `what` otherwise)."""
+    """A CUDA instance's wait for its stream: "spin", "pinned", "blocking" or "staged" (ValueError naming `what`
+    otherwise)."""
     text = value.strip().lower()
     if text not in CUDA_SYNCS:
         raise ValueError(f"{what} {value!r}: expected one of {', '.join(CUDA_SYNCS)}")

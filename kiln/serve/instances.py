@@ -22,6 +22,11 @@ as CUDA schedules them (briefly: nothing else is queued on the stream then).
 host (spin) goes to pageable memory, which the driver stages through its own pinned buffer, a host copy that grows
 with the batch (BERT-base's [64, 128, 768] FP32 answer: 25 MB a call); pinned, the copy is the GPU's DMA alone
 (issue 14: bench/gpu_s30b.sh compares spin and pinned).
+"staged" is spin's path (numpy in, numpy out, the runtime's copies) with the context's host staging on
+(kiln/runtime/host_staging.py): the inputs and outputs cross through pinned buffers the context owns, with one
+asynchronous copy each and one wait per call, the GIL released while waiting; the answers are fresh arrays as spin's.
+Spin's pageable copies are what two instances were measured not to overlap through (H100, BERT-base: two contexts
+together no faster than one, bench/results/serve-overlap-2026-12-07.md); bench/gpu_s31d.sh compares the two.
 
 CUDA graphs and threads: the runtime captures a graph the second time a context meets an input
 signature, and a capture (torch's default, global mode) forbids calls that may synchronize — a
@@ -169,8 +174,10 @@ class Instance:
                  buckets: bool | None = None, warm_up: bool = True, warm_up_s: float | None = None,
                  cuda_sync: str = CUDA_SYNC_DEFAULT):
         self.index = index
-        self.context = engine.create_execution_context(buckets=buckets)
         self.cuda = engine.device.type == "cuda"
+        # cuda_sync "staged": spin's numpy calls, their copies through the context's pinned buffers
+        staged = {"host_staging": "copy"} if self.cuda and cuda_sync == "staged" else {}
+        self.context = engine.create_execution_context(buckets=buckets, **staged)
         self.stream = torch.cuda.Stream(device=engine.device) if self.cuda else None
         # cuda_sync "blocking": the event this instance's thread sleeps on (None: spin, or a CPU instance)
         self.done = torch.cuda.Event(blocking=True) if self.cuda and cuda_sync == "blocking" else None

@@ -36,8 +36,8 @@ class ServeOptions:
     # CPU instances' warm-up at load, where a model's config sets no warm_up parameter: "true" | "false" | seconds
     # (the most one instance's warm-up takes; "true": WARM_UP_DEFAULT); the model is ready only after it
     warm_up: str = WARM_UP_DEFAULT
-    # how CUDA instances wait for their streams, where a model's config sets no cuda_sync parameter: "spin" | "blocking"
-    # (kiln/serve/instances.py)
+    # how CUDA instances wait for their streams, where a model's config sets no cuda_sync parameter: "spin" | "pinned" |
+    # "blocking" | "staged" (kiln/serve/instances.py)
     cuda_sync: str = CUDA_SYNC_DEFAULT
     shutdown_timeout: float = 30.0  # seconds for requests in flight to finish at shutdown
     log_level: str = "warning"

@@ -147,7 +147,7 @@ def _ask_deep(port: int, x: np.ndarray) -> np.ndarray:
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("sync", ["spin", "pinned", "blocking"])
+@pytest.mark.parametrize("sync", ["spin", "pinned", "blocking", "staged"])
 def test_front_ends_and_two_instances_answer_every_grpc_request_as_alone(tmp_path, deep_engine, sync):
     """Issue 14's load in small: 2 front ends staging every input, gRPC (kiln's transport), 2 instances of an fp16
     model replaying at once, dynamic batching, 64 calls in flight for 3 s from kiln perf's wire client, whose 8
@@ -233,7 +233,7 @@ def test_cuda_sync_parameter_else_the_servers_default():
     assert cuda_sync_mode(blocking) == "blocking" and cuda_sync_mode(blocking, "spin") == "blocking"
     plain = parse_pbtxt("max_batch_size: 4", "m/config.pbtxt")
     assert cuda_sync_mode(plain) == "spin" and cuda_sync_mode(plain, "blocking") == "blocking"
-    assert cuda_sync_mode(plain, "pinned") == "pinned"
+    assert cuda_sync_mode(plain, "pinned") == "pinned" and cuda_sync_mode(plain, "staged") == "staged"
     with pytest.raises(ModelLoadError, match=r"m/config.pbtxt:\n  parameter cuda_sync 'busy': expected one of spin, "
                                              r"pinned, blocking"):
         parse_pbtxt('parameters { key: "cuda_sync" value: { string_value: "busy" } }', "m/config.pbtxt")
@@ -296,7 +296,7 @@ class _Event:  # torch.cuda.Event without a GPU: where it was recorded, how ofte
     def __init__(self, enable_timing=False, blocking=False):
         self.timing, self.blocking, self.recorded, self.waited = enable_timing, blocking, [], 0
 
-    def record(self, stream):
+    def record(self, stream=None):  # None: the current stream (the runtime's host staging records there)
         self.recorded.append(stream)
 
     def synchronize(self):
@@ -310,8 +310,9 @@ class _Event:  # torch.cuda.Event without a GPU: where it was recorded, how ofte
 class _Context:  # an execution context whose run doubles its input, torch in -> torch out (CPU tensors stand in)
     runner = None
 
-    def __init__(self):
+    def __init__(self, host_staging="off"):
         self.fed = []
+        self.host_staging = host_staging
 
     def run(self, feeds):
         self.fed.append(feeds)
@@ -322,15 +323,16 @@ class _Context:  # an execution context whose run doubles its input, torch in ->
 class _Engine:
     device = torch.device("cuda")
 
-    def create_execution_context(self, buckets=None):
-        return _Context()
+    def create_execution_context(self, buckets=None, **options):
+        return _Context(**options)
 
 
-@pytest.mark.parametrize("sync", ["spin", "pinned", "blocking"])
+@pytest.mark.parametrize("sync", ["spin", "pinned", "blocking", "staged"])
 def test_cuda_sync_selects_the_wait(monkeypatch, sync):
     """spin: the runtime's host arrays, then the stream synchronized; pinned: host tensors in, the outputs copied to
     the host, then the stream synchronized; blocking: as pinned, but a blocking event recorded on the instance's stream
-    waited on, the stream never synchronized."""
+    waited on, the stream never synchronized; staged: spin's, its context's host staging on (the runtime's pinned
+    buffers and one wait per call, kiln/runtime/host_staging.py), the others' contexts with it off."""
     monkeypatch.setattr(torch.cuda, "Stream", _Stream)
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
@@ -345,11 +347,12 @@ def test_cuda_sync_selects_the_wait(monkeypatch, sync):
         fed = [type(feeds["x"]) for feeds in instance.context.fed]
         begin, ready, end = instance._span  # the call phases' GPU span: timing events around each call on its stream
         assert begin.recorded == end.recorded == [instance.stream] * 3 and instance.gpu_ns == int(_Event.SPAN_MS * 1e6)
-        if sync == "spin":  # the runtime copies the outputs: no event between the network and the copies
+        assert instance.context.host_staging == ("copy" if sync == "staged" else "off")
+        if sync in ("spin", "staged"):  # the runtime copies the outputs: no event between the network and the copies
             assert ready.recorded == [] and instance.copy_out_ns is None
         else:
             assert ready.recorded == [instance.stream] * 3 and instance.copy_out_ns == int(_Event.SPAN_MS * 1e6)
-        if sync == "spin":
+        if sync in ("spin", "staged"):
             assert instance.done is None and instance.stream.synchronized == 3 and fed == [np.ndarray] * 3
         elif sync == "pinned":
             assert instance.done is None and instance.stream.synchronized == 3 and fed == [torch.Tensor] * 3
@@ -366,8 +369,13 @@ class _CudaLike:  # a CPU engine that the Instance takes for a CUDA one: its con
     def __init__(self, engine, cost_ms):
         self.engine, self.cost_ms = engine, cost_ms
 
-    def create_execution_context(self, buckets=None):  # None: on, as a CUDA context with graphs defaults to
-        return _graph_context(self.engine, True, self.cost_ms, buckets=True if buckets is None else buckets)
+    def create_execution_context(self, buckets=None, host_staging="off"):  # None: on, as a CUDA context's default
+        context = _graph_context(self.engine, True, self.cost_ms, buckets=True if buckets is None else buckets)
+        if host_staging != "off":  # pinned memory and the CUDA event stood in (tests/unit/test_host_staging.py)
+            from kiln.runtime.host_staging import HostStaging
+            context._host_staging = HostStaging(torch.device("cpu"), host_staging,
+                                                allocate=lambda n: torch.empty(n, dtype=torch.uint8), event=_Event)
+        return context
 
 
 def _graph_context(engine, direct, cost_ms, **options):
@@ -401,15 +409,16 @@ def bert_fixed_seq():
     return engine, ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
 
 
-@pytest.mark.parametrize("costs", ["flat", "linear"])
-def test_every_batch_a_served_engine_forms_replays_a_graph_warm_up_captured(monkeypatch, bert_fixed_seq, costs):
+@pytest.mark.parametrize("costs,sync", [("flat", "spin"), ("linear", "spin"), ("linear", "staged")])
+def test_every_batch_a_served_engine_forms_replays_a_graph_warm_up_captured(monkeypatch, bert_fixed_seq, costs, sync):
     """Issue 14: a CUDA instance's warm-up captures the graph of every batch bucket of a fixed-sequence profile (bench/
     serve.py's BERT: batch 1..max, seq fixed), reports them (graph_report: warm_up_captured, captured_all), and every
     batch size the batcher can hand it after (1..max rows, numpy as the spin path feeds, torch as pinned's) replays
     graphs only: no capture, no eager run (each call's graph_counts, summed into call_phases' graph counts); its
     answers are onnxruntime's. 'linear' replay times (ms = rows) make every batch off a bucket run split into
     bucket chunks (buckets.split), 'flat' ones (ms = 1 + rows / 100) padded to its bucket: both replay only.
-    The runtime's graphs are CPU stand-ins (tests/unit/test_direct_replay.py), torch.cuda's stream and event too."""
+    The runtime's graphs are CPU stand-ins (tests/unit/test_direct_replay.py), torch.cuda's stream and event too;
+    'staged': the numpy calls through the context's host staging (its pinned memory and event stood in)."""
     from kiln.serve.stats import ModelStats
 
     engine, session = bert_fixed_seq
@@ -418,7 +427,9 @@ def test_every_batch_a_served_engine_forms_replays_a_graph_warm_up_captured(monk
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: None)
     cost = (lambda rows: float(rows)) if costs == "linear" else (lambda rows: 1.0 + rows / 100)
-    instance = Instance(_CudaLike(engine, cost), "bert", 0, None, None, warm_up=True, cuda_sync="spin")
+    instance = Instance(_CudaLike(engine, cost), "bert", 0, None, None, warm_up=True, cuda_sync=sync)
+    staging = instance.context._host_staging
+    assert (staging is not None) == (sync == "staged")
     stats = ModelStats("bert", "1")
     stats.graph_reports = lambda: [instance.graph_report()]
     try:
@@ -445,6 +456,10 @@ def test_every_batch_a_served_engine_forms_replays_a_graph_warm_up_captured(monk
             got = got.numpy() if isinstance(got, torch.Tensor) else got
             want = session.run(None, {"input_ids": ids, "attention_mask": mask})[0]
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"batch {batch}")
+        if staging is not None:  # the numpy calls (every other one) staged: each binding's buffer made at warm-up
+            assert sorted(staging.buffers) == [("input", "attention_mask"), ("input", "input_ids"),
+                                               ("output", next(iter(outputs)))] and staging._event.waited == len(
+                sizes[::2])
         phases = stats.to_json()["call_phases"]
         assert phases["graph_calls"] == len(sizes) and phases["graph_captures"] == phases["graph_eager"] == 0
         assert phases["graph_replays"] >= len(sizes)
