@@ -162,7 +162,7 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--batches", default="1,4,8,12,16,24,32,64")
     ap.add_argument("--pair-batches", default="12,64", help="rows per call of step 3, comma-separated (0: skip it)")
-    ap.add_argument("--pair-modes", default=",".join(MODES), help="step 3's feed modes, comma-separated")
+    ap.add_argument("--pair-modes", default=";".join(MODES), help="step 3's feed modes, separated by \";\"")
     ap.add_argument("--rounds", type=int, default=2, help="step 3: every mode this many times, modes interleaved")
     ap.add_argument("--calls", type=int, default=30)
     args = ap.parse_args()
@@ -219,7 +219,7 @@ def main() -> None:
 
     pair_batches = [int(b) for b in args.pair_batches.split(",") if 0 < int(b) <= args.max_batch]
     if cuda and pair_batches:
-        modes = [m.strip() for m in args.pair_modes.split(",") if m.strip()]
+        modes = [m.strip() for m in args.pair_modes.split(";") if m.strip()]
         unknown = [m for m in modes if m not in MODES]
         if unknown:
             sys.exit(f"--pair-modes: unknown {unknown}; known: {', '.join(MODES)}")
