@@ -24,7 +24,11 @@ with the batch (BERT-base's [64, 128, 768] FP32 answer: 25 MB a call); pinned, t
 (issue 14: bench/gpu_s30b.sh compares spin and pinned).
 "staged" is spin's path (numpy in, numpy out, the runtime's copies) with the context's host staging on
 (kiln/runtime/host_staging.py): the inputs and outputs cross through pinned buffers the context owns, with one
-asynchronous copy each and one wait per call, the GIL released while waiting; the answers are fresh arrays as spin's.
+asynchronous copy each and one wait per call, the GIL released while waiting; the answers are arrays over pinned
+blocks of torch's caching host allocator (host staging "pinned": the server copies them once more into its reply or
+the front end's frame and drops them). Its "copy" mode, fresh pageable arrays as spin's, was slower than spin's own
+copies on the H100 (BERT-base 12 rows 1.74 vs 1.52 ms a call: the fresh pages), "pinned" faster (1.21 ms; two
+contexts at once 927-939 calls/s against spin's 573-651: bench/results/serve-overlap-2026-12-07.md).
 Spin's pageable copies are what two instances were measured not to overlap through (H100, BERT-base: two contexts
 together no faster than one, bench/results/serve-overlap-2026-12-07.md); bench/gpu_s31d.sh compares the two.
 
@@ -175,8 +179,8 @@ class Instance:
                  cuda_sync: str = CUDA_SYNC_DEFAULT):
         self.index = index
         self.cuda = engine.device.type == "cuda"
-        # cuda_sync "staged": spin's numpy calls, their copies through the context's pinned buffers
-        staged = {"host_staging": "copy"} if self.cuda and cuda_sync == "staged" else {}
+        # cuda_sync "staged": spin's numpy calls, their copies through pinned buffers, the answers pinned arrays
+        staged = {"host_staging": "pinned"} if self.cuda and cuda_sync == "staged" else {}
         self.context = engine.create_execution_context(buckets=buckets, **staged)
         self.stream = torch.cuda.Stream(device=engine.device) if self.cuda else None
         # cuda_sync "blocking": the event this instance's thread sleeps on (None: spin, or a CPU instance)

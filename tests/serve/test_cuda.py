@@ -347,7 +347,7 @@ def test_cuda_sync_selects_the_wait(monkeypatch, sync):
         fed = [type(feeds["x"]) for feeds in instance.context.fed]
         begin, ready, end = instance._span  # the call phases' GPU span: timing events around each call on its stream
         assert begin.recorded == end.recorded == [instance.stream] * 3 and instance.gpu_ns == int(_Event.SPAN_MS * 1e6)
-        assert instance.context.host_staging == ("copy" if sync == "staged" else "off")
+        assert instance.context.host_staging == ("pinned" if sync == "staged" else "off")
         if sync in ("spin", "staged"):  # the runtime copies the outputs: no event between the network and the copies
             assert ready.recorded == [] and instance.copy_out_ns is None
         else:
