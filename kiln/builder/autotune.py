@@ -567,7 +567,8 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
         layers[step.name] = found.to_json()
         if device.type == "cpu" and not points:
             metas = [InputMeta.of(a, c is not None) for a, c in zip(record.args, constants)]
-            rival = in_context.rival_of(step, found, metas, lambda name: registry.get(name).configure(step, metas))
+            rival = in_context.rival_of(step, found, metas, lambda name: registry.get(name).configure(step, metas),
+                                        reads_network_input=bool(step.inputs) and step.inputs[0] in program.inputs)
             if rival is not None:
                 rivals[i] = rival
         say(f"tactics: {order[i] + 1}/{len(tunable)} {step.name}: {found.tactic}"

@@ -72,7 +72,9 @@ CONTEXT_MARGIN = 1.25
 # alone, 1.74x under onednn_direct's 0.209, and the engine ran 1.12x slower than with onednn_direct there
 # (bench/results/zoo-cpu-avx2-2026-12-06.md). Not FusedGemm: confirmed() (autotune.py) times a non-native GEMM
 # winner again against the best native one, and MKL's GEMMs are many on an Intel machine (a whole-run comparison
-# each).
+# each). Also a convolution reading a network input (an image), whatever its tactic: oneDNN's stem reads the image
+# laid out NHWC, a copy the segment makes at its entry, and kiln's stem kernel reads it as it lies; alone, neither
+# pays for the copy (_spans charges it in context).
 ANY_MARGIN_OUTSIDE = ("FusedConv",)
 CONTEXT_ROUNDS = 12
 MIN_ROUNDS = 5
@@ -80,8 +82,8 @@ CLEAR_ROUNDS = 3  # ... or this many, where the two programs' samples already li
 CONTEXT_BUDGET_S = 2.0  # per signature
 WARMUP_RUNS = 1
 # how a choice in context is made: part of its timing cache key (a new method does not read the old one's choices)
-CONTEXT_METHOD = ("one signature at a time; spans of native segments, whole runs for a non-native winner; "
-                  "wall clock, thread CPU at 1 thread; the least round")
+CONTEXT_METHOD = ("one signature at a time; spans of native segments, entry reorders charged to their readers, "
+                  "whole runs for a non-native winner; wall clock, thread CPU at 1 thread; the least round")
 
 
 @dataclasses.dataclass
@@ -117,15 +119,17 @@ class InContext:
                 "stopped": self.stopped, "seconds": round(seconds, 2)}
 
 
-def rival_of(step: StepSpec, found: Any, inputs: list[InputMeta], configure) -> Rival | None:
+def rival_of(step: StepSpec, found: Any, inputs: list[InputMeta], configure,
+             reads_network_input: bool = False) -> Rival | None:
     """The closest native rival of a layer's chosen tactic within its margin alone, or None; `found`: the
     search's LayerTuning, `configure(tactic)` a tactic's config for this layer. The margin is CONTEXT_MARGIN, or none
-    where several threads were timed by the process's CPU time or a conv's chosen tactic is not native
-    (ANY_MARGIN_OUTSIDE)."""
+    where several threads were timed by the process's CPU time, or for a conv whose chosen tactic is not native or
+    that reads a network input (ANY_MARGIN_OUTSIDE; `reads_network_input`: its tactics may differ by the entry
+    reorder the segment makes for them, which no time alone holds: _spans)."""
     chosen, candidates = found.tactic, found.candidates
     if step.op_type not in RETIMED_OPS or not isinstance(candidates.get(chosen), float):
         return None
-    outside = step.op_type in ANY_MARGIN_OUTSIDE and not _native(chosen)
+    outside = step.op_type in ANY_MARGIN_OUTSIDE and (not _native(chosen) or reads_network_input)
     margin = math.inf if outside or (found.clock == PROCESS_CPU and torch.get_num_threads() > 1) else CONTEXT_MARGIN
     chosen_ms = candidates[chosen]
     rivals = [(ms, name) for name, ms in candidates.items()
@@ -151,8 +155,12 @@ def _native(name: str) -> bool:
 
 
 def _spans(segments: list[Any], swapped: set[str]) -> dict[str, list[str]]:
-    """Swapped layer -> the segment members it is charged with: itself and the members after it up to the next
-    swapped one (in one segment)."""
+    """Swapped layer -> what it is charged with in its segment: itself and the members after it up to the next
+    swapped one, and first the reorder of a segment entry it reads where the segment lays that entry out for its
+    readers (Segment.entry_reorders: an NCHW image copied into NHWC for oneDNN's stem, which kiln's stem kernel,
+    reading the image as it lies, does not need). Timed alone, a layer never pays for that copy: at 2 threads the
+    search kept oneDNN's stem on ResNet-tiny and RegNetY-tiny, and the engine with the stem kernel ran faster
+    (bench/results/stem-avx2-2026-12-07.md)."""
     spans: dict[str, list[str]] = {}
     for segment in segments:
         current: list[str] | None = None
@@ -162,7 +170,17 @@ def _spans(segments: list[Any], swapped: set[str]) -> dict[str, list[str]]:
                 current = spans[name] = [name]
             elif current is not None:
                 current.append(name)
+        for reorder, readers in getattr(segment, "entry_reorders", {}).items():
+            for name in readers:
+                if name in spans:
+                    spans[name].insert(0, reorder)
     return spans
+
+
+def _same_members(a: list[str] | None, b: list[str] | None, reorders: set[str]) -> bool:
+    """Whether two spans hold the same members (the entry reorders one program makes and the other not aside)."""
+    return a is not None and b is not None and [n for n in a if n not in reorders] == \
+        [n for n in b if n not in reorders]
 
 
 def _span_ms(per_layer: dict[str, float], span: list[str]) -> float:
@@ -387,7 +405,9 @@ def _time_group(network: _Network, members: list[int]) -> _Timed | None:
     else:
         names = {i: spec.steps[i].name for i in members}
         spans = [network.spans, _spans(swapped.segments, network.compared)]
-        layers = [i for i in members if names[i] in spans[0] and spans[0][names[i]] == spans[1].get(names[i])]
+        reorders = {name for program in programs for segment in program.segments
+                    for name in getattr(segment, "entry_reorders", {})}
+        layers = [i for i in members if _same_members(spans[0].get(names[i]), spans[1].get(names[i]), reorders)]
         if not layers:
             return None
         samples, stopped = _rounds(programs, network.inputs, [[side[names[i]] for i in layers] for side in spans])

@@ -234,7 +234,12 @@ class Segment:
                 staged.append((self.bound[i].memory(role), ("exit", j)))
         reorders = {PARALLEL: [c for _, b, _ in self._staged for c in b.calls()],  # the serial form's on one thread
                     SERIAL: [c for _, b, _ in self._staged for c in (b.serial_calls() or b.calls())]}
-        staged_names = [f"reorder of input {k}" for k, _, _ in self._staged] + self._names
+        # a staged entry's reorder is timed under a name of its own (Segment.timed), one per segment: the layers
+        # reading that entry are what make it (the autotuner charges it to them in context: builder/in_context.py)
+        self.entry_reorders: dict[str, list[str]] = {
+            f"reorder of input {k} for {members[self._entry_readers[k][0][0]].ctx.name}":
+                [members[j].ctx.name for j, _ in self._entry_readers[k]] for k, _, _ in self._staged}
+        staged_names = list(self.entry_reorders) + self._names
         # the forms a run may take (kiln/kernels/cpu/form_choice.py): small layers on OpenMP's count, and, where
         # some have one (onednn_primitives.thread_forms), on one thread
         forms = {PARALLEL: self._calls}

@@ -1,7 +1,7 @@
 """A native segment's serial form enters no OpenMP parallel region of two threads (issue 11, 2026-12-04d).
 
-Counted, not assumed: a subprocess runs EfficientNet (the zoo's tiny variant, NCHW input: the segment reorders it
-at its head) under bench/openmp_regions.c, an LD_PRELOAD shim wrapping libgomp's region entry points, with every
+Counted, not assumed: a subprocess runs EfficientNet or ResNet (the zoo's tiny variants, NCHW input: the segment
+reorders it at its head, or the stem kernel reads it) under bench/openmp_regions.c, an LD_PRELOAD shim wrapping libgomp's region entry points, with every
 segment held in one form. The parallel form must fork (else the count proves nothing); the serial form must not,
 its layers created on one thread and run with OpenMP's count at 1 (onednn.one_openmp_thread), so its time does
 not hang on how OpenMP's idle workers wait. The outputs of both forms are compared with onnxruntime's.
@@ -38,7 +38,7 @@ from kiln.builder import autotune
 import onnxruntime as ort
 torch.set_num_threads(2)
 autotune.NATIVE_CREDIT_MS = 1e3  # the native tactics (where the forms apply) win
-name = "efficientnet_tiny"
+name = sys.argv[1]
 exported = zoo.export(name)
 engine = kiln.build(str(exported.path))
 session = ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
@@ -62,13 +62,16 @@ print(json.dumps(out))
 """
 
 
-def test_the_serial_form_forks_no_openmp_thread(tmp_path):
+@pytest.mark.parametrize("model", ["efficientnet_tiny", "resnet_tiny"])
+def test_the_serial_form_forks_no_openmp_thread(tmp_path, model):
+    """resnet_tiny: its accumulating 1x1 convolutions' one-thread kernel (brgconv_1x1 on AVX2) wants the weight in
+    another layout than their parallel one; they forked in the serial form until their serial form packed its own."""
     shim = tmp_path / "openmp_regions.so"
     subprocess.run([os.environ.get("CC", "cc"), "-O2", "-shared", "-fPIC", "-o", str(shim), str(SHIM), "-ldl"],
                    check=True)
     env = {**os.environ, "LD_PRELOAD": str(shim), "PYTHONPATH": str(ROOT), "KILN_SERIAL_SMALL_LAYERS": ""}
     env.pop("KILN_SERIAL_SMALL_LAYERS")
-    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600, env=env,
+    done = subprocess.run([sys.executable, "-c", SCRIPT, model], capture_output=True, text=True, timeout=600, env=env,
                           cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])

@@ -457,9 +457,11 @@ class Bound:
 
     def __init__(self, primitive: ctypes.c_void_p, roles: dict[str, tuple[int, ctypes.c_void_p, int]],
                  fixed: list[tuple[int, _Handle]], what: str, owner: object, serial_primitive: int | None = None,
-                 threads: int | None = None):
-        """`serial_primitive`: the same layer created on one thread, taking the same arguments (its owner keeps it):
-        the serial form a segment may run instead (serial_calls). `threads`: the count `primitive` was created at
+                 threads: int | None = None, serial_fixed: list[tuple[int, _Handle]] | None = None):
+        """`serial_primitive`: the same layer created on one thread (its owner keeps it): the serial form a segment
+        may run instead (serial_calls), on the same arguments, or, given `serial_fixed`, on the roles' memories and
+        those fixed arguments of its own (a weight packed in the layout the one-thread kernel wants: `serial_args`,
+        and `serial_args_own` says so). `threads`: the count `primitive` was created at
         (creating_with_threads; None: OpenMP's): its own handle is made at the same count, as the serial one is. A
         handle made at another count than its descriptor's is not the descriptor's kernel: with small layers forced
         serial (KILN_SERIAL_SMALL_LAYERS=1) MobileNetV2's build crashed in dnnl_primitive_create."""
@@ -473,6 +475,12 @@ class Bound:
         args = [(arg, self._memories[role]) for role, (arg, _, _) in roles.items()] + fixed
         self.nargs = len(args)
         self.args = (_ExecArg * len(args))(*[_ExecArg(a, m.value) for a, m in args])
+        self.serial_args_own = serial_fixed is not None and serial_primitive is not None
+        self.serial_args = self.args
+        if self.serial_args_own:
+            own = [(arg, self._memories[role]) for role, (arg, _, _) in roles.items()] + serial_fixed
+            self.serial_args = (_ExecArg * len(own))(*[_ExecArg(a, m.value) for a, m in own])
+        self.serial_nargs = len(self.serial_args)
         self.made_from = primitive.value if isinstance(primitive, ctypes.c_void_p) else primitive  # the shared one
         with creating_with_threads(threads):
             self._handles = [own_primitive(self.made_from)]
@@ -494,7 +502,7 @@ class Bound:
         """calls() of the serial form on the same memory objects, or None without one."""
         if self.serial_primitive is None:
             return None
-        return [(None, self.serial_primitive, self.nargs, ctypes.addressof(self.args))]
+        return [(None, self.serial_primitive, self.serial_nargs, ctypes.addressof(self.serial_args))]
 
     def memory(self, role: str) -> int:
         """The dnnl_memory_t of a role (its address is what a run points elsewhere)."""

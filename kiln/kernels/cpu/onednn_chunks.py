@@ -136,8 +136,10 @@ class ChunksBound:
 
         self.plan = plan(whole.primitive, one.primitive if one is not None else None)
         self._serial = None
-        if whole.serial_primitive is not None:
-            serial_one = None if one is None else (one.serial_primitive or one.primitive)
+        # the serial form where it runs on the parallel one's arguments (one with a weight of its own: none here)
+        if whole.serial_primitive is not None and not getattr(whole, "serial_args_own", False):
+            serial_one = None if one is None else (one.primitive if one.serial_primitive is None
+                                                   or getattr(one, "serial_args_own", False) else one.serial_primitive)
             self._serial = plan(whole.serial_primitive, serial_one)
         self._function = ctypes.cast(native_loop.load().kiln_batch_chunks, ctypes.c_void_p).value
 

@@ -166,11 +166,14 @@ class _PerCallForms:
     faster form by recent times, as a segment does: a layer timed alone on busy cores then costs what it will cost
     in a segment. The caller's lock (the tactic's, kiln/tactics/cpu/onednn.py) serializes calls."""
 
-    __slots__ = ("serial", "chooser")
+    __slots__ = ("serial", "chooser", "serial_args")
 
-    def __init__(self, serial: tuple | None):
+    def __init__(self, serial: tuple | None, serial_args: Any = None):
+        """`serial_args`: the serial form's own execution arguments (a weight in another layout); None: the
+        parallel form's."""
         self.serial = _value(serial)
         self.chooser = FormChooser() if serial is not None else None
+        self.serial_args = serial_args
 
 
 def _execute(forms: _PerCallForms, execute, prim: int, stream, nargs: int, args) -> int:
@@ -184,7 +187,7 @@ def _execute(forms: _PerCallForms, execute, prim: int, stream, nargs: int, args)
         status = execute(prim, stream, nargs, args)
     else:
         with one_openmp_thread():  # as a segment's serial form: no parallel region (onednn.one_openmp_thread)
-            status = execute(forms.serial, stream, nargs, args)
+            status = execute(forms.serial, stream, nargs, args if forms.serial_args is None else forms.serial_args)
     chooser.record(form, time.perf_counter() - start)
     return status
 
@@ -274,11 +277,18 @@ class Conv2d:
         else:
             self._weight, _ = packed_weight(pd, w_user, w)  # kept alive: the primitive reads it
         self._w_md = w_md  # owned by the primitive descriptor, which this object keeps
-        # the serial form (thread_forms): the same arguments, so only when its kernel wants the weight as laid out
+        # the serial form (thread_forms), on the same arguments or, where its kernel wants the weight in another
+        # layout, on a copy packed so (a small layer's: at most SERIAL_MACS / kernel taps floats). Without one, such a
+        # layer ran its parallel kernel inside the segment's serial form: a fork whose partner thread sleeps there
+        # (ResNet-tiny at 2 threads on the Zen 3: its two accumulating 1x1 convolutions, brgconv_1x1, 15-18 us each
+        # in the serial form against 3-4 us on one thread; bench/results/cnn-2threads-zen3-2026-12-07.md)
         self._serial = created(1) if len(forms) > 1 else None
-        if self._serial is not None and not lib.lib.dnnl_memory_desc_equal(
-                lib.lib.dnnl_primitive_desc_query_md(self._serial[0].value, QUERY_WEIGHTS_MD, 0), w_md):
-            self._serial = None
+        self._serial_w_mem = None
+        if self._serial is not None:
+            serial_w_md = lib.lib.dnnl_primitive_desc_query_md(self._serial[0].value, QUERY_WEIGHTS_MD, 0)
+            if not lib.lib.dnnl_memory_desc_equal(serial_w_md, w_md):
+                self._serial_weight, _ = packed_weight(self._serial[0].value, w_user, w)
+                self._serial_w_mem = _memory(serial_w_md, self._serial_weight.data_ptr())
         self._bias = None if b is None else b.detach().to(torch.float32).contiguous()
 
         # memory objects whose data handles are swapped per call
@@ -302,7 +312,12 @@ class Conv2d:
         self._call = (lib.lib.dnnl_memory_set_data_handle, lib.lib.dnnl_primitive_execute, self._prim.value,
                       lib.stream, self._src.value, self._dst.value,
                       self._r_mem.value if residual and not residual_in_place else None)
-        self._forms = _PerCallForms(self._serial)
+        serial_args = None
+        if self._serial_w_mem is not None:  # the same arguments, its own weight
+            serial_args = (_ExecArg * len(args))(*[_ExecArg(a, (self._serial_w_mem if a == ARG_WEIGHTS else m).value)
+                                                   for a, m in args])
+        self._serial_args = serial_args  # kept alive: the per-call path's serial form reads it
+        self._forms = _PerCallForms(self._serial, serial_args)
 
     def bind(self, src: int, dst: int, residual: int | None = None) -> Bound:
         """Arguments at fixed addresses (Bound): built with residual_in_place, dst is the residual's
@@ -311,9 +326,12 @@ class Conv2d:
         roles = {"src": (ARG_SRC, src_md.value, src), "dst": (ARG_DST, dst_md.value, dst)}
         if self.residual and not self.residual_in_place:
             roles["residual"] = (ARG_POST_OP(self._residual_index) | ARG_SRC_1, dst_md.value, residual)
-        fixed = [(ARG_WEIGHTS, self._w_mem)] + ([(ARG_BIAS, self._b_mem)] if self._bias is not None else [])
+        bias = [(ARG_BIAS, self._b_mem)] if self._bias is not None else []
+        fixed = [(ARG_WEIGHTS, self._w_mem)] + bias
+        serial_fixed = [(ARG_WEIGHTS, self._serial_w_mem)] + bias if self._serial_w_mem is not None else None
         what = f"convolution {list(self.input_size)} -> {list(self.output_size)}"
-        return Bound(self._prim.value, roles, fixed, what, self, _value(self._serial), threads=self.threads)
+        return Bound(self._prim.value, roles, fixed, what, self, _value(self._serial), threads=self.threads,
+                     serial_fixed=serial_fixed)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, C, H, W] channels-last float32 -> y [N, O, H', W'] channels-last, a view of a
