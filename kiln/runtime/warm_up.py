@@ -92,8 +92,13 @@ class WarmingUp:
                     self._host_staging.reserve(kind, name, nbytes)
             runs = len(shapes)
         else:
+            # The load's background jobs first (the view's template grown to the profile's largest, its walk traced):
+            # a host bound before them paid their one-time work in its binding (llama_tiny: 5-11 ms measured against
+            # ~0.1-0.3 ms after), which became the padding budget: later first calls then ran padded in hosts
+            # up to 8x64 (~4 ms) instead of binding (bench/results/llama-cpu-2026-12-07.md).
+            primitives_made(seconds)
             runs, stopped = self._bind_hosts(plan, sorted(shapes, key=lambda sizes: math.prod(sizes.values())),
-                                             start + seconds)
+                                             time.perf_counter() + seconds)
         if self.engine.device.type == "cuda":
             torch.cuda.synchronize()
         else:  # and what the background thread makes ahead of new row counts (first_calls.primitives_ahead)

@@ -23,7 +23,7 @@ from kiln.kernels.cpu import transformer as kernels
 from kiln.runtime import first_calls, native, native_views
 from kiln.tactics import registry
 from kiln.tactics.cpu import rotary, transformer  # noqa: F401  (their tactics registered)
-from tests.unit.llama_engine import llama  # noqa: F401  (the fixture)
+from tests.unit.llama_engine import llama, llama_segments  # noqa: F401  (the fixtures)
 from tests.unit.tactic_check import make_step
 
 ort = pytest.importorskip("onnxruntime")
@@ -145,7 +145,7 @@ def test_llama_first_calls_after_load_answer_from_the_traced_walk_and_match_onnx
         assert not without, without  # the norms, rotaries and q|k|v's Slices have size rules
         assert rewrite._calls is not None  # every member's plan rewritten (a Slice's walk is a PlanMember's)
         ruled.add(id(rewrite))
-    assert len(ruled) == 5  # q|k|v, attention, MLP + q|k|v, attention, MLP
+    assert len(ruled) == 1  # the whole decoder: norms, q|k|v, packed rotary, attention, MLP, twice, and the head
     walked = []
     real = native_views._PlanRewrite._walk
 
@@ -205,24 +205,24 @@ def _later_first_calls(llama, monkeypatch) -> tuple[list, list]:
     return views, built
 
 
-def test_llama_later_first_calls_find_their_views_made_ahead_and_build_no_kernel(llama, monkeypatch):
+def test_llama_later_first_calls_find_their_views_made_ahead_and_build_no_kernel(llama_segments, monkeypatch):
     """The profile's 64 shapes (1x1..4x16) have their plans made at load (PLANS_AHEAD), and now each segment's view
     there (views_ahead.views_ahead_at: ~45 µs a segment of a first call otherwise), and the mask Wheres outside the
     segments rewrite their plan at a new size (native_member.RewrittenLaunch: a kernel and its memory objects built
     otherwise, ~90 µs each): a first call at a new shape makes no view and builds no kernel."""
-    views, built = _later_first_calls(llama, monkeypatch)
+    views, built = _later_first_calls(llama_segments, monkeypatch)
     assert not views, views
     assert not built, built
 
 
-def test_llama_later_first_calls_without_views_ahead_or_the_rewrite_make_them(llama, monkeypatch):
+def test_llama_later_first_calls_without_views_ahead_or_the_rewrite_make_them(llama_segments, monkeypatch):
     """The checks above can fail: the load's views off, a view per segment at each first call; the rewrite off, the
     Wheres' kernels at each."""
     from kiln.runtime import views_ahead
     from kiln.tactics.cpu.native_member import RewrittenLaunch
     monkeypatch.setattr(views_ahead, "views_ahead_at", lambda *a: False)
     monkeypatch.setattr(RewrittenLaunch, "of", classmethod(lambda cls, *a: None))
-    views, built = _later_first_calls(llama, monkeypatch)
+    views, built = _later_first_calls(llama_segments, monkeypatch)
     assert len(views) == 5 * len(set(LATER)), len(views)
     assert {what.split(" of ")[0] for (what,) in built} == {"where"}, built
 

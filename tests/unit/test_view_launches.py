@@ -16,7 +16,7 @@ from kiln.ops import tensor as tensor_ops
 from kiln.runtime import program as program_module, view_launches, view_steps
 from kiln.runtime.step import pinned_fp32
 from kiln.runtime.view_launches import lean_launch
-from tests.unit.llama_engine import llama  # noqa: F401  (the fixture)
+from tests.unit.llama_engine import llama_segments  # noqa: F401  (the fixture: its attentions unfused)
 
 # fp32 logits of two decoder layers against onnxruntime's: summation orders differ (kiln's GEMMs, attention)
 RTOL = ATOL = 1e-4
@@ -239,7 +239,7 @@ def _context(path, monkeypatch, lean: bool, record: bool):
     return context
 
 
-def test_llama_with_lean_views_equals_the_ops_and_onnxruntime_at_random_shapes(llama, monkeypatch):
+def test_llama_with_lean_views_equals_the_ops_and_onnxruntime_at_random_shapes(llama_segments, monkeypatch):
     """llama_tiny at 14 random shapes of its profile (1x1..4x16: batches and sequences of 1 among them), each called
     3 times, on three engines: the ops' own implementations with nothing recorded (the reference), main's (the ops,
     a signature's views recorded at its 2nd call, view_steps.py), and the lean launches (the default). Every call bit
@@ -247,7 +247,7 @@ def test_llama_with_lean_views_equals_the_ops_and_onnxruntime_at_random_shapes(l
     the 34 view layers takes its launch, no op's implementation runs, the shape's list of recorded views
     (view_steps.py) is made at its 2nd call from what the launches kept (every one of the 34 in it), and from its 3rd
     call each layer that views (28 of the 34 at least: 6 Reshapes copy where no size is 1) is one as_strided."""
-    exported, path = llama
+    exported, path = llama_segments
     reference = _context(path, monkeypatch, lean=False, record=False)
     main = _context(path, monkeypatch, lean=False, record=True)
     context = _context(path, monkeypatch, lean=True, record=True)

@@ -16,7 +16,7 @@ from kiln.errors import ExecutionError
 from kiln.ops import tensor as tensor_ops
 from kiln.runtime import program as program_module, view_steps
 from kiln.runtime.view_steps import SignatureViews, _Reshaped, _Strided
-from tests.unit.llama_engine import llama  # noqa: F401  (the fixture)
+from tests.unit.llama_engine import llama_segments  # noqa: F401  (the fixture: its attentions unfused)
 
 # fp32 logits of two decoder layers against onnxruntime's: summation orders differ (kiln's GEMMs, attention)
 RTOL = ATOL = 1e-4
@@ -63,12 +63,12 @@ def _calls_of(monkeypatch, owner, name) -> list:
 
 
 @pytest.mark.parametrize("lean", [False, True])
-def test_llama_repeated_shapes_take_their_recorded_views_and_match_onnxruntime(llama, monkeypatch, lean):
+def test_llama_repeated_shapes_take_their_recorded_views_and_match_onnxruntime(llama_segments, monkeypatch, lean):
     """Shapes met again, other shapes between them (the same batch at another sequence, the same sequence at another
     batch, a batch or a sequence of 1): each call equals onnxruntime (fp32), and a shape's later calls equal its first
     call bit for bit (the same torch views and copies the ops make). From a shape's third call on, no view layer runs
     its op: every one of llama_tiny's 34 is one as_strided or reshape."""
-    exported, path = llama
+    exported, path = llama_segments
     context = _context(path, monkeypatch, lean)
     program = context.engine.program
     assert program.signature_views is not None and len(program.signature_views._positions) == 34
@@ -94,12 +94,12 @@ def test_llama_repeated_shapes_take_their_recorded_views_and_match_onnxruntime(l
 
 
 @pytest.mark.parametrize("lean", [False, True])
-def test_signature_views_follow_the_whole_signature(llama, monkeypatch, lean):
+def test_signature_views_follow_the_whole_signature(llama_segments, monkeypatch, lean):
     """A shape after another of the same batch (or sequence) takes its own recorded views: each kept list's layers
     recorded at its own batch x sequence, the outputs onnxruntime's. The check can fail: keyed by the batch alone (a
     wrong key), a shape after another of its batch takes the other's list, whose layers' guards run their ops on the
     other's shape values: the run fails or its outputs differ."""
-    exported, path = llama
+    exported, path = llama_segments
     session = ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(zlib.crc32(b"llama view keys"))
     shapes = [(2, 8), (2, 9), (3, 9), (2, 8), (2, 5)]
@@ -124,9 +124,9 @@ def test_signature_views_follow_the_whole_signature(llama, monkeypatch, lean):
 
 
 @pytest.mark.parametrize("lean", [False, True])
-def test_signature_views_are_bounded(llama, monkeypatch, lean):
+def test_signature_views_are_bounded(llama_segments, monkeypatch, lean):
     """Past SIGNATURES, the least recently used signature's list goes; outputs stay onnxruntime's."""
-    exported, path = llama
+    exported, path = llama_segments
     monkeypatch.setattr(view_steps, "SIGNATURES", 3)
     context = _context(path, monkeypatch, lean)
     views = context.engine.program.signature_views

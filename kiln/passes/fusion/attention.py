@@ -174,6 +174,31 @@ def _unrepeat_kv(value: ir.Value, nodes: list[ir.Node]) -> tuple[ir.Value, bool]
     return unsqueeze.inputs[0], True
 
 
+def _repeated_kv_read_elsewhere(value: ir.Value, reader: ir.Node) -> ir.Value | None:
+    """x where value = Reshape(Expand(Unsqueeze(x, 2), [B, Hkv, r, T, D]), [B, Hkv·r, T, D]) and the Reshape's output
+    is read by `reader` and otherwise by Shape nodes alone (a dynamic export's torchlib Kᵀ takes its targets from
+    it), else None.
+
+    The chain is left in the graph (the Shape still reads it); once the attention is fused its targets are dead and
+    the pipeline's dead-code pass removes the Shape and the chain with them. The shapes are checked: x is
+    [B, Hkv, T, D] and value [B, Hkv·r, T, D]."""
+    reshape = producer(value, "Reshape")
+    if reshape is None or _rank(value) != 4 or _rank(reshape.inputs[0]) != 5:
+        return None
+    others = [user for user in consumers(value) if user is not reader]
+    if value.is_graph_output() or not others or not all(is_op(user, "Shape") for user in others):
+        return None
+    source, gqa = _unrepeat_kv(reshape.inputs[0], [])
+    if not gqa or _rank(source) != 4:
+        return None
+    x, repeated, out = source.shape, reshape.inputs[0].shape, value.shape
+    if not (isinstance(x[1], int) and isinstance(repeated[2], int) and isinstance(out[1], int)):
+        return None
+    if out[1] != x[1] * repeated[2] or list(out[2:]) != list(x[2:]) or out[0] != x[0]:
+        return None
+    return source
+
+
 def _key(kt: ir.Value, nodes: list[ir.Node]) -> tuple[ir.Value, list[int] | None, bool]:
     """From Kᵀ ([B, H, D, T]) back to K and the permutation that makes it [B, H, T, D]."""
     outer = producer(kt, "Reshape")
@@ -187,6 +212,9 @@ def _key(kt: ir.Value, nodes: list[ir.Node]) -> tuple[ir.Value, list[int] | None
                 source, gqa = _unrepeat_kv(source, taken)
                 if not gqa:
                     source = None
+            elif (unrepeated := _repeated_kv_read_elsewhere(source, inner)) is not None:  # Reshape -> [B, H, T, D] first
+                nodes += taken  # the repeat stays (its Shape reads it) until the dead-code pass; so do x's producers
+                return unrepeated, None, True
             else:
                 gqa = False
             if source is not None and _rank(source) == 4:

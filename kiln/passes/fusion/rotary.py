@@ -9,6 +9,10 @@ constants (they are, for static shapes):
 - x = Transpose(x', p) with the last axis fixed: rotate x' with cos/sin transposed by p⁻¹ and
   transpose after, so the Transpose reaches the attention that absorbs it as a permutation;
 - x' = Reshape(x'', [B, S, H, D]) of a 3-D x'': the op unflattens the heads itself (num_heads=H).
+
+cos and sin computed at run time (a dynamic export's, from the positions: [B, 1, S, D]) are laid out the same
+way by a Transpose node each, [B, S, 1, D], one per table shared by every layer: a view, made once per call before
+the layers (it reads nothing they write), so the head split and the rotary stay inside the CPU's native segment.
 """
 
 from __future__ import annotations
@@ -88,6 +92,26 @@ def _transposed(graph: ir.Graph, value: ir.Value, array: np.ndarray, inverse: li
     return new_initializer(graph, name, np.ascontiguousarray(_padded(array, len(inverse)).transpose(inverse)))
 
 
+def _computed_table(table: ir.Value, rank: int) -> bool:
+    """A cos/sin table computed at run time (a dynamic export's, from the positions) of x's rank: one the rule can
+    lay out for the un-transposed x with a Transpose node (a view) instead of a new constant."""
+    return const(table) is None and table.shape is not None and len(table.shape) == rank and table.type is not None
+
+
+def _transposed_at_run(table: ir.Value, inverse: list[int], before: ir.Node) -> ir.Value:
+    """Transpose(table, inverse), the one an earlier layer's rotary made when there is one (layers share the tables)."""
+    for user in consumers(table):
+        if is_op(user, "Transpose") and attr(user, "perm") == inverse and user.graph is before.graph:
+            return user.outputs[0]
+    node = ir.Node("", "Transpose", [table], [ir.AttrInt64s("perm", inverse)],
+                   name=f"{table.name}_perm{''.join(map(str, inverse))}")
+    node.outputs[0].type = table.type
+    node.outputs[0].shape = ir.Shape([table.shape[i] for i in inverse])
+    node.outputs[0].name = node.name
+    before.graph.insert_before(before, node)
+    return node.outputs[0]
+
+
 def fuse_rotary(node: ir.Node, report: PassReport) -> bool:
     if not is_op(node, "Concat"):
         return False
@@ -113,10 +137,11 @@ def fuse_rotary(node: ir.Node, report: PassReport) -> bool:
     transpose = producer(x, "Transpose")
     c, s = const(cos), const(sin)
     rank = None if x.shape is None else len(x.shape)
-    if transpose is not None and c is not None and s is not None and rank is not None \
+    tables = (c is not None and s is not None and c.ndim <= rank and s.ndim <= rank) if rank is not None else False
+    computed = rank is not None and not tables and _computed_table(cos, rank) and _computed_table(sin, rank)
+    if transpose is not None and (tables or computed) \
             and set(consumers(x)) <= set(nodes) and not x.is_graph_output() \
-            and attr(transpose, "perm") is not None and attr(transpose, "perm")[-1] == rank - 1 \
-            and c.ndim <= rank and s.ndim <= rank:
+            and attr(transpose, "perm") is not None and attr(transpose, "perm")[-1] == rank - 1:
         perm = attr(transpose, "perm")
         nodes.append(transpose)
         x = transpose.inputs[0]
@@ -125,7 +150,10 @@ def fuse_rotary(node: ir.Node, report: PassReport) -> bool:
             x = heads[0].inputs[0]
             attrs.append(ir.AttrInt64("num_heads", heads[1]))
     # Decided: from here on the graph changes.
-    if perm is not None:
+    if perm is not None and computed:
+        inverse = [int(i) for i in np.argsort(perm)]
+        cos, sin = _transposed_at_run(cos, inverse, add), _transposed_at_run(sin, inverse, add)
+    elif perm is not None:
         inverse = [int(i) for i in np.argsort(perm)]
         cos, sin = _transposed(graph, cos, c, inverse), _transposed(graph, sin, s, inverse)
     rotary = ir.Node(KILN_DOMAIN, "Rotary", [x, cos, sin], attrs, name=add.name)
