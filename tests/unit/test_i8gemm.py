@@ -242,6 +242,24 @@ def test_the_engine_layer_in_a_native_segment_equals_onnxruntime(shape, n):
         assert (steps > 0.5).sum() <= max(2, steps.size // 1000)
 
 
+def test_an_engine_of_dynamic_rows_runs_every_size_of_its_profile():
+    """[batch, seq, 96] inputs through a profile: the segment's other sizes run the layer's plan at their rows (the
+    packed weight shared, NativeStep.plan_at), each equal to onnxruntime's within one output step."""
+    rng = case_rng("dynamic")
+    model = _qdq_matmul(rng, ["batch", "seq", 96], 64)
+    engine = kiln.build(model, device="cpu", tactics=[TACTIC, "cpu.quantize", "cpu.dequantize"],
+                        profiles=[{"x": "1x1x96,2x16x96,3x40x96"}])
+    assert next(s for s in engine.plan.program.steps if s.op_type == "QGemm").tactic == TACTIC
+    context = engine.create_execution_context()
+    for shape in [(2, 16, 96), (1, 1, 96), (3, 40, 96), (1, 7, 96), (2, 16, 96), (3, 33, 96)]:
+        x = rng.normal(0, 3, shape).astype(np.float32)
+        got, want = context.run({"x": x})["out"], _onnxruntime(model, x)
+        assert got.shape == (*shape[:-1], 64)
+        steps = np.abs(got - want) / 0.2
+        assert steps.max() <= 1.0 + 1e-4, (shape, steps.max())
+        assert (steps > 0.5).sum() <= max(2, steps.size // 1000)
+
+
 def test_the_tuner_times_it_beside_onednn_and_the_float_layer():
     rng = case_rng("tuner")
     engine = kiln.build(_qdq_matmul(rng, (1, 24, 128), 64), device="cpu")

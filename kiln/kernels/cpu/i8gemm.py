@@ -15,6 +15,7 @@ Runnable on tensors (`__call__`) and inside a native segment (`bind`: one C call
 
 from __future__ import annotations
 
+import copy
 import ctypes
 from pathlib import Path
 
@@ -101,7 +102,8 @@ class I8Gemm:
                  x_dtype: torch.dtype, x_scale: float, x_zero: int, y: tuple[torch.dtype, float, int] | None = None,
                  activation: str = "", alpha: float = 0.0, beta: float = 0.0, threads: int | None = None):
         """w: int8 [N, K], symmetric; w_scale: one per output channel (or one); bias: int32 [N] at x_scale·w_scale,
-        or None; x_dtype: torch.uint8 / torch.int8 with its zero point x_zero."""
+        or None; x_dtype: torch.uint8 / torch.int8 with its zero point x_zero. Other row counts: `at_rows` (the packed
+        weight shared)."""
         lib = load()
         if lib is None:
             raise RuntimeError(f"kiln's i8gemm kernel: {reason()}")
@@ -119,12 +121,10 @@ class I8Gemm:
         offset = offsets(w, bias, u_zero)
         if sum_bound(w, offset) > INT32_MAX:
             raise ValueError(f"i8gemm [{n}, {k}]: a channel's sums could pass int32 (K or the bias too large)")
-        self.input_size, self.output_size = (int(rows), k), (int(rows), n)
         self.x_dtype, self.n, self.k = x_dtype, n, k
         self.out_dtype = torch.float32 if y is None else y[0]
         if self.out_dtype not in OUTPUTS:
             raise ValueError(f"output {self.out_dtype}: float32, uint8, int8 (or int32 sums) only")
-        self.what = f"i8gemm {list(self.input_size)} -> {list(self.output_size)}"
         panel = lib.kiln_i8_panel()
         n_pad = -(-n // panel) * panel
         w = w.contiguous()
@@ -135,13 +135,31 @@ class I8Gemm:
         self._scale = torch.zeros(n_pad, dtype=torch.float32)
         self._scale[:n] = onednn_int8.combined_scales(x_scale, w_scale).expand(n).to(torch.float32)
         y_dtype, y_scale, y_zero = (torch.float32, 1.0, 0) if y is None else y
-        self.threads = (torch.get_num_threads() if threads is None else threads) if rows * k * n >= PARALLEL_MACS \
-            else 1
+        self.wanted_threads = torch.get_num_threads() if threads is None else int(threads)
         self.fields = dict(w=self._w.data_ptr(), offset=self._offset.data_ptr(), scale=self._scale.data_ptr(),
-                           M=int(rows), K=k, N=n, x_signed=int(x_dtype == torch.int8),
+                           K=k, N=n, x_signed=int(x_dtype == torch.int8),
                            activation=ACTIVATIONS[activation], alpha=float(alpha), beta=float(beta),
-                           out=OUTPUTS[y_dtype], y_scale=float(y_scale), y_zero=int(y_zero), threads=self.threads)
+                           out=OUTPUTS[y_dtype], y_scale=float(y_scale), y_zero=int(y_zero))
+        self._at(int(rows))
+
+    def row_fields(self, rows: int) -> dict[str, int]:
+        """The plan fields that follow the row count (what a native segment's view at other sizes rewrites)."""
+        threads = self.wanted_threads if rows * self.k * self.n >= PARALLEL_MACS else 1
+        return {"M": int(rows), "threads": threads}
+
+    def _at(self, rows: int) -> None:
+        self.fields.update(self.row_fields(rows))
+        self.threads = self.fields["threads"]
+        self.input_size, self.output_size = (rows, self.k), (rows, self.n)
+        self.what = f"i8gemm {list(self.input_size)} -> {list(self.output_size)}"
         self._plan = Plan(**self.fields)
+
+    def at_rows(self, rows: int) -> I8Gemm:
+        """The layer at another row count on the same packed weight, offsets and scales (no second copy)."""
+        other = copy.copy(self)
+        other.fields = dict(self.fields)
+        other._at(int(rows))
+        return other
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] of the built rows and dtype -> y [M, N]."""
@@ -175,10 +193,11 @@ class _Bound(plan_member.MemoriesMember):
         self._memories = {"src": onednn._memory(src_md.value, src), "dst": onednn._memory(dst_md.value, dst)}
         self._layer = layer  # its packed weight, offsets and scales
         get_handle = ctypes.cast(lib.lib.dnnl_memory_get_data_handle, ctypes.c_void_p).value
-        self._plan = Plan(get_handle=get_handle, x=self._memories["src"].value, y=self._memories["dst"].value,
-                          **layer.fields)
+        # `plan`: what a segment's view at other sizes copies and rewrites by NativeStep.plan_at (row_fields)
+        self.plan = Plan(get_handle=get_handle, x=self._memories["src"].value, y=self._memories["dst"].value,
+                         **layer.fields)
         function = ctypes.cast(kernels.kiln_i8_call, ctypes.c_void_p).value
-        self._calls = [(function, ctypes.addressof(self._plan), 0, 0)]
+        self._calls = [(function, ctypes.addressof(self.plan), 0, 0)]
 
     def calls(self) -> list[tuple[int | None, int, int, int]]:
         return list(self._calls)

@@ -25,7 +25,7 @@ from kiln.kernels.cpu import i8gemm
 from kiln.plan.spec import StepSpec
 from kiln.tactics.cpu.quantized import _activation, _built, _configure, _constants_refusal, _y
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, resizable, same_primitive
+from kiln.tactics.tactic import InputMeta, NativeStep, PlanRule, SizedPlan, Tactic, resizable, same_primitive
 from kiln.tactics.tactic import attribute as _attr
 from kiln.tactics.tactic import tensor_input as _input
 
@@ -74,12 +74,23 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
     tuned = math.prod(step.tactic_config["input_size"][:-1])
     x_dtype = x_zero.dtype
 
-    def build(rows: int) -> i8gemm.I8Gemm:
-        return i8gemm.I8Gemm(w, w_scale, bias, rows, x_dtype, float(x_scale.reshape(-1)[0]),
-                             int(x_zero.reshape(-1)[0]), y, activation, alpha, beta)
-
-    layers = {tuned: build(tuned)}
+    first = i8gemm.I8Gemm(w, w_scale, bias, tuned, x_dtype, float(x_scale.reshape(-1)[0]),
+                          int(x_zero.reshape(-1)[0]), y, activation, alpha, beta)
+    layers = {tuned: first}
     lock = threading.Lock()
+
+    def build(rows: int) -> i8gemm.I8Gemm:
+        return first.at_rows(rows)  # the packed weight shared: a new row count costs a plan
+
+    def rows_of(size: tuple[int, ...]) -> int:
+        if len(size) not in (2, 3) or size[-1] != k:
+            raise ValueError(f"i8gemm over [..., {k}] rows of rank 2 or 3, given {list(size)}")
+        return math.prod(size[:-1])
+
+    def sized(size: tuple[int, ...]) -> SizedPlan:  # a segment's view at other sizes: the plan's row fields
+        return SizedPlan(((*size[:-1], n),), first.row_fields(rows_of(size)))
+
+    plan_rule = PlanRule(sized, ("kiln_i8", k, n, first.wanted_threads))
 
     def launch(ctx, x, *_inputs, **_attributes):
         lead = x.shape[:-1]
@@ -91,12 +102,11 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
     @resizable
 
     def native_at(size: tuple[int, ...]) -> NativeStep:  # rows [B, S, K] bound as [B*S, K]
-        if len(size) not in (2, 3) or size[-1] != k:
-            raise ValueError(f"i8gemm over [..., {k}] rows of rank 2 or 3, given {list(size)}")
+        rows = rows_of(size)
         with lock:
-            layer = _built(layers, math.prod(size[:-1]), build, tuned)
+            layer = _built(layers, rows, build, tuned)
         return NativeStep(tuple(size), (*size[:-1], n), same_primitive(layer), output_dtype=layer.out_dtype,
-                          input_dtype=x_dtype)
+                          input_dtype=x_dtype, plan_at=plan_rule)
 
     launch.native = native_at(tuple(step.tactic_config["input_size"]))
     return launch
