@@ -267,3 +267,39 @@ def test_the_tuner_times_it_beside_onednn_and_the_float_layer():
                  if TACTIC in layer.get("candidates", {}))
     assert isinstance(tried["candidates"][TACTIC], float), tried["candidates"][TACTIC]
     assert {"cpu.qgemm.onednn", "cpu.qgemm.dequantized"} <= set(tried["candidates"])
+
+
+_PLAIN_BUILD = """
+import json, numpy as np, torch
+from kiln.kernels.cpu import native_loop
+native_loop.compile_flags = lambda: (("-O2", "-fopenmp"),)
+from kiln.kernels.cpu import i8gemm
+rng = np.random.default_rng(7)
+out = []
+for rows, k, n, dtype, zero in [(7, 37, 45, torch.int8, -3), (5, 64, 33, torch.uint8, 200)]:
+    w = rng.integers(-64, 65, (n, k)).astype(np.int8)
+    lo, hi = (0, 256) if dtype == torch.uint8 else (-128, 128)
+    x = torch.from_numpy(rng.integers(lo, hi, (rows, k))).to(dtype)
+    layer = i8gemm.I8Gemm(torch.from_numpy(w), torch.ones(n), None, rows, dtype, 1.0, zero, (torch.int32, 1.0, 0))
+    want = (x.numpy().astype(np.int64) - zero) @ w.astype(np.int64).T
+    out.append(bool((layer(x).numpy() == want).all()))
+print(json.dumps({"vector": i8gemm.vector_products(), "exact": out}))
+"""
+
+
+@pytest.mark.slow
+def test_the_plain_c_build_gives_the_same_sums(tmp_path):
+    """The kernel compiled without -march (no AVX2: the plain C loop) in a subprocess (a kernel library is loaded once
+    per process), its own cache: the same int32 sums as numpy."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root), KILN_CACHE=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", _PLAIN_BUILD], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"vector": False, "exact": [True, True]}
