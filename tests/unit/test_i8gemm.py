@@ -96,6 +96,20 @@ def test_the_largest_sources_on_the_pair_bound_do_not_saturate(dtype):
     np.testing.assert_array_equal(got, want)
 
 
+def test_no_rows_is_an_empty_output_and_other_row_counts_share_the_weight():
+    rng = case_rng("rows")
+    w = _pair_bound_weight(rng, 40, 37)
+    layer = i8gemm.I8Gemm(w, torch.ones(40), None, 0, torch.int8, 0.1, 3, (torch.int32, 1.0, 0))
+    assert layer(torch.empty(0, 37, dtype=torch.int8)).shape == (0, 40)
+    other = layer.at_rows(5)
+    assert other._w.data_ptr() == layer._w.data_ptr() and other.input_size == (5, 37)
+    x = _rows(rng, (5, 37), torch.int8)
+    want = (x.numpy().astype(np.int64) - 3) @ w.numpy().astype(np.int64).T
+    np.testing.assert_array_equal(other(x).numpy(), want)
+    with pytest.raises(ValueError, match="given"):
+        other(torch.zeros(4, 37, dtype=torch.int8))
+
+
 def test_a_pair_past_the_bound_is_refused():
     """(65, 64) in one channel: 255·129 > 32767 would saturate vpmaddubsw; the kernel and the tactic refuse it. The
     same two weights in different pairs (k = 1, 2) are fine: only the pairs the kernel forms count."""

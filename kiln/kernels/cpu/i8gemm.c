@@ -290,6 +290,7 @@ static void parallel_items(long count, int threads, kiln_item_fn fn, void *ctx)
 int kiln_i8_run(const i8_plan *p, const void *x, void *y)
 {
     const long K4 = (p->K + 3) / 4, panels = (p->N + NR - 1) / NR;
+    if (p->M <= 0 || p->N <= 0) return 0;  /* no rows (an empty batch) or no channels: nothing to write */
     i8_loop l = {p, (const uint8_t *)x, p->K, y};
     uint8_t *copy = NULL;
     if (p->x_signed || p->K % 4) {  /* rows padded to K4·4 (and flipped to uint8) once per call */
