@@ -5,8 +5,9 @@
   vpmaddubsw's int16 sum reaches 32640), row counts off the 3-row tile, K off the 4-byte group, N off the 32-channel
   panel, 1 and 2 threads;
 - a weight with one adjacent pair past the bound is refused (its sums would saturate), by the kernel and the tactic;
-- requantized uint8/int8 and float32 outputs, none/Relu/Clip, against kiln's reference QGemm (float64) within one
-  quantization step (a float32 multiply by 1/y_scale against the reference's division, at ties);
+- requantized uint8/int8 and float32 outputs, none/Relu/Clip/Gelu/GeluTanh (GELU by gemm.c's vector forms), against
+  kiln's reference QGemm (float64) within one quantization step (a float32 multiply by 1/y_scale against the
+  reference's division, at ties; GELU's float32 error ~2e-7 relative);
 - a Q/DQ MatMul model built by kiln with the tactic allowed: the layer runs as cpu.qgemm.kiln_i8 inside a native
   segment, its output onnxruntime's (ORT_DISABLE_ALL, the same Q/DQ graph) within one output step; the tuner, left
   alone, times it beside oneDNN's int8 matmul and the float layer.
@@ -175,7 +176,7 @@ OUTPUT_CASES = [  # (input shape, N, quantized output, source, output dtype)
 ]
 
 
-@pytest.mark.parametrize("activation", ["", "Relu", "Clip"])
+@pytest.mark.parametrize("activation", ["", "Relu", "Clip", "Gelu", "GeluTanh"])
 @pytest.mark.parametrize("shape, n, quantized_out, dtype, y_dtype", OUTPUT_CASES)
 def test_the_layer_is_the_reference_within_one_step(shape, n, quantized_out, dtype, y_dtype, activation):
     rng = case_rng(f"out {shape} {n} {quantized_out} {dtype} {y_dtype} {activation}")
@@ -192,8 +193,8 @@ def test_what_it_cannot_run_is_refused_with_a_reason():
     rng = case_rng("refusals")
     args = _qgemm_args(rng, (4, 32), torch.zeros(8, 32, dtype=torch.int8), True)
     tactic = registry.get(TACTIC)
-    gelu = make_step("QGemm", "kiln", 9, activation="Gelu")
-    assert "Gelu" in tactic.check(gelu, metas(args, CONSTANT))
+    leaky = make_step("QGemm", "kiln", 9, activation="LeakyRelu")
+    assert "LeakyRelu" in tactic.check(leaky, metas(args, CONSTANT))
     floats = [args[0].float()] + args[1:]
     assert "float32" in tactic.check(make_step("QGemm", "kiln", 9), metas(floats, CONSTANT))
     assert "constant" in tactic.check(make_step("QGemm", "kiln", 9), metas(args, CONSTANT - {3}))

@@ -26,6 +26,8 @@
  * K a multiple of 4), else copied once per call into a padded uint8 block (int8 flipped, K padded with zeros).
  * Register tile: MR = 3 rows x NR = 32 channels (12 accumulators, weights as memory operands, a broadcast, the
  * ones, a product: 15 of AVX2's 16 registers; 4x24, 6x16, 5x16 measured 60-88 GMAC/s against 3x32's 99).
+ * Activations: Relu and Clip in registers; GELU (erf or tanh) through gemm.c's kiln_gemm_activate on each tile's r
+ * (its vector tables), the pointer set by i8gemm.py.
  * Threads: items of one NR-channel panel over every row (the panel stays in L1/L2 while the rows stream), on
  * gemm.c's pool (kiln_shared_parallel_for, set by i8gemm.py), else an OpenMP loop. */
 #include <stdint.h>
@@ -43,8 +45,11 @@ typedef void (*kiln_item_fn)(void *ctx, long item);
 
 /* gemm.c's pool (pool.c), set by kiln/kernels/cpu/i8gemm.py when the GEMM library is built; NULL: OpenMP. */
 void (*kiln_shared_parallel_for)(long count, int threads, kiln_item_fn fn, void *ctx) = NULL;
+/* gemm.c's activations (kiln_gemm_activate: GELU by its vector tables), set by i8gemm.py: ACT_GEMM applies
+   plan.gemm_activation (gemm.c's code) to each tile's r through it. */
+void (*kiln_gemm_activate)(float *c, int n, int activation, float alpha, float beta) = NULL;
 
-enum { ACT_NONE = 0, ACT_RELU = 1, ACT_CLIP = 4 };          /* se.c's / w16gemm.c's numbering */
+enum { ACT_NONE = 0, ACT_RELU = 1, ACT_CLIP = 4, ACT_GEMM = 8 };  /* se.c's / w16gemm.c's; ACT_GEMM: gemm.c's, below */
 enum { OUT_F32 = 0, OUT_U8 = 1, OUT_S8 = 2, OUT_S32 = 3 };  /* OUT_S32: t, exact (tests) */
 
 #define LANES 8
@@ -61,7 +66,8 @@ typedef struct {
     const float *scale;     /* [Np] */
     long M, K, N;
     int x_signed;           /* the source is int8: flipped to uint8 as it is copied */
-    int activation;
+    int activation;         /* ACT_* */
+    int gemm_activation;    /* ACT_GEMM: gemm.c's code of the activation */
     float alpha, beta;      /* Clip's bounds */
     int out;                /* OUT_* */
     float y_scale;
@@ -114,6 +120,8 @@ static inline void store_scalar(const i8_plan *p, void *y, long m, long n, int32
     const long at = m * p->N + n;
     if (p->out == OUT_S32) { ((int32_t *)y)[at] = t; return; }
     float r = act_scalar(p->scale[n] * (float)t, p->activation, p->alpha, p->beta);
+    if (p->activation == ACT_GEMM && kiln_gemm_activate != NULL)
+        kiln_gemm_activate(&r, 1, p->gemm_activation, p->alpha, p->beta);
     if (p->out == OUT_F32) { ((float *)y)[at] = r; return; }
     float q = r * (1.0f / p->y_scale);
     q = q != q ? 0.0f : q;
@@ -160,22 +168,28 @@ DEFINE_KERNEL(3)
 DEFINE_KERNEL(2)
 DEFINE_KERNEL(1)
 
-/* 8 int32 t of row m, channels [n, n + 8) (count of them real) through the epilogue */
-static inline __attribute__((always_inline)) void store_vector(const i8_plan *p, void *y, long m, long n, __m256i t,
-                                                               long count)
+/* Relu / Clip on r (the activations the kernel applies in registers; ACT_GEMM's is applied to a tile's floats) */
+static inline __attribute__((always_inline)) __m256 clamp_activate(const i8_plan *p, __m256 r)
+{
+    if (p->activation == ACT_RELU) return _mm256_max_ps(r, _mm256_setzero_ps());
+    if (p->activation == ACT_CLIP)
+        return _mm256_min_ps(_mm256_max_ps(r, _mm256_set1_ps(p->alpha)), _mm256_set1_ps(p->beta));
+    return r;
+}
+
+/* r (activated) as 8 int32 of the 8-bit output: round(r·(1/y_scale)) + y_zero, ties to even, NaN saturating low */
+static inline __attribute__((always_inline)) __m256i requantize(const i8_plan *p, __m256 r)
+{
+    __m256 q = _mm256_mul_ps(r, _mm256_set1_ps(1.0f / p->y_scale)); /* a multiply, as w16gemm.c */
+    q = _mm256_min_ps(_mm256_max_ps(q, _mm256_set1_ps(-1e9f)), _mm256_set1_ps(1e9f)); /* NaN -> -1e9 */
+    return _mm256_add_epi32(_mm256_cvtps_epi32(q), _mm256_set1_epi32((int)p->y_zero));
+}
+
+/* count (<= 8) activated values r of row m, channels [n, n + count), to the float32 or 8-bit output */
+static inline __attribute__((always_inline)) void store_real(const i8_plan *p, void *y, long m, long n, __m256 r,
+                                                             long count)
 {
     const long at = m * p->N + n;
-    if (p->out == OUT_S32) {
-        if (count == LANES) { _mm256_storeu_si256((__m256i *)((int32_t *)y + at), t); return; }
-        int32_t s[LANES];
-        _mm256_storeu_si256((__m256i *)s, t);
-        memcpy((int32_t *)y + at, s, sizeof(int32_t) * count);
-        return;
-    }
-    __m256 r = _mm256_mul_ps(_mm256_cvtepi32_ps(t), _mm256_loadu_ps(p->scale + n));
-    if (p->activation == ACT_RELU) r = _mm256_max_ps(r, _mm256_setzero_ps());
-    else if (p->activation == ACT_CLIP)
-        r = _mm256_min_ps(_mm256_max_ps(r, _mm256_set1_ps(p->alpha)), _mm256_set1_ps(p->beta));
     if (p->out == OUT_F32) {
         if (count == LANES) { _mm256_storeu_ps((float *)y + at, r); return; }
         float s[LANES];
@@ -183,9 +197,7 @@ static inline __attribute__((always_inline)) void store_vector(const i8_plan *p,
         memcpy((float *)y + at, s, sizeof(float) * count);
         return;
     }
-    __m256 q = _mm256_mul_ps(r, _mm256_set1_ps(1.0f / p->y_scale));
-    q = _mm256_min_ps(_mm256_max_ps(q, _mm256_set1_ps(-1e9f)), _mm256_set1_ps(1e9f)); /* NaN -> -1e9: saturates */
-    const __m256i v = _mm256_add_epi32(_mm256_cvtps_epi32(q), _mm256_set1_epi32((int)p->y_zero)); /* ties to even */
+    const __m256i v = requantize(p, r);
     const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     const __m128i bytes = p->out == OUT_U8 ? _mm_packus_epi16(words, words) : _mm_packs_epi16(words, words);
     if (count == LANES) { _mm_storel_epi64((__m128i *)((uint8_t *)y + at), bytes); return; }
@@ -194,22 +206,12 @@ static inline __attribute__((always_inline)) void store_vector(const i8_plan *p,
     memcpy((uint8_t *)y + at, s, count);
 }
 
-/* NR = 32 channels [n, n + 32) of row m, all real, from their sums, requantized to 8 bits: one 32-byte store */
+/* NR = 32 activated values of row m, channels [n, n + 32), all real, requantized to 8 bits: one 32-byte store */
 static inline __attribute__((always_inline)) void store_bytes(const i8_plan *p, void *y, long m, long n,
-                                                              const int32_t *sums, const __m256i *offset)
+                                                              const __m256 *r)
 {
-    const __m256 inverse = _mm256_set1_ps(1.0f / p->y_scale), low = _mm256_set1_ps(-1e9f), high = _mm256_set1_ps(1e9f);
-    const __m256i zero = _mm256_set1_epi32((int)p->y_zero);
     __m256i q[NV];
-    for (int v = 0; v < NV; v++) {
-        const __m256i t = _mm256_add_epi32(_mm256_load_si256((const __m256i *)(sums + v * LANES)), offset[v]);
-        __m256 r = _mm256_mul_ps(_mm256_cvtepi32_ps(t), _mm256_loadu_ps(p->scale + n + v * LANES));
-        if (p->activation == ACT_RELU) r = _mm256_max_ps(r, _mm256_setzero_ps());
-        else if (p->activation == ACT_CLIP)
-            r = _mm256_min_ps(_mm256_max_ps(r, _mm256_set1_ps(p->alpha)), _mm256_set1_ps(p->beta));
-        r = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(r, inverse), low), high); /* NaN -> -1e9: saturates */
-        q[v] = _mm256_add_epi32(_mm256_cvtps_epi32(r), zero);                   /* ties to even */
-    }
+    for (int v = 0; v < NV; v++) q[v] = requantize(p, r[v]);
     /* packs work within 128-bit halves: bytes come out as [q0 0-3, q1 0-3, q2 0-3, q3 0-3 | the 4-7s] */
     const __m256i w01 = _mm256_packs_epi32(q[0], q[1]), w23 = _mm256_packs_epi32(q[2], q[3]);
     const __m256i bytes = p->out == OUT_U8 ? _mm256_packus_epi16(w01, w23) : _mm256_packs_epi16(w01, w23);
@@ -225,26 +227,59 @@ static void panel_item(void *ctx, long panel)
     const long K4 = (p->K + 3) / 4, n0 = panel * NR;
     const int8_t *w = p->w + panel * K4 * NR * 4;
     int32_t sums[MR * NR] __attribute__((aligned(32)));
+    float real[MR * NR] __attribute__((aligned(32))); /* a tile's r for ACT_GEMM's activation pass */
     __m256i offset[NV];
-    for (int v = 0; v < NV; v++) offset[v] = _mm256_loadu_si256((const __m256i *)(p->offset + n0 + v * LANES));
+    __m256 scale[NV];
+    for (int v = 0; v < NV; v++) {
+        offset[v] = _mm256_loadu_si256((const __m256i *)(p->offset + n0 + v * LANES));
+        scale[v] = _mm256_loadu_ps(p->scale + n0 + v * LANES);
+    }
     const int whole_bytes = (p->out == OUT_U8 || p->out == OUT_S8) && n0 + NR <= p->N;
+    const int outside = p->activation == ACT_GEMM && kiln_gemm_activate != NULL;
     for (long m0 = 0; m0 < p->M; m0 += MR) {
         const long rows = p->M - m0 < MR ? p->M - m0 : MR;
         const uint8_t *a = l->a + m0 * l->astride;
         if (rows == 3) kernel_3(a, l->astride, w, K4, sums);
         else if (rows == 2) kernel_2(a, l->astride, w, K4, sums);
         else kernel_1(a, l->astride, w, K4, sums);
+        if (p->out == OUT_S32) {  /* t itself */
+            for (long r = 0; r < rows; r++)
+                for (int v = 0; v < NV && n0 + v * LANES < p->N; v++) {
+                    const long n = n0 + v * LANES, count = p->N - n < LANES ? p->N - n : LANES;
+                    int32_t t[LANES];
+                    _mm256_storeu_si256((__m256i *)t, _mm256_add_epi32(
+                        _mm256_load_si256((const __m256i *)(sums + (r * NV + v) * LANES)), offset[v]));
+                    memcpy((int32_t *)l->y + (m0 + r) * p->N + n, t, sizeof(int32_t) * count);
+                }
+            continue;
+        }
+        if (outside) {  /* r of the whole tile, then gemm.c's activation over it in one call */
+            for (long r = 0; r < rows; r++)
+                for (int v = 0; v < NV; v++) {
+                    const __m256i t = _mm256_add_epi32(
+                        _mm256_load_si256((const __m256i *)(sums + (r * NV + v) * LANES)), offset[v]);
+                    _mm256_store_ps(real + (r * NV + v) * LANES, _mm256_mul_ps(_mm256_cvtepi32_ps(t), scale[v]));
+                }
+            kiln_gemm_activate(real, (int)(rows * NR), p->gemm_activation, p->alpha, p->beta);
+        }
         for (long r = 0; r < rows; r++) {
+            __m256 rv[NV];
+            for (int v = 0; v < NV; v++) {
+                if (outside) {
+                    rv[v] = _mm256_load_ps(real + (r * NV + v) * LANES);
+                    continue;
+                }
+                const __m256i t = _mm256_add_epi32(
+                    _mm256_load_si256((const __m256i *)(sums + (r * NV + v) * LANES)), offset[v]);
+                rv[v] = clamp_activate(p, _mm256_mul_ps(_mm256_cvtepi32_ps(t), scale[v]));
+            }
             if (whole_bytes) {  /* the panel's 32 channels of the row requantized and stored as one vector */
-                store_bytes(p, l->y, m0 + r, n0, sums + r * NR, offset);
+                store_bytes(p, l->y, m0 + r, n0, rv);
                 continue;
             }
-            for (int v = 0; v < NV; v++) {
+            for (int v = 0; v < NV && n0 + v * LANES < p->N; v++) {
                 const long n = n0 + v * LANES;
-                if (n >= p->N) break;
-                const __m256i t = _mm256_add_epi32(_mm256_load_si256((const __m256i *)(sums + (r * NV + v) * LANES)),
-                                                   offset[v]);
-                store_vector(p, l->y, m0 + r, n, t, p->N - n < LANES ? p->N - n : LANES);
+                store_real(p, l->y, m0 + r, n, rv[v], p->N - n < LANES ? p->N - n : LANES);
             }
         }
     }

@@ -24,7 +24,8 @@ import torch
 from kiln.kernels.cpu import gemm_native, native_loop, onednn, onednn_int8, plan_member
 
 SOURCE = Path(__file__).with_name("i8gemm.c").read_text()
-ACTIVATIONS = {"": 0, "Relu": 1, "Clip": 4}  # i8gemm.c's ACT_*
+ACTIVATIONS = {"": 0, "Relu": 1, "Clip": 4, "Gelu": 8, "GeluTanh": 8}  # i8gemm.c's ACT_* (8: gemm.c's, by its code)
+OUTSIDE = 8  # ACT_GEMM: applied to each tile's floats by gemm.c's kiln_gemm_activate
 OUTPUTS = {torch.float32: 0, torch.uint8: 1, torch.int8: 2, torch.int32: 3}  # OUT_*; int32: t itself (tests)
 SOURCES = (torch.uint8, torch.int8)
 PAIR_LIMIT = 128  # |w1| + |w2| of a pair: 255·128 = 32640 fits vpmaddubsw's int16 sum
@@ -36,7 +37,8 @@ class Plan(ctypes.Structure):  # i8_plan in i8gemm.c
     _fields_ = [("get_handle", ctypes.c_void_p), ("x", ctypes.c_void_p), ("y", ctypes.c_void_p),
                 ("w", ctypes.c_void_p), ("offset", ctypes.c_void_p), ("scale", ctypes.c_void_p),
                 ("M", ctypes.c_long), ("K", ctypes.c_long), ("N", ctypes.c_long), ("x_signed", ctypes.c_int),
-                ("activation", ctypes.c_int), ("alpha", ctypes.c_float), ("beta", ctypes.c_float),
+                ("activation", ctypes.c_int), ("gemm_activation", ctypes.c_int), ("alpha", ctypes.c_float),
+                ("beta", ctypes.c_float),
                 ("out", ctypes.c_int), ("y_scale", ctypes.c_float), ("y_zero", ctypes.c_long),
                 ("threads", ctypes.c_int)]
 
@@ -50,6 +52,15 @@ def _setup(lib: ctypes.CDLL) -> None:
     lib.kiln_i8_run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     # its loops on the GEMM library's pool (pool.c), the workers every kiln kernel shares; else OpenMP's
     ctypes.c_void_p.in_dll(lib, "kiln_shared_parallel_for").value = gemm_native.parallel_for_address()
+    gemm = gemm_native.load()  # GELU: gemm.c's vector forms (None without the GEMM library: GELU refused)
+    ctypes.c_void_p.in_dll(lib, "kiln_gemm_activate").value = \
+        None if gemm is None else ctypes.cast(gemm.kiln_gemm_activate, ctypes.c_void_p).value
+
+
+def outside_activations() -> bool:
+    """Whether GELU can be applied (gemm.c's kiln_gemm_activate was found when the kernel loaded)."""
+    lib = load()
+    return lib is not None and bool(ctypes.c_void_p.in_dll(lib, "kiln_gemm_activate").value)
 
 
 _LIBRARY = native_loop.KernelLibrary(
@@ -113,6 +124,9 @@ class I8Gemm:
             raise ValueError(f"i8gemm takes uint8/int8 rows, given {x_dtype}")
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation {activation!r}: i8gemm applies {sorted(ACTIVATIONS)} only")
+        if ACTIVATIONS[activation] == OUTSIDE and not outside_activations():
+            raise ValueError(f"activation {activation!r}: applied by kiln's GEMM library, which is unavailable: "
+                             f"{gemm_native.reason()}")
         if (refusal := weight_refusal(w)) is not None:
             raise ValueError(refusal)
         n, k = (int(d) for d in w.shape)
@@ -138,7 +152,9 @@ class I8Gemm:
         self.wanted_threads = torch.get_num_threads() if threads is None else int(threads)
         self.fields = dict(w=self._w.data_ptr(), offset=self._offset.data_ptr(), scale=self._scale.data_ptr(),
                            K=k, N=n, x_signed=int(x_dtype == torch.int8),
-                           activation=ACTIVATIONS[activation], alpha=float(alpha), beta=float(beta),
+                           activation=ACTIVATIONS[activation],
+                           gemm_activation=gemm_native.ACTIVATIONS[activation] if ACTIVATIONS[activation] == OUTSIDE
+                           else 0, alpha=float(alpha), beta=float(beta),
                            out=OUTPUTS[y_dtype], y_scale=float(y_scale), y_zero=int(y_zero))
         self._at(int(rows))
 

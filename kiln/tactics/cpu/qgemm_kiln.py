@@ -2,7 +2,8 @@
 
     cpu.qgemm.kiln_i8   uint8/int8 rows x [..., K] times the int8 weight packed once at load: vpmaddubsw pair sums,
                         int32 accumulation (exact: the weight's adjacent pairs checked at prepare), the zero point,
-                        bias, scale, Relu/Clip and the requantization on the sums; threads over 32-channel panels;
+                        bias, scale, activation (Relu/Clip; GELU by gemm.c's vector forms) and the requantization
+                        on the sums; threads over 32-channel panels;
                         runnable inside native segments (rows of rank 2 or 3)
 
 A candidate beside cpu.qgemm.onednn (oneDNN's int8 matmul) and cpu.qgemm.dequantized (the float layer): the tuner
@@ -10,7 +11,7 @@ times all three per layer and keeps the fastest. Written for AVX2 CPUs without V
 MiniLM's GEMMs 1.09-1.5x slower than onnxruntime's MLAS (bench/results/int8-gemm-avx2-2026-12-07.md measures this
 one). It refuses a weight whose adjacent pairs could saturate vpmaddubsw (|w1| + |w2| > 128; 7-bit weights,
 reduce_range, never do), a non-zero weight zero point, a product chain (the FP8 epilogue: CUDA's), and activations
-other than none, Relu and Clip.
+other than none, Relu, Clip, Gelu and GeluTanh.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     elif int(_attr(step, "output_dtype", 1)) != 1:
         return "a float output other than float32"
     if _attr(step, "activation", "") not in i8gemm.ACTIVATIONS:
-        return f"activation {_attr(step, 'activation', '')!r}: i8gemm applies none, Relu and Clip"
+        return f"activation {_attr(step, 'activation', '')!r}: i8gemm applies none, Relu, Clip, Gelu, GeluTanh"
     if not i8gemm.available():
         return f"kiln's i8gemm kernel: {i8gemm.reason()}"
     if not i8gemm.vector_products():
