@@ -5,7 +5,8 @@ its QGemm layers, A/B in one process, beside kiln fp32 and onnxruntime int8 / fp
     python bench/int8_gemm_minilm_ab.py --threads 2 --rounds 9          (run it in several fresh processes)
 
 The QDQ model is bench/quant.py's (onnxruntime quantize_static: uint8 activations, per-channel int8 weights,
-reduce_range; MatMul/Gemm layers), batch 1 at the model's sequence length. "kiln QDQ before" is built with the tactic
+reduce_range; MatMul/Gemm layers), batch 1 at the model's sequence length; `--source kiln`: kiln's own int8 build of
+the float model instead (its FFN QGemms carry the Gelu), onnxruntime's QDQ model still its int8 peer. "kiln QDQ before" is built with the tactic
 taken out of the registry (what the tuner chose before it existed: oneDNN int8 or the float layer), "kiln QDQ" with
 every tactic (the tuner's choice, never forced). Interleaved rotated rounds (quant.rotated_rounds); prints per-round
 medians, the ratios per round, the load average, which tactic each side's QGemm layers run, and how far the two QDQ
@@ -34,12 +35,12 @@ TACTIC = "cpu.qgemm.kiln_i8"
 CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
 
 
-def build_without(path: str, name: str):
-    """The engine as the tuner makes it with `name` out of the registry (put back after)."""
+def build_without(build, name: str):
+    """build() as the tuner makes it with tactic `name` out of the registry (put back after)."""
     registry.load_device("cpu")
     removed = registry._TACTICS.pop(name)
     try:
-        return kiln.build(path)
+        return build()
     finally:
         registry._TACTICS[name] = removed
 
@@ -59,12 +60,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget", type=float, default=1.5)
     parser.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
                         help="thread: the calling thread's CPU time (1 thread only)")
+    parser.add_argument("--source", choices=("ort", "kiln"), default="ort",
+                        help="the int8 engines: onnxruntime's QDQ model, or kiln's own int8 build (entropy calibration "
+                             "on the 8 inputs onnxruntime's is calibrated on: bench/quant.py's 'kiln int8')")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     label, exported, qdq = quant.onnxruntime_qdq(args.model, "kiln-i8ab-")
     feed = quant.inputs_for(exported, 1, seed=2)[0]
-    engines = {"kiln fp32": kiln.build(str(exported.path)), "kiln QDQ before": build_without(str(qdq), TACTIC),
-               "kiln QDQ": kiln.build(str(qdq))}
+    if args.source == "ort":
+        def build_int8():
+            return kiln.build(str(qdq))
+    else:
+        calibration = quant.inputs_for(exported, 8, seed=1)
+
+        def build_int8():
+            return kiln.build(str(exported.path), precision="int8", calibration=calibration, calibrator="entropy")
+    engines = {"kiln fp32": kiln.build(str(exported.path)), "kiln QDQ before": build_without(build_int8, TACTIC),
+               "kiln QDQ": build_int8()}
     ort_int8, ort_fp32 = quant.session(qdq, args.threads), quant.session(exported.path, args.threads)
     runs = {**{p: (lambda f, e=e: quant.first_output(e.run(f))) for p, e in engines.items()},
             "onnxruntime int8": lambda f: quant.first_output(ort_int8.run(None, f)),
@@ -72,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     peers = tuple(runs)
     outputs = {p: runs[p](feed) for p in peers}
     scale = float(np.abs(outputs["kiln fp32"]).max())
-    print(f"# {label}, {args.threads} thread(s), CPU {cpu_name()}; QGemm tactics: before "
+    print(f"# {label}, int8 from {args.source}, {args.threads} thread(s), CPU {cpu_name()}; QGemm tactics: before "
           f"{qgemm_tactics(engines['kiln QDQ before'])}, after {qgemm_tactics(engines['kiln QDQ'])}")
     print(f"# max |kiln QDQ - kiln QDQ before| {np.abs(outputs['kiln QDQ'] - outputs['kiln QDQ before']).max():.3g}, "
           f"max |kiln QDQ - onnxruntime int8| {np.abs(outputs['kiln QDQ'] - outputs['onnxruntime int8']).max():.3g}, "
