@@ -25,7 +25,8 @@
  * 32-byte load is 8 channels' 4 consecutive k, one 32-bit broadcast a row's 4 k. Rows are read in place (uint8,
  * K a multiple of 4), else copied once per call into a padded uint8 block (int8 flipped, K padded with zeros).
  * Register tile: MR = 3 rows x NR = 32 channels (12 accumulators, weights as memory operands, a broadcast, the
- * ones, a product: 15 of AVX2's 16 registers; 4x24, 6x16, 5x16 measured 60-88 GMAC/s against 3x32's 99).
+ * ones, a product: 15 of AVX2's 16 registers; the k loop at 99 GMAC/s, 2x48 level, 5x16 with its weights in
+ * registers 90-94, 4x24 and 6x16 72-75: bench/i8gemm_tiles.c).
  * Activations: Relu and Clip in registers; GELU (erf or tanh) through gemm.c's kiln_gemm_activate on each tile's r
  * (its vector tables), the pointer set by i8gemm.py.
  * Threads: items of one NR-channel panel over every row (the panel stays in L1/L2 while the rows stream), on
@@ -95,18 +96,6 @@ void kiln_i8_pack(const int8_t *w, int8_t *out, long N, long K)
             out[(((n / NR) * K4 + k / 4) * NR + n % NR) * 4 + k % 4] = w[n * K + k];
 }
 
-/* the largest |w1| + |w2| over the pairs vpmaddubsw forms (k = 2j, 2j + 1 of one channel): <= 128 is exact */
-long kiln_i8_worst_pair(const int8_t *w, long N, long K)
-{
-    long worst = 0;
-    for (long n = 0; n < N; n++)
-        for (long k = 0; k < K; k += 2) {
-            long s = labs((long)w[n * K + k]) + (k + 1 < K ? labs((long)w[n * K + k + 1]) : 0);
-            worst = s > worst ? s : worst;
-        }
-    return worst;
-}
-
 static inline float act_scalar(float v, int kind, float lo, float hi)
 {
     if (kind == ACT_RELU) return v > 0.0f ? v : 0.0f;
@@ -114,7 +103,7 @@ static inline float act_scalar(float v, int kind, float lo, float hi)
     return v;
 }
 
-/* one output value from t (the scalar path and the channel tail) */
+/* one output value from t (the plain C path) */
 static inline void store_scalar(const i8_plan *p, void *y, long m, long n, int32_t t)
 {
     const long at = m * p->N + n;

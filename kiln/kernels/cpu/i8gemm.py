@@ -1,9 +1,11 @@
 """kiln::QGemm in kiln's C on AVX2 without VNNI (i8gemm.c): 8-bit rows x [M, K] times an int8 weight [N, K], exact
-int32 sums (vpmaddubsw + vpmaddwd), the zero point, bias, scale, Relu/Clip and requantization fused on the sums.
+int32 sums (vpmaddubsw + vpmaddwd), the zero point, bias, scale, activation (Relu/Clip; Gelu/GeluTanh by gemm.c's
+vector forms) and requantization fused on the sums.
 
 Why: on a Zen 3 without VNNI oneDNN's int8 matmul ran MiniLM's QDQ GEMMs 1.09-1.5x slower than onnxruntime's MLAS
-(bench/results/qdq-avx2-2026-12-07.md), so quantized transformers gained nothing over fp32 there. This kernel is a
-candidate the tuner times against oneDNN's int8 matmul and the float layer (kiln/tactics/cpu/qgemm_kiln.py).
+(bench/results/qdq-avx2-2026-12-07.md). This kernel runs them at 92-95% of the core's u8s8 ceiling, 1.1-1.2x faster
+than oneDNN's and ~2x fp32 (bench/results/int8-gemm-avx2-2026-12-07.md); a candidate the tuner times against oneDNN's
+int8 matmul and the float layer (kiln/tactics/cpu/qgemm_kiln.py).
 
 Exact where it is offered: every weight pair the kernel adds in int16 (k = 2j, 2j + 1 of one channel) has
 |w1| + |w2| <= 128 (`worst_pair`; 7-bit weights, onnxruntime's reduce_range, always do), and every channel's
