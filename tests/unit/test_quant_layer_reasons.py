@@ -64,3 +64,20 @@ def test_a_refused_int8_kernel_gives_its_reason():
     refusal = "unsupported: two weights of one output channel sum past 128 in magnitude"
     found = summarize(_program("c"), {"layers": {"c": _layer("cpu.qconv.dequantized", 0.4, refusal)}})["c"]
     assert found == {"precision": "fp32", "tactic": "cpu.qconv.dequantized", "why": f"int8 kernel {refusal}"}
+
+
+def _qgemm_program(name: str) -> SimpleNamespace:
+    return SimpleNamespace(steps=[StepSpec("QGemm", name, ["x"], [f"{name}_y"], domain="kiln", opset=1)])
+
+
+def test_kilns_own_int8_gemm_is_an_int8_kernel():
+    """cpu.qgemm.kiln_i8 (i8gemm.c) chosen: the layer is int8, not "fp32"; kept in fp32, the fastest int8 kernel
+    timed is the one compared (not the first listed)."""
+    candidates = {"default": 3.1, "cpu.qgemm.onednn": 0.94, "cpu.qgemm.dequantized": 1.7, "cpu.qgemm.kiln_i8": 0.81}
+    tactics = {"layers": {"g": {"tactic": "cpu.qgemm.kiln_i8", "time_ms": 0.81, "runner_up": "cpu.qgemm.onednn",
+                                "runner_up_ms": 0.94, "candidates": candidates}}}
+    found = summarize(_qgemm_program("g"), tactics)["g"]
+    assert found["precision"] == "int8" and found["tactic"] == "cpu.qgemm.kiln_i8"
+    assert found["why"] == "int8 kernel 0.810 ms, next cpu.qgemm.onednn 0.940 ms"
+    kept = {"layers": {"g": {"tactic": "cpu.qgemm.dequantized", "time_ms": 0.7, "candidates": candidates}}}
+    assert summarize(_qgemm_program("g"), kept)["g"]["why"].startswith("int8 kernel slower: 0.810 ms vs 0.700 ms")

@@ -622,6 +622,12 @@ static void activate(float *c, int n, int activation, float alpha, float beta) {
     }
 }
 
+/* activate() exported: kiln's other C kernels (i8gemm.c's GELU epilogue) apply gemm.c's activations, by its codes, on the
+   same vector forms. */
+void kiln_gemm_activate(float *c, int n, int activation, float alpha, float beta) {
+    activate(c, n, activation, alpha, beta);
+}
+
 #pragma GCC pop_options
 
 /* KILN_TILE_GELU where the tiles apply the whole epilogue past the bias in registers (GELU, no residual), else 0. */

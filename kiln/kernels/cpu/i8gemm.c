@@ -1,0 +1,348 @@
+/* kiln::QGemm on AVX2 without VNNI (kiln/kernels/cpu/i8gemm.py): y = epilogue(x @ wᵀ) for 8-bit rows x [M, K] and an
+ * int8 weight w [N, K], exact in int32, the requantization fused.
+ *
+ *     u    = x (uint8), or x ^ 0x80 = x + 128 (int8 sources: the zero point given is then z_x + 128)
+ *     acc  = Σ_k u[m, k]·w[n, k]                                   int32, exact (below)
+ *     t    = acc + offset[n]                                        offset = bias[n] − z_x·Σ_k w[n, k] (int32):
+ *                                                                   t = Σ (x − z_x)·w + bias, exactly
+ *     r    = scale[n]·float(t)                                      scale = x_scale·w_scale[n] (float32)
+ *     y    = act(r), or saturate(round_half_even(act(r)·(1 / y_scale)) + y_zero) to uint8 / int8 (a multiply by
+ *            the float32 reciprocal, as oneDNN's requantize and w16gemm.c: at a tie it may round a step from ONNX's
+ *            division); OUT_S32: t itself (tests)
+ *
+ * The products: vpmaddubsw (u8 · s8, adjacent pairs summed to int16), vpmaddwd by ones (pairs of those to int32),
+ * vpaddd. Why not int16 pairs (vpmaddwd on widened operands, exact for any weight): on Zen 3 vpmaddwd issues once
+ * a cycle, 16 multiply-adds, the same as fp32's two FMAs; vpmaddubsw + vpmaddwd issue together, 32 a cycle
+ * (measured: 3.1 G vpmaddubsw+vpmaddwd+vpaddd triplets/s at 3.1 GHz, bench/results/int8-gemm-avx2-2026-12-07.md).
+ *
+ * Exact: vpmaddubsw saturates its int16 pair sum u1·w1 + u2·w2. With u <= 255, it cannot when |w1| + |w2| <= 128
+ * for every pair this kernel forms (k = 2j, 2j + 1 of one channel): 255·128 = 32640 <= 32767. i8gemm.py checks
+ * exactly those pairs when the weight is packed and refuses the weight otherwise (onnxruntime's and PyTorch's
+ * reduce_range, 7-bit weights, always passes). The int32 sum: K·255·128 < 2^31 for K < 65793 (i8gemm.py refuses
+ * more); offset and t are checked to fit int32 there too.
+ *
+ * Layout: the weight packed by kiln_i8_pack as [ceil(N/NR)][ceil(K/4)][NR][4] int8 (zeros past N and past K): one
+ * 32-byte load is 8 channels' 4 consecutive k, one 32-bit broadcast a row's 4 k. Rows are read in place (uint8,
+ * K a multiple of 4), else copied once per call into a padded uint8 block (int8 flipped, K padded with zeros).
+ * Register tile: MR = 3 rows x NR = 32 channels (12 accumulators, weights as memory operands, a broadcast, the
+ * ones, a product: 15 of AVX2's 16 registers; the k loop at 99 GMAC/s, 2x48 level, 5x16 with its weights in
+ * registers 90-94, 4x24 and 6x16 72-75: bench/i8gemm_tiles.c).
+ * Activations: Relu and Clip in registers; GELU (erf or tanh) through gemm.c's kiln_gemm_activate on each tile's r
+ * (its vector tables), the pointer set by i8gemm.py.
+ * Threads: items of one NR-channel panel over every row (the panel stays in L1/L2 while the rows stream), on
+ * gemm.c's pool (kiln_shared_parallel_for, set by i8gemm.py), else an OpenMP loop. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+typedef int (*get_handle_fn)(void *memory, void **handle);
+typedef void (*kiln_item_fn)(void *ctx, long item);
+
+/* gemm.c's pool (pool.c), set by kiln/kernels/cpu/i8gemm.py when the GEMM library is built; NULL: OpenMP. */
+void (*kiln_shared_parallel_for)(long count, int threads, kiln_item_fn fn, void *ctx) = NULL;
+/* gemm.c's activations (kiln_gemm_activate: GELU by its vector tables), set by i8gemm.py: ACT_GEMM applies
+   plan.gemm_activation (gemm.c's code) to each tile's r through it. */
+void (*kiln_gemm_activate)(float *c, int n, int activation, float alpha, float beta) = NULL;
+
+enum { ACT_NONE = 0, ACT_RELU = 1, ACT_CLIP = 4, ACT_GEMM = 8 };  /* se.c's / w16gemm.c's; ACT_GEMM: gemm.c's, below */
+enum { OUT_F32 = 0, OUT_U8 = 1, OUT_S8 = 2, OUT_S32 = 3 };  /* OUT_S32: t, exact (tests) */
+
+#define LANES 8
+#define NV 4
+#define NR (LANES * NV)  /* channels per packed panel */
+#define MR 3
+_Static_assert(NV == 4, "store_bytes packs four vectors of a panel");
+
+typedef struct {
+    get_handle_fn get_handle;
+    void *x, *y;            /* dnnl_memory_t: 8-bit [M, K] row-major; output [M, N] row-major */
+    const int8_t *w;        /* kiln_i8_pack's */
+    const int32_t *offset;  /* [Np] */
+    const float *scale;     /* [Np] */
+    long M, K, N;
+    int x_signed;           /* the source is int8: flipped to uint8 as it is copied */
+    int activation;         /* ACT_* */
+    int gemm_activation;    /* ACT_GEMM: gemm.c's code of the activation */
+    float alpha, beta;      /* Clip's bounds */
+    int out;                /* OUT_* */
+    float y_scale;
+    long y_zero;
+    int threads;
+} i8_plan;
+
+int kiln_i8_panel(void) { return NR; }
+/* 2: the AVX2 products; 0: plain C (exact too, slow) */
+int kiln_i8_isa(void) {
+#if defined(__AVX2__)
+    return 2;
+#else
+    return 0;
+#endif
+}
+
+/* w int8 [N][K] -> [ceil(N/NR)][ceil(K/4)][NR][4], zeros past N and K */
+void kiln_i8_pack(const int8_t *w, int8_t *out, long N, long K)
+{
+    const long K4 = (K + 3) / 4, panels = (N + NR - 1) / NR;
+    memset(out, 0, (size_t)panels * K4 * NR * 4);
+    for (long n = 0; n < N; n++)
+        for (long k = 0; k < K; k++)
+            out[(((n / NR) * K4 + k / 4) * NR + n % NR) * 4 + k % 4] = w[n * K + k];
+}
+
+static inline float act_scalar(float v, int kind, float lo, float hi)
+{
+    if (kind == ACT_RELU) return v > 0.0f ? v : 0.0f;
+    if (kind == ACT_CLIP) return v < lo ? lo : (v > hi ? hi : v);
+    return v;
+}
+
+/* one output value from t (the plain C path) */
+static inline void store_scalar(const i8_plan *p, void *y, long m, long n, int32_t t)
+{
+    const long at = m * p->N + n;
+    if (p->out == OUT_S32) { ((int32_t *)y)[at] = t; return; }
+    float r = act_scalar(p->scale[n] * (float)t, p->activation, p->alpha, p->beta);
+    if (p->activation == ACT_GEMM && kiln_gemm_activate != NULL)
+        kiln_gemm_activate(&r, 1, p->gemm_activation, p->alpha, p->beta);
+    if (p->out == OUT_F32) { ((float *)y)[at] = r; return; }
+    float q = r * (1.0f / p->y_scale);
+    q = q != q ? 0.0f : q;
+    q = q < -1e9f ? -1e9f : (q > 1e9f ? 1e9f : q);
+    long v = (long)__builtin_rintf(q) + p->y_zero;
+    if (p->out == OUT_U8) ((uint8_t *)y)[at] = (uint8_t)(v < 0 ? 0 : (v > 255 ? 255 : v));
+    else ((int8_t *)y)[at] = (int8_t)(v < -128 ? -128 : (v > 127 ? 127 : v));
+}
+
+typedef struct {
+    const i8_plan *p;
+    const uint8_t *a;  /* rows, stride astride (K rounded up to 4) */
+    long astride;
+    void *y;
+} i8_loop;
+
+#if defined(__AVX2__)
+/* The k loop of an R x NR tile alone (R constant; the epilogue kept out, as w16gemm.c found GCC spills the
+   accumulators otherwise): rows a + r·astride, the panel w, K4 groups of 4 k; the int32 sums to out [R][NR]. */
+#define DEFINE_KERNEL(R)                                                                                           \
+    static __attribute__((noinline)) void kernel_##R(const uint8_t *a, long astride, const int8_t *w, long K4,   \
+                                                     int32_t *out) {                                              \
+        __m256i acc[R][NV];                                                                                        \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                                       \
+            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) acc[r][v] = _mm256_setzero_si256();              \
+        const __m256i ones = _mm256_set1_epi16(1);                                                                 \
+        for (long q = 0; q < K4; q++) {                                                                            \
+            const __m256i *wq = (const __m256i *)(w + q * NR * 4);                                                 \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                                 \
+                int32_t bytes;                                                                                     \
+                memcpy(&bytes, a + r * astride + q * 4, 4);                                                        \
+                const __m256i b = _mm256_set1_epi32(bytes);                                                        \
+                _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) {                                            \
+                    const __m256i pairs = _mm256_maddubs_epi16(b, _mm256_loadu_si256(wq + v));                     \
+                    acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_madd_epi16(pairs, ones));                       \
+                }                                                                                                  \
+            }                                                                                                      \
+        }                                                                                                          \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                                       \
+            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++)                                                  \
+                _mm256_storeu_si256((__m256i *)(out + (r * NV + v) * LANES), acc[r][v]);                           \
+    }
+DEFINE_KERNEL(3)
+DEFINE_KERNEL(2)
+DEFINE_KERNEL(1)
+
+/* Relu / Clip on r (the activations the kernel applies in registers; ACT_GEMM's is applied to a tile's floats) */
+static inline __attribute__((always_inline)) __m256 clamp_activate(const i8_plan *p, __m256 r)
+{
+    if (p->activation == ACT_RELU) return _mm256_max_ps(r, _mm256_setzero_ps());
+    if (p->activation == ACT_CLIP)
+        return _mm256_min_ps(_mm256_max_ps(r, _mm256_set1_ps(p->alpha)), _mm256_set1_ps(p->beta));
+    return r;
+}
+
+/* r (activated) as 8 int32 of the 8-bit output: round(r·(1/y_scale)) + y_zero, ties to even, NaN saturating low */
+static inline __attribute__((always_inline)) __m256i requantize(const i8_plan *p, __m256 r)
+{
+    __m256 q = _mm256_mul_ps(r, _mm256_set1_ps(1.0f / p->y_scale)); /* a multiply, as w16gemm.c */
+    q = _mm256_min_ps(_mm256_max_ps(q, _mm256_set1_ps(-1e9f)), _mm256_set1_ps(1e9f)); /* NaN -> -1e9 */
+    return _mm256_add_epi32(_mm256_cvtps_epi32(q), _mm256_set1_epi32((int)p->y_zero));
+}
+
+/* count (<= 8) activated values r of row m, channels [n, n + count), to the float32 or 8-bit output */
+static inline __attribute__((always_inline)) void store_real(const i8_plan *p, void *y, long m, long n, __m256 r,
+                                                             long count)
+{
+    const long at = m * p->N + n;
+    if (p->out == OUT_F32) {
+        if (count == LANES) { _mm256_storeu_ps((float *)y + at, r); return; }
+        float s[LANES];
+        _mm256_storeu_ps(s, r);
+        memcpy((float *)y + at, s, sizeof(float) * count);
+        return;
+    }
+    const __m256i v = requantize(p, r);
+    const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    const __m128i bytes = p->out == OUT_U8 ? _mm_packus_epi16(words, words) : _mm_packs_epi16(words, words);
+    if (count == LANES) { _mm_storel_epi64((__m128i *)((uint8_t *)y + at), bytes); return; }
+    uint8_t s[16];
+    _mm_storeu_si128((__m128i *)s, bytes);
+    memcpy((uint8_t *)y + at, s, count);
+}
+
+/* NR = 32 activated values of row m, channels [n, n + 32), all real, requantized to 8 bits: one 32-byte store */
+static inline __attribute__((always_inline)) void store_bytes(const i8_plan *p, void *y, long m, long n,
+                                                              const __m256 *r)
+{
+    __m256i q[NV];
+    for (int v = 0; v < NV; v++) q[v] = requantize(p, r[v]);
+    /* packs work within 128-bit halves: bytes come out as [q0 0-3, q1 0-3, q2 0-3, q3 0-3 | the 4-7s] */
+    const __m256i w01 = _mm256_packs_epi32(q[0], q[1]), w23 = _mm256_packs_epi32(q[2], q[3]);
+    const __m256i bytes = p->out == OUT_U8 ? _mm256_packus_epi16(w01, w23) : _mm256_packs_epi16(w01, w23);
+    const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)((uint8_t *)y + m * p->N + n), ordered);
+}
+
+/* one panel (NR channels from n0) over every row */
+static void panel_item(void *ctx, long panel)
+{
+    const i8_loop *l = (const i8_loop *)ctx;
+    const i8_plan *p = l->p;
+    const long K4 = (p->K + 3) / 4, n0 = panel * NR;
+    const int8_t *w = p->w + panel * K4 * NR * 4;
+    int32_t sums[MR * NR] __attribute__((aligned(32)));
+    float real[MR * NR] __attribute__((aligned(32))); /* a tile's r for ACT_GEMM's activation pass */
+    __m256i offset[NV];
+    __m256 scale[NV];
+    for (int v = 0; v < NV; v++) {
+        offset[v] = _mm256_loadu_si256((const __m256i *)(p->offset + n0 + v * LANES));
+        scale[v] = _mm256_loadu_ps(p->scale + n0 + v * LANES);
+    }
+    const int whole_bytes = (p->out == OUT_U8 || p->out == OUT_S8) && n0 + NR <= p->N;
+    const int outside = p->activation == ACT_GEMM && kiln_gemm_activate != NULL;
+    for (long m0 = 0; m0 < p->M; m0 += MR) {
+        const long rows = p->M - m0 < MR ? p->M - m0 : MR;
+        const uint8_t *a = l->a + m0 * l->astride;
+        if (rows == 3) kernel_3(a, l->astride, w, K4, sums);
+        else if (rows == 2) kernel_2(a, l->astride, w, K4, sums);
+        else kernel_1(a, l->astride, w, K4, sums);
+        if (p->out == OUT_S32) {  /* t itself */
+            for (long r = 0; r < rows; r++)
+                for (int v = 0; v < NV && n0 + v * LANES < p->N; v++) {
+                    const long n = n0 + v * LANES, count = p->N - n < LANES ? p->N - n : LANES;
+                    int32_t t[LANES];
+                    _mm256_storeu_si256((__m256i *)t, _mm256_add_epi32(
+                        _mm256_load_si256((const __m256i *)(sums + (r * NV + v) * LANES)), offset[v]));
+                    memcpy((int32_t *)l->y + (m0 + r) * p->N + n, t, sizeof(int32_t) * count);
+                }
+            continue;
+        }
+        if (outside) {  /* r of the whole tile, then gemm.c's activation over it in one call */
+            for (long r = 0; r < rows; r++)
+                for (int v = 0; v < NV; v++) {
+                    const __m256i t = _mm256_add_epi32(
+                        _mm256_load_si256((const __m256i *)(sums + (r * NV + v) * LANES)), offset[v]);
+                    _mm256_store_ps(real + (r * NV + v) * LANES, _mm256_mul_ps(_mm256_cvtepi32_ps(t), scale[v]));
+                }
+            kiln_gemm_activate(real, (int)(rows * NR), p->gemm_activation, p->alpha, p->beta);
+        }
+        for (long r = 0; r < rows; r++) {
+            __m256 rv[NV];
+            for (int v = 0; v < NV; v++) {
+                if (outside) {
+                    rv[v] = _mm256_load_ps(real + (r * NV + v) * LANES);
+                    continue;
+                }
+                const __m256i t = _mm256_add_epi32(
+                    _mm256_load_si256((const __m256i *)(sums + (r * NV + v) * LANES)), offset[v]);
+                rv[v] = clamp_activate(p, _mm256_mul_ps(_mm256_cvtepi32_ps(t), scale[v]));
+            }
+            if (whole_bytes) {  /* the panel's 32 channels of the row requantized and stored as one vector */
+                store_bytes(p, l->y, m0 + r, n0, rv);
+                continue;
+            }
+            for (int v = 0; v < NV && n0 + v * LANES < p->N; v++) {
+                const long n = n0 + v * LANES;
+                store_real(p, l->y, m0 + r, n, rv[v], p->N - n < LANES ? p->N - n : LANES);
+            }
+        }
+    }
+}
+#else
+/* plain C: the same sums, int64 per value then taken as int32 (the sums fit: i8gemm.py's checks) */
+static void panel_item(void *ctx, long panel)
+{
+    const i8_loop *l = (const i8_loop *)ctx;
+    const i8_plan *p = l->p;
+    const long K4 = (p->K + 3) / 4;
+    const int8_t *w = p->w + panel * K4 * NR * 4;
+    for (long m = 0; m < p->M; m++)
+        for (long j = 0; j < NR && panel * NR + j < p->N; j++) {
+            int64_t acc = 0;
+            for (long k = 0; k < K4 * 4; k++)
+                acc += (int64_t)l->a[m * l->astride + k] * w[((k / 4) * NR + j) * 4 + k % 4];
+            store_scalar(p, l->y, m, panel * NR + j, (int32_t)(acc + p->offset[panel * NR + j]));
+        }
+}
+#endif
+
+static int max_threads(void)
+{
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+static void parallel_items(long count, int threads, kiln_item_fn fn, void *ctx)
+{
+    if (kiln_shared_parallel_for != NULL && threads > 1 && count > 1) {
+        kiln_shared_parallel_for(count, threads, fn, ctx);
+        return;
+    }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && count > 1)
+    for (long i = 0; i < count; ++i) fn(ctx, i);
+}
+
+/* y = the layer of x; returns 0, or 1 where a copy of the rows could not be allocated */
+int kiln_i8_run(const i8_plan *p, const void *x, void *y)
+{
+    const long K4 = (p->K + 3) / 4, panels = (p->N + NR - 1) / NR;
+    if (p->M <= 0 || p->N <= 0) return 0;  /* no rows (an empty batch) or no channels: nothing to write */
+    i8_loop l = {p, (const uint8_t *)x, p->K, y};
+    uint8_t *copy = NULL;
+    if (p->x_signed || p->K % 4) {  /* rows padded to K4·4 (and flipped to uint8) once per call */
+        copy = (uint8_t *)aligned_alloc(64, (size_t)((p->M * K4 * 4 + 63) / 64 * 64));
+        if (copy == NULL) return 1;
+        const uint8_t flip = p->x_signed ? 0x80 : 0;
+        for (long m = 0; m < p->M; m++) {
+            const uint8_t *src = (const uint8_t *)x + m * p->K;
+            uint8_t *dst = copy + m * K4 * 4;
+            for (long k = 0; k < p->K; k++) dst[k] = src[k] ^ flip;
+            for (long k = p->K; k < K4 * 4; k++) dst[k] = 0;
+        }
+        l.a = copy;
+        l.astride = K4 * 4;
+    }
+    const int threads = p->threads > 0 ? p->threads : max_threads();
+    parallel_items(panels, threads, panel_item, &l);
+    free(copy);
+    return 0;
+}
+
+/* The layer as a call of a native segment's loop (segment_loop.c call_fn): the input's and output's addresses
+   read from their dnnl_memory_t at each run. */
+int kiln_i8_call(void *object, void *stream, int nargs, const void *args)
+{
+    (void)stream; (void)nargs; (void)args;
+    const i8_plan *p = (const i8_plan *)object;
+    void *x = 0, *y = 0;
+    if (p->get_handle(p->x, &x) || !x || p->get_handle(p->y, &y) || !y) return 2;
+    return kiln_i8_run(p, x, y) ? 2 : 0;
+}
