@@ -369,8 +369,9 @@ class _CudaLike:  # a CPU engine that the Instance takes for a CUDA one: its con
     def __init__(self, engine, cost_ms):
         self.engine, self.cost_ms = engine, cost_ms
 
-    def create_execution_context(self, buckets=None, host_staging="off"):  # None: on, as a CUDA context's default
-        context = _graph_context(self.engine, True, self.cost_ms, buckets=True if buckets is None else buckets)
+    def create_execution_context(self, buckets=None, host_staging="off", batch_buckets=None):  # None: on, as CUDA's
+        context = _graph_context(self.engine, True, self.cost_ms, buckets=True if buckets is None else buckets,
+                                 batch_buckets=batch_buckets)
         if host_staging != "off":  # pinned memory and the CUDA event stood in (tests/unit/test_host_staging.py)
             from kiln.runtime.host_staging import HostStaging
             context._host_staging = HostStaging(torch.device("cpu"), host_staging,
@@ -409,14 +410,28 @@ def bert_fixed_seq():
     return engine, ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
 
 
-@pytest.mark.parametrize("costs,sync", [("flat", "spin"), ("linear", "spin"), ("linear", "staged")])
-def test_every_batch_a_served_engine_forms_replays_a_graph_warm_up_captured(monkeypatch, bert_fixed_seq, costs, sync):
+def _fewest_chunks(rows: int, sizes: list[int]) -> int:
+    """The fewest bucket sizes that sum to exactly `rows` (what a split takes where a replay's ms is its rows: every
+    padded row and every chunk beyond the first costs)."""
+    fewest = [0] + [rows + 1] * rows
+    for n in range(1, rows + 1):
+        fewest[n] = min((fewest[n - s] + 1 for s in sizes if s <= n), default=rows + 1)
+    return fewest[rows]
+
+
+@pytest.mark.parametrize("costs,sync,steps", [("flat", "spin", "pow2"), ("linear", "spin", "pow2"),
+                                              ("linear", "staged", "pow2"), ("flat", "spin", "half"),
+                                              ("linear", "spin", "half")])
+def test_every_batch_a_served_engine_forms_replays_a_graph_warm_up_captured(monkeypatch, bert_fixed_seq, costs, sync,
+                                                                            steps):
     """Issue 14: a CUDA instance's warm-up captures the graph of every batch bucket of a fixed-sequence profile (bench/
     serve.py's BERT: batch 1..max, seq fixed), reports them (graph_report: warm_up_captured, captured_all), and every
     batch size the batcher can hand it after (1..max rows, numpy as the spin path feeds, torch as pinned's) replays
     graphs only: no capture, no eager run (each call's graph_counts, summed into call_phases' graph counts); its
     answers are onnxruntime's. 'linear' replay times (ms = rows) make every batch off a bucket run split into
     bucket chunks (buckets.split), 'flat' ones (ms = 1 + rows / 100) padded to its bucket: both replay only.
+    `steps` "half" (batch_buckets: 12 between 8 and 16): warm-up captures it too, and a batch of 9..12 replays it
+    (flat) or splits by the measured times as the powers of two do (linear: 14 = 12 + 2, two replays, not three).
     The runtime's graphs are CPU stand-ins (tests/unit/test_direct_replay.py), torch.cuda's stream and event too;
     'staged': the numpy calls through the context's host staging (its pinned memory and event stood in)."""
     from kiln.serve.stats import ModelStats
@@ -427,7 +442,10 @@ def test_every_batch_a_served_engine_forms_replays_a_graph_warm_up_captured(monk
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: None)
     cost = (lambda rows: float(rows)) if costs == "linear" else (lambda rows: 1.0 + rows / 100)
-    instance = Instance(_CudaLike(engine, cost), "bert", 0, None, None, warm_up=True, cuda_sync=sync)
+    instance = Instance(_CudaLike(engine, cost), "bert", 0, None, None, warm_up=True, cuda_sync=sync,
+                        batch_buckets=steps)
+    buckets = [1, 2, 4, 8, 16] if steps == "pow2" else [1, 2, 4, 8, 12, 16]
+    assert instance.context.buckets.sizes("batch", 1, 16) == buckets
     staging = instance.context._host_staging
     assert (staging is not None) == (sync == "staged")
     stats = ModelStats("bert", "1")
@@ -435,8 +453,17 @@ def test_every_batch_a_served_engine_forms_replays_a_graph_warm_up_captured(monk
     try:
         report = instance.graph_report()
         assert instance.captured_all and report["captured_all"]
-        assert report["warm_up_captured"] == [f"{b}x16,{b}x16" for b in (1, 2, 4, 8, 16)], report
-        assert report["warm_up_eager"] == {} and report["captures"] == 5 and report["evictions"] == 0
+        assert report["warm_up_captured"] == [f"{b}x16,{b}x16" for b in buckets], report
+        assert report["warm_up_eager"] == {} and report["captures"] == len(buckets) and report["evictions"] == 0
+        replayed: list[int] = []  # the batch bucket of each padded replay
+        runner = instance.context.runner
+        replay_padded = runner.replay_padded
+
+        def recording(inputs, shapes, program=None):
+            replayed.append(shapes[0][0])
+            return replay_padded(inputs, shapes, program)
+
+        runner.replay_padded = recording
         rng = np.random.default_rng()
         sizes = list(range(1, 17)) + [int(b) for b in rng.integers(1, 17, 8)]
         for k, batch in enumerate(sizes):
@@ -449,9 +476,11 @@ def test_every_batch_a_served_engine_forms_replays_a_graph_warm_up_captured(monk
             outputs = instance.execute(feeds)
             counts = instance.graph_counts
             stats.record_phases(1, batch, 0, 0, 0, 1, instance.cpu_ns, instance.gpu_ns, 0, 0, 0, None, counts)
-            split = costs == "linear" and batch & (batch - 1) != 0  # off a bucket: chunks of buckets
+            split = costs == "linear" and batch not in buckets  # off a bucket: chunks of buckets
             assert (counts.captures, counts.eager, counts.splits) == (0, 0, int(split)), (batch, counts)
-            assert counts.replays == (bin(batch).count("1") if split else 1), (batch, counts)
+            assert counts.replays == (_fewest_chunks(batch, buckets) if split else 1), (batch, counts)
+            if not split:  # one replay, of the smallest bucket that holds the batch (12 for 9..12 rows with "half")
+                assert replayed[-1] == min(b for b in buckets if b >= batch), (batch, replayed[-1:])
             got = next(iter(outputs.values()))
             got = got.numpy() if isinstance(got, torch.Tensor) else got
             want = session.run(None, {"input_ids": ids, "attention_mask": mask})[0]
