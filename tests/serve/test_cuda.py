@@ -26,7 +26,7 @@ import kiln
 import kiln.serve
 from kiln.cli import main as kiln_main
 from kiln.serve import ServerThread
-from kiln.serve.config import cuda_sync_mode, parse_pbtxt
+from kiln.serve.config import batch_buckets_mode, cuda_sync_mode, parse_pbtxt
 from kiln.serve.core import ServerCore
 from kiln.serve.errors import ModelLoadError
 from kiln.serve.instances import GpuGate, Instance
@@ -280,6 +280,57 @@ def test_cuda_sync_flag(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         kiln_main(["serve", str(tmp_path), "--cuda-sync", "yield"])
     assert "--cuda-sync: invalid choice: 'yield'" in capsys.readouterr().err
+
+
+def test_batch_buckets_parameter_flag_and_each_instance(tmp_path, engines, monkeypatch, capsys):
+    """Issue 14: batch_buckets, the model's parameter over the server's --batch-buckets, reaches every instance's context
+    (a CPU instance's too: it pads only where its config turns buckets on)."""
+    half = parse_pbtxt('max_batch_size: 4\nparameters { key: "batch_buckets" value: { string_value: "half" } }',
+                       "m/config.pbtxt")
+    assert batch_buckets_mode(half) == "half" and batch_buckets_mode(half, "pow2") == "half"
+    plain = parse_pbtxt("max_batch_size: 4", "m/config.pbtxt")
+    assert batch_buckets_mode(plain) == "pow2" and batch_buckets_mode(plain, "half") == "half"
+    with pytest.raises(ModelLoadError, match=r"m/config.pbtxt:\n  parameter batch_buckets 'thirds': expected one of "
+                                             r"pow2, half"):
+        parse_pbtxt('parameters { key: "batch_buckets" value: { string_value: "thirds" } }', "m/config.pbtxt")
+
+    root = write_repository(tmp_path, engines)
+    seen = []
+    init = Instance.__init__
+
+    def recording(self, *args, batch_buckets, **kwargs):
+        seen.append(batch_buckets)
+        init(self, *args, batch_buckets=batch_buckets, **kwargs)
+
+    monkeypatch.setattr(Instance, "__init__", recording)
+    bucketed = CONFIGS["mlp"] + '\nparameters { key: "buckets" value: { string_value: "true" } }'
+    for config, default, expected in ((bucketed, "half", "half"), (bucketed, "pow2", "pow2"),
+                                      (bucketed + '\nparameters { key: "batch_buckets" value: { string_value: "half" } }',
+                                       "pow2", "half")):
+        (root / "mlp" / "config.pbtxt").write_text(config)
+        core = ServerCore(ModelRepository(root), batch_buckets=default)
+        asyncio.run(core.load("mlp"))
+        instances = core.model("mlp").batcher.instances
+        assert seen[-2:] == [expected] * 2
+        assert [i.context.buckets.batch_steps for i in instances] == [expected] * 2
+        asyncio.run(core.unload("mlp"))
+
+    served = []
+
+    class Recorded:  # kiln serve's Server, stopped before it serves
+        def __init__(self, options):
+            served.append(options)
+
+        async def serve_forever(self, started):
+            pass
+
+    monkeypatch.setattr(kiln.serve, "Server", Recorded)
+    assert kiln_main(["serve", str(tmp_path), "--batch-buckets", "half"]) == 0
+    assert kiln_main(["serve", str(tmp_path)]) == 0
+    assert [o.batch_buckets for o in served] == ["half", "pow2"]
+    with pytest.raises(SystemExit):
+        kiln_main(["serve", str(tmp_path), "--batch-buckets", "thirds"])
+    assert "--batch-buckets: invalid choice: 'thirds'" in capsys.readouterr().err
 
 
 class _Stream:  # torch.cuda.Stream without a GPU: counts its synchronizations
