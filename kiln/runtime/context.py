@@ -6,6 +6,7 @@ the CUDA graph paths (graph_paths.py), the CPU's direct paths (cpu_paths.py) and
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from kiln.runtime.graph_paths import GraphPaths, _cuda_static_signature
 from kiln.runtime.host_staging import HostStaging, staging_mode
 from kiln.runtime.static_replay import StaticReplay
 from kiln.runtime.warm_up import WarmingUp, WarmUp
+
+log = logging.getLogger(__name__)
 
 # run()'s direct replays (kiln/runtime/static_replay.py; a bucketed run's inputs written straight into its graph's,
 # GraphRunner.replay_padded): on for CUDA contexts, off with the environment's KILN_DIRECT_REPLAY=0 (H200,
@@ -98,6 +101,15 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
         if self._graph_packing is not None:
             self.buckets.batch = None  # a run of graphs_from positions packs (no row of padding costs a GEMM row);
             # a smaller one costs the GPU about as much at its bucket as at its rows: no split either way
+        if self.buckets is not None and batch_buckets == "half":
+            # half steps only where every profile's buckets fit the graph cache: past it, a stream over the profile
+            # would evict and capture again (BERT 1..32 x 1..512: 80 buckets, 71 padding-free, for 64 graphs)
+            most = max(self.bucket_graphs(k) for k in range(len(engine.profiles)))
+            if most > max_graphs:
+                self.buckets.batch_steps = "pow2"
+                log.warning("batch_buckets 'half': %d bucketed shapes would pass the %d graphs a context keeps; the "
+                            "batch buckets stay powers of two (%d shapes)", most, max_graphs,
+                            max(self.bucket_graphs(k) for k in range(len(engine.profiles))))
         self._static = _static_signature(engine) if self._token_mask is None else None
         self._whole_segment = _whole_segment(self.program) if self._static is not None else None
         # CPU engines with symbolic dims: the input signatures already checked, so a call of one of them
