@@ -361,7 +361,7 @@ class _Event:  # torch.cuda.Event without a GPU: where it was recorded, how ofte
 class _Context:  # an execution context whose run doubles its input, torch in -> torch out (CPU tensors stand in)
     runner = None
 
-    def __init__(self, host_staging="off"):
+    def __init__(self, host_staging="off", batch_buckets=None):
         self.fed = []
         self.host_staging = host_staging
 
