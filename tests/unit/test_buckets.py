@@ -202,7 +202,8 @@ def test_a_bucket_captured_by_a_run_has_its_replay_time_learned(bert):
 
 def _bert_buckets(steps: str):
     buckets = plan_buckets([Binding("input_ids", "int64", ["batch", "seq"]),
-                            Binding("attention_mask", "int64", ["batch", "seq"])], [Binding("y", "float", ["batch", "seq", 4])])
+                            Binding("attention_mask", "int64", ["batch", "seq"])],
+                           [Binding("y", "float", ["batch", "seq", 4])])
     buckets.batch_steps = steps
     return buckets
 
@@ -214,8 +215,8 @@ def test_half_batch_buckets_add_a_1_5x_step_from_8_and_cost_these_graphs():
     assert half.sizes("batch", 5, 20) == [8, 12, 16, 20] and half.sizes("batch", 1, 12) == [1, 2, 4, 8, 12]
     assert [half.bucket("batch", n, 1, 64) for n in (9, 12, 13, 17, 25, 33, 49)] == [12, 12, 16, 24, 32, 48, 64]
     assert half.sizes("seq", 1, 512) == pow2.sizes("seq", 1, 512)  # the sequence's ladder is its own
-    # the graphs a warm-up captures (one per batch x sequence bucket): BERT 1..32 x 1..512, 1..64 x 128 (bench/serve.py's
-    # profile: the sequence fixed) and 1..64 x 1..128
+    # the graphs a warm-up captures (one per batch x sequence bucket): BERT 1..32 x 1..512, 1..64 x 128
+    # (bench/serve.py's profile: the sequence fixed) and 1..64 x 1..128
     for steps, wide, served, short in ((pow2, 60, 7, 28), (half, 80, 10, 40)):
         assert len(steps.sizes("batch", 1, 32)) * len(steps.sizes("seq", 1, 512)) == wide
         assert len(steps.sizes("batch", 1, 64)) * len(steps.sizes("seq", 128, 128)) == served
