@@ -6,6 +6,7 @@
         --processes 4 --out $OUT                           # the H200 run (bench/serve_gpu.sh)
     python bench/serve.py --models empty --frontends 0 2    # kiln serve in one process, then with 2 front ends
     python bench/serve.py ... --device cuda --cuda-sync spin blocking   # CUDA instances' waits: a server each
+    python bench/serve.py ... --device cuda --batch-buckets pow2 half   # CUDA instances' batch buckets: a server each
 
 For each model and batching mode, one `kiln serve` subprocess on 127.0.0.1 (free ports) serves a
 repository written for the run; this process drives it with kiln.serve.perf: --client wire (default; requests
@@ -74,7 +75,8 @@ class Row:
     staging_mib: int = 0  # kiln serve --staging-mib (front ends' shared-memory arenas; 0: tensors over the socket)
     processes: int = 1  # client processes of the load generator
     busy: dict | None = None  # % of one core over the window: engine loop thread, engine process, per front end, per client
-    variant: str = ""  # the server of an A/B run: --trees' folder name, --cuda-sync's value ("" for one server alone)
+    variant: str = ""  # the server of an A/B run: --trees' folder name, --cuda-sync's, --batch-buckets' value ("" for one
+    # server alone)
     client: str = "wire"  # the load generator (kiln.serve.perf's client)
     phases: dict | None = None  # the window's call phases (_phases): us per call / per request
 
@@ -412,18 +414,20 @@ def run(args, report) -> list[Row]:
                 engine_path = tmp / f"{model}-{opt}.kiln"
                 kiln.build(str(onnx_path), **options).save(engine_path)
                 _write_repository(root, _served_name(model, batching), engine_path, batching, args)
-            servers = [(n, m, t, s) for n in args.frontends for m in (args.staging_mib if n else [0]) for t in args.trees
-                       for s in args.cuda_sync or [None]]
-            for frontends, mib, tree, sync in servers:
+            servers = [(n, m, t, s, b) for n in args.frontends for m in (args.staging_mib if n else [0])
+                       for t in args.trees for s in args.cuda_sync or [None] for b in args.batch_buckets or [None]]
+            for frontends, mib, tree, sync, steps in servers:
                 process, ports = _start(root, frontends, mib, tree=Path(tree),
-                                        extra=("--cuda-sync", sync) if sync else ())
+                                        extra=(("--cuda-sync", sync) if sync else ())
+                                        + (("--batch-buckets", steps) if steps else ()))
                 try:
                     for processes in args.processes:
                         for batching in modes:
                             for protocol in args.protocols:
                                 try:
                                     rows += _measure(model, batching, protocol, frontends, (process.pid, ports), pool,
-                                                     args, rows, report, mib, processes, _variant(tree, sync, args))
+                                                     args, rows, report, mib, processes,
+                                                     _variant(tree, sync, args, steps))
                                 except Exception as e:  # noqa: BLE001 - one sweep failing leaves the others to run
                                     print(f"{model} batching {batching} over {protocol}, {frontends} front ends, "
                                           f"{processes} client processes: failed: {type(e).__name__}: {e}", flush=True)
@@ -436,10 +440,11 @@ def run(args, report) -> list[Row]:
     return rows
 
 
-def _variant(tree: str, sync: str | None, args) -> str:
-    """What tells this server from the run's others: its tree's folder name, its --cuda-sync."""
+def _variant(tree: str, sync: str | None, args, steps: str | None = None) -> str:
+    """What tells this server from the run's others: its tree's folder name, its --cuda-sync, its --batch-buckets."""
     names = ([Path(tree).resolve().name] if len(args.trees) > 1 else []) + \
-        ([f"sync {sync}"] if args.cuda_sync and len(args.cuda_sync) > 1 else [])
+        ([f"sync {sync}"] if args.cuda_sync and len(args.cuda_sync) > 1 else []) + \
+        ([f"buckets {steps}"] if args.batch_buckets and len(args.batch_buckets) > 1 else [])
     return ", ".join(names)
 
 
@@ -549,7 +554,8 @@ def _machine(args) -> str:
             f"{'one connection per client' if args.streams == 1 else f'{args.streams} gRPC calls a connection'}; kiln serve "
             f"--frontends "
             f"{' / '.join(map(str, args.frontends))}"
-            + (f", --cuda-sync {' / '.join(args.cuda_sync)}" if args.cuda_sync else ""))
+            + (f", --cuda-sync {' / '.join(args.cuda_sync)}" if args.cuda_sync else "")
+            + (f", --batch-buckets {' / '.join(args.batch_buckets)}" if args.batch_buckets else ""))
 
 
 def main() -> None:
@@ -588,6 +594,9 @@ def main() -> None:
     parser.add_argument("--cuda-sync", nargs="+", choices=["spin", "pinned", "blocking", "staged"],
                         help="kiln serve --cuda-sync values, a server each for every other setting (A/B in one run; "
                              "rows say the value after the model); default: the flag left out")
+    parser.add_argument("--batch-buckets", nargs="+", choices=["pow2", "half"],
+                        help="kiln serve --batch-buckets values, a server each for every other setting (A/B in one "
+                             "run; rows say the value after the model); default: the flag left out")
     parser.add_argument("--out", help="write serve.md into this folder instead of appending to bench/results/")
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()

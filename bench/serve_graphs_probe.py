@@ -2,6 +2,7 @@
 
     python bench/serve_graphs_probe.py                       # BERT-base fp16, batch 1..64 x seq 128 (bench/serve.py's)
     python bench/serve_graphs_probe.py --model bert_tiny --device cpu --max-batch 16 --calls 5   # a smoke run
+    python bench/serve_graphs_probe.py --bucket-steps        # issue 14: pow2 vs half batch buckets (then stops)
 
 One execution context as a served instance makes it (kiln/serve/instances.py: buckets default, warm_up twice), then:
 1. what warm-up captured: each graph's input shapes and its replay time measured at capture (the buckets' costs,
@@ -19,6 +20,13 @@ One execution context as a served instance makes it (kiln/serve/instances.py: bu
    numpy out, one pageable direction each; staged; staged-pinned), calls/s of the two together against one alone
    (together / alone: 2.00 is full overlap, 1.00 none), each call's wall, span and thread CPU ms.
 Medians of `calls` calls each. A table per step on stdout. No server, no network.
+
+--bucket-steps (issue 14, bench/gpu_s32a.sh) instead: two contexts, batch_buckets "pow2" and "half" (kiln/runtime/
+buckets.py: also 12, 24, 48 between the powers of two), each warmed up as an instance's; per context its warm-up's
+seconds, graphs and their MiB; each batch bucket's replay ms at capture side by side; then per batch size (--batches,
+default 9..16, 20, 24, 28, 40, 48) how each context runs it (its bucket, or the split's chunks) and the call's wall
+and span, device tensors in and out (the GPU's time, no host copies) and numpy (as the spin path), pow2 and half
+interleaved over --rounds rounds; medians, and half's span over pow2's.
 """
 
 from __future__ import annotations
@@ -153,6 +161,69 @@ def _pair(contexts, streams, feeds: dict, mode: str, calls: int, device: str) ->
     return alone, results, alone_rate, together
 
 
+STEPS_BATCHES = "9,10,11,12,13,14,16,20,24,28,40,48"
+
+
+def _bucket_steps(engine, args, cuda: bool) -> None:
+    """--bucket-steps: pow2 against half batch buckets, one context each (module docstring)."""
+    contexts = {}
+    for steps in ("pow2", "half"):
+        t = time.perf_counter()
+        context = engine.create_execution_context(host_staging="off", buckets=True, batch_buckets=steps)
+        context.warm_up()
+        context.warm_up()
+        took = time.perf_counter() - t
+        stats = context.runner.stats if context.runner is not None else None
+        print(f"{steps}: batch buckets {context.buckets.sizes('batch', 1, args.max_batch)}; warm-up (twice) "
+              f"{took:.1f} s" + (f"; {stats.graphs} graphs, {stats.graph_bytes / 2**20:.1f} MiB of graphs, "
+                                 f"{stats.captures} captures, {stats.evictions} evictions" if stats else ""), flush=True)
+        contexts[steps] = context
+    costs = {steps: next(iter(c.buckets.costs.values()), {}) for steps, c in contexts.items()}
+    print("\n1. replay ms at capture per batch bucket (seq %d)" % args.seq)
+    print("| batch bucket | pow2 ms | half ms |")
+    print("|---|---|---|")
+    for bucket in sorted(set(contexts["half"].buckets.sizes("batch", 1, args.max_batch))
+                         | set(contexts["pow2"].buckets.sizes("batch", 1, args.max_batch))):
+        cells = [f"{costs[s][bucket]:.3f}" if bucket in costs[s] else "-" for s in ("pow2", "half")]
+        print(f"| {bucket} | {' | '.join(cells)} |")
+    rng = np.random.default_rng(0)
+    kinds = ["device", "numpy"] if cuda else ["numpy"]
+    batches = [int(b) for b in (args.batches or STEPS_BATCHES).split(",") if int(b) <= args.max_batch]
+    spans: dict[tuple[int, str, str], list[float]] = {}
+    walls: dict[tuple[int, str, str], list[float]] = {}
+    print(f"\n2. calls, {args.calls} each after 3, pow2 and half interleaved over {args.rounds} round(s)")
+    print("| batch | feeds | round | buckets | runs as | replay ms of that | wall ms | span ms | replays/call | "
+          "splits/call |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for batch in batches:
+        host = _feeds(rng, batch, args.seq, None)
+        for round_ in range(args.rounds):
+            for kind in kinds:
+                for steps, context in contexts.items():
+                    b = context.buckets
+                    targets = b.targets(list(host.values()), engine.profiles[0], engine.input_names)
+                    chunks = b.split(targets) or [(batch, targets["batch"][1])]
+                    runs_as = " + ".join(str(size) for _, size in chunks)
+                    known = [costs[steps].get(size) for _, size in chunks]
+                    replay = f"{sum(known):.3f}" if known and None not in known else "-"
+                    r = _time_calls(context, _mode_feeds(host, kind, args.device), args.calls, cuda)
+                    spans.setdefault((batch, kind, steps), []).append(r["span"])
+                    walls.setdefault((batch, kind, steps), []).append(r["wall"])
+                    c = r["counts"]
+                    print(f"| {batch} | {kind} | {round_ + 1} | {steps} | {runs_as} | {replay} | {r['wall']:.3f} | "
+                          f"{r['span']:.3f} | {c[0]:.2f} | {c[3]:.2f} |", flush=True)
+    print("\n3. medians over the rounds: half / pow2 (below 1.00: half is faster)")
+    print("| batch | feeds | pow2 wall ms | half wall ms | half / pow2 wall | pow2 span ms | half span ms | "
+          "half / pow2 span |")
+    print("|---|---|---|---|---|---|---|---|")
+    for batch in batches:
+        for kind in kinds:
+            w = [statistics.median(walls[(batch, kind, s)]) for s in ("pow2", "half")]
+            sp = [statistics.median(spans[(batch, kind, s)]) for s in ("pow2", "half")]
+            print(f"| {batch} | {kind} | {w[0]:.3f} | {w[1]:.3f} | {w[1] / w[0]:.2f} | {sp[0]:.3f} | {sp[1]:.3f} | "
+                  f"{sp[1] / sp[0]:.2f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="bert_base")
@@ -160,10 +231,14 @@ def main() -> None:
     ap.add_argument("--precision", default="fp16")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--max-batch", type=int, default=64)
-    ap.add_argument("--batches", default="1,4,8,12,16,24,32,64")
+    ap.add_argument("--batches", default=None, help="batch sizes of step 2, comma-separated (default 1,4,8,12,16,24,"
+                    f"32,64; with --bucket-steps {STEPS_BATCHES})")
+    ap.add_argument("--bucket-steps", action="store_true",
+                    help="compare pow2 and half batch buckets (module docstring) instead of steps 1-3")
     ap.add_argument("--pair-batches", default="12,64", help="rows per call of step 3, comma-separated (0: skip it)")
     ap.add_argument("--pair-modes", default=";".join(MODES), help="step 3's feed modes, separated by \";\"")
-    ap.add_argument("--rounds", type=int, default=2, help="step 3: every mode this many times, modes interleaved")
+    ap.add_argument("--rounds", type=int, default=2, help="step 3 (--bucket-steps: step 2): every mode this many times, "
+                    "modes interleaved")
     ap.add_argument("--calls", type=int, default=30)
     args = ap.parse_args()
     cuda = args.device == "cuda"
@@ -179,6 +254,9 @@ def main() -> None:
     print(f"== {args.model} {args.precision if cuda else 'fp32'} on {torch.cuda.get_device_name() if cuda else 'cpu'}"
           f", batch 1..{args.max_batch} x seq {args.seq}; export + build {time.perf_counter() - t:.1f} s", flush=True)
 
+    if args.bucket_steps:
+        _bucket_steps(engine, args, cuda)
+        return
     context = engine.create_execution_context(host_staging="off")
     t = time.perf_counter()
     context.warm_up()
@@ -200,7 +278,7 @@ def main() -> None:
     print("\n2. calls: batch | bucket | feeds | wall ms (min-max) | span ms | bucket replay ms | span / replay "
           "| thread CPU ms | replays/call | captures/call | eager/call | splits/call | outputs = numpy's")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for batch in [int(b) for b in args.batches.split(",") if int(b) <= args.max_batch]:
+    for batch in [int(b) for b in (args.batches or "1,4,8,12,16,24,32,64").split(",") if int(b) <= args.max_batch]:
         bucket = min((b for b in costs if b >= batch), default=None)
         replay = costs.get(bucket) if bucket else None
         host = _feeds(rng, batch, args.seq, None)

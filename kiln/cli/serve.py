@@ -52,6 +52,10 @@ def add_parser(verbs) -> None:
                         "before the model is ready, so no request pays a new shape's binding (a model's config "
                         "overrides it: parameters warm_up) (default %(default)s s; true: that cap; bench/results/"
                         "serve-warmup-2026-12-04c.md)")
+    p.add_argument("--batch-buckets", default="pow2", choices=["pow2", "half"],
+                   help="the batch sizes a bucketed (CUDA) instance pads a call to and captures graphs at, where a "
+                        "model's config sets no batch_buckets parameter: pow2 (1, 2, 4, 8, 16, ...) or half (also 12, "
+                        "24, 48, ...: a 1.5x step from 8; less padding, more graphs) (default %(default)s)")
     p.add_argument("--cuda-sync", default="spin", choices=["spin", "pinned", "blocking", "staged"],
                    help="how CUDA instances wait for their streams, where a model's config sets no cuda_sync parameter: "
                         "spin (CUDA's default schedule: a waiting thread polls, a core while it waits), pinned (spin's "
@@ -197,7 +201,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         grpc_transport=args.grpc_transport, grpc=_grpc_options(args),
         load_models=(args.load_model or []) if args.model_control_mode == "explicit" else None,
         max_queue_size=args.max_queue_size, max_request_bytes=int(args.max_request_mb * (1 << 20)),
-        warm_up=args.warm_up, cuda_sync=args.cuda_sync,
+        warm_up=args.warm_up, cuda_sync=args.cuda_sync, batch_buckets=args.batch_buckets,
         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level, frontends=args.frontends,
         staging_bytes=args.staging_mib << 20)
     if args.staging_mib < 0:

@@ -19,6 +19,13 @@ padded by up to 2x when splitting it costs less: its rows run as several bucket-
 (25 = 16 + 8 + 1), each a graph replay, chosen by the replay times each bucket's capture measured
 (`split`). BERT with batch 1..32 x seq 1..512: 6 x 10 = 60 buckets.
 
+A context may ask for batch buckets with a 1.5x step between powers of two from HALF_BATCH_FROM (`batch_steps`
+"half": 1, 2, 4, 8, 12, 16, 24, 32, 48, 64, ...): a served call of ~12 merged requests then replays the 12 bucket,
+not 16 (a quarter of its GPU time is padding there), and the split still picks the cheapest cover by the measured
+replays. It costs graphs: 8 x 10 = 80 buckets for 1..32 x 1..512 (past MAX_GRAPHS, 64: a stream over the whole
+profile would evict), 10 x 4 = 40 for 1..64 x 128 (pow2: 28), so it is a choice ("pow2" by default; kiln serve's
+batch_buckets parameter, --batch-buckets), not the rule.
+
 A padding-free engine (kiln/passes/remove_padding.py) computes only its packed rows, so padding the batch and the
 sequence costs it the few layers before the packing: where CUDA graphs replay, a run of 2K+ bucketed positions is
 padded to the profile's largest shape and packed to its token bucket (graph_rows), one graph per token bucket,
@@ -36,6 +43,8 @@ import torch.nn.functional as F
 from kiln.plan.spec import MASK_NAMES, Binding, Profile
 
 SEQUENCE_FLOOR = 16
+HALF_BATCH_FROM = 8  # batch_steps "half": a 1.5x step between powers of two from here (12, 24, 48, ...)
+BATCH_STEPS = ("pow2", "half")  # a batch's buckets: powers of two only, or with the 1.5x steps from HALF_BATCH_FROM
 HALF_STEP_FROM = 128  # sequences: a 1.5x step between powers of two from here
 QUARTER_STEPS_FROM = 256  # sequences: steps of a quarter of the power of two from here
 MAX_CHUNKS = 4  # a split batch runs as at most this many replays
@@ -54,12 +63,15 @@ class Buckets:
     # measured ms of one replay per bucket: {other symbols' (symbol, bucket) pairs: {batch bucket: ms}}
     costs: dict[tuple, dict[int, float]] = field(default_factory=dict)
     _splits: dict[tuple, list[tuple[int, int]] | None] = field(default_factory=dict)  # split()'s answers
+    batch_steps: str = "pow2"  # BATCH_STEPS: the buckets of a batch (a symbol of floor 1)
 
     def sizes(self, symbol: str, low: int, high: int) -> list[int]:
         """The buckets of `symbol` inside [low, high]: powers of two from the floor (sequences with
-        a 1.5x step from HALF_STEP_FROM and quarter steps from QUARTER_STEPS_FROM), and high."""
+        a 1.5x step from HALF_STEP_FROM and quarter steps from QUARTER_STEPS_FROM; a batch with a 1.5x step
+        from HALF_BATCH_FROM where batch_steps is "half"), and high."""
         floor = max(self.symbols[symbol], 1)
-        return [s for s in _ladder(floor, high, sequence=floor > 1) if s >= low] + [high]
+        half_from = HALF_STEP_FROM if floor > 1 else HALF_BATCH_FROM if self.batch_steps == "half" else None
+        return [s for s in _ladder(floor, high, sequence=floor > 1, half_from=half_from) if s >= low] + [high]
 
     def bucket(self, symbol: str, value: int, low: int, high: int) -> int:
         return next(s for s in self.sizes(symbol, low, high) if s >= value)
@@ -166,15 +178,15 @@ def pad_to(x: torch.Tensor, out: torch.Tensor) -> None:
     out[tuple(slice(0, n) for n in x.shape)].copy_(x)
 
 
-def _ladder(floor: int, high: int, sequence: bool) -> list[int]:
-    """Bucket sizes below `high`: powers of two from `floor`; a sequence's with a 1.5x step from
-    HALF_STEP_FROM and quarter steps from QUARTER_STEPS_FROM."""
+def _ladder(floor: int, high: int, sequence: bool, half_from: int | None = HALF_STEP_FROM) -> list[int]:
+    """Bucket sizes below `high`: powers of two from `floor`, with a 1.5x step from `half_from` (None: none); a
+    sequence's also quarter steps from QUARTER_STEPS_FROM."""
     ladder, size = [], floor
     while size < high:
         ladder.append(size)
         if sequence and size >= QUARTER_STEPS_FROM:
             ladder += [size + k * size // 4 for k in (1, 2, 3) if size + k * size // 4 < high]
-        elif sequence and size >= HALF_STEP_FROM and size * 3 // 2 < high:
+        elif half_from is not None and size >= half_from and size * 3 // 2 < high:
             ladder.append(size * 3 // 2)
         size *= 2
     return ladder

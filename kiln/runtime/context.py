@@ -6,6 +6,7 @@ the CUDA graph paths (graph_paths.py), the CPU's direct paths (cpu_paths.py) and
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -18,13 +19,15 @@ from kiln.errors import BindingError, EngineFormatError
 from kiln.kernels.cpu import omp_governor
 from kiln.ir import dtypes
 from kiln.runtime.bindings import NumpyCheck, _check_value, _numpy_signature, _tensor_signature, _to_user
-from kiln.runtime.buckets import PACKING, graph_rows, packed_rows, packing_rule, plan_buckets
+from kiln.runtime.buckets import BATCH_STEPS, PACKING, graph_rows, packed_rows, packing_rule, plan_buckets
 from kiln.runtime.cpu_paths import CpuPaths, _static_signature, _whole_segment
 from kiln.runtime.cuda_graphs import MAX_GRAPHS, MEMORY_BUDGET, GraphRunner
 from kiln.runtime.graph_paths import GraphPaths, _cuda_static_signature
 from kiln.runtime.host_staging import HostStaging, staging_mode
 from kiln.runtime.static_replay import StaticReplay
 from kiln.runtime.warm_up import WarmingUp, WarmUp
+
+log = logging.getLogger(__name__)
 
 # run()'s direct replays (kiln/runtime/static_replay.py; a bucketed run's inputs written straight into its graph's,
 # GraphRunner.replay_padded): on for CUDA contexts, off with the environment's KILN_DIRECT_REPLAY=0 (H200,
@@ -37,7 +40,8 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
 
     def __init__(self, engine: Any, use_cuda_graphs: bool | None = None, buckets: bool | None = None,
                  max_graphs: int = MAX_GRAPHS, graph_memory_budget: int = MEMORY_BUDGET, packing: str = "auto",
-                 pad_first_calls: bool | None = None, warm_up: bool = False, host_staging: str | bool | None = None):
+                 pad_first_calls: bool | None = None, warm_up: bool = False, host_staging: str | bool | None = None,
+                 batch_buckets: str | None = None):
         """`buckets`: pad dynamic dims to a few sizes where padding is exact (kiln/runtime/buckets.py);
         default on for CUDA graphs (a bounded number of graphs), off on the CPU (padding only costs
         there). `max_graphs`, `graph_memory_budget`: the CUDA graph cache's bounds (LRU). `packing`, for a
@@ -54,9 +58,16 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
         `host_staging`, for a CUDA engine: a numpy call's inputs and outputs through pinned buffers of this context,
         one wait per call with the GIL released (kiln/runtime/host_staging.py): "copy" (outputs fresh arrays, as
         before), "pinned" (outputs over pinned blocks of torch's host cache), "off" (pageable copies, as before);
-        default the environment's KILN_HOST_STAGING, else "off". Ignored on the CPU."""
+        default the environment's KILN_HOST_STAGING, else "off". Ignored on the CPU.
+        `batch_buckets`, with buckets: "pow2" (a batch pads to powers of two) or "half" (also 12, 24, 48, ...: a 1.5x
+        step from 8; more graphs, less padding: kiln/runtime/buckets.py); default the environment's
+        KILN_BATCH_BUCKETS, else "pow2"."""
         if packing not in PACKING:
             raise ValueError(f"packing={packing!r}: expected one of {PACKING}")
+        if batch_buckets is None:
+            batch_buckets = os.environ.get("KILN_BATCH_BUCKETS") or "pow2"
+        if batch_buckets not in BATCH_STEPS:
+            raise ValueError(f"batch_buckets={batch_buckets!r}: expected one of {BATCH_STEPS}")
         self.engine = engine
         # libgomp's wait per call: spin while a run is in progress, park after it (kiln/kernels/cpu/omp_governor.py)
         self._omp = omp_governor.governor() if engine.device.type == "cpu" else None
@@ -79,6 +90,8 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
             buckets = self.runner is not None and self.runner.use_graphs
         pad_dims = engine.plan.header.get("build_config", {}).get("pad_dims") or []
         self.buckets = plan_buckets(engine.inputs, engine.outputs, pad_dims) if buckets and engine.profiles else None
+        if self.buckets is not None:
+            self.buckets.batch_steps = batch_buckets
         # a padding-free engine: each run says how many rows it packs (a token bucket where shapes are bucketed)
         self._token_mask = _token_mask_position(engine)
         if self._token_mask is not None and self.buckets is not None and self.plain_program is None:
@@ -88,6 +101,15 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
         if self._graph_packing is not None:
             self.buckets.batch = None  # a run of graphs_from positions packs (no row of padding costs a GEMM row);
             # a smaller one costs the GPU about as much at its bucket as at its rows: no split either way
+        if self.buckets is not None and batch_buckets == "half":
+            # half steps only where every profile's buckets fit the graph cache: past it, a stream over the profile
+            # would evict and capture again (BERT 1..32 x 1..512: 80 buckets, 71 padding-free, for 64 graphs)
+            most = max(self.bucket_graphs(k) for k in range(len(engine.profiles)))
+            if most > max_graphs:
+                self.buckets.batch_steps = "pow2"
+                log.warning("batch_buckets 'half': %d bucketed shapes would pass the %d graphs a context keeps; the "
+                            "batch buckets stay powers of two (%d shapes)", most, max_graphs,
+                            max(self.bucket_graphs(k) for k in range(len(engine.profiles))))
         self._static = _static_signature(engine) if self._token_mask is None else None
         self._whole_segment = _whole_segment(self.program) if self._static is not None else None
         # CPU engines with symbolic dims: the input signatures already checked, so a call of one of them

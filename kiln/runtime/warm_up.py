@@ -60,19 +60,7 @@ class WarmingUp:
         if plan is None:
             return 0
         start = time.perf_counter()
-        symbols: dict[str, list[int]] = {}
-        ladder = self.buckets if self.buckets is not None else getattr(self._first_calls, "buckets", None)
-        hosts = self.buckets is None and self._first_calls is not None  # the CPU's ladder of hosts
-        for b in self.engine.inputs:
-            r = plan.inputs.get(b.name)
-            for axis, d in enumerate(b.shape or []):
-                if isinstance(d, str) and r is not None and d not in symbols:
-                    if ladder is not None and d in ladder.symbols:
-                        symbols[d] = self._host_sizes(d, r.min[axis], r.max[axis]) if hosts \
-                            else ladder.sizes(d, r.min[axis], r.max[axis])
-                    else:
-                        symbols[d] = [r.opt[axis]]
-        shapes = [dict(zip(symbols, values)) for values in itertools.product(*symbols.values())]
+        shapes = self._warm_up_shapes(plan)
         stopped = "every shape run"
         if self._graph_packing is not None:
             runs = self._warm_up_graph_packing(plan, shapes)
@@ -106,6 +94,39 @@ class WarmingUp:
         bound = len(self._first_calls.bound) if self._first_calls is not None else 0
         self.warmed_up = WarmUp(runs, len(shapes), bound, time.perf_counter() - start, stopped)
         return runs
+
+    def _warm_up_shapes(self, plan: Profile) -> list[dict[str, int]]:
+        """The sizes of every symbolic dim warm_up runs at `plan`: each combination of the buckets' sizes (the CPU's
+        hosts with padded first calls), the opt size of a dim not padded."""
+        symbols: dict[str, list[int]] = {}
+        ladder = self.buckets if self.buckets is not None else getattr(self._first_calls, "buckets", None)
+        hosts = self.buckets is None and self._first_calls is not None  # the CPU's ladder of hosts
+        for b in self.engine.inputs:
+            r = plan.inputs.get(b.name)
+            for axis, d in enumerate(b.shape or []):
+                if isinstance(d, str) and r is not None and d not in symbols:
+                    if ladder is not None and d in ladder.symbols:
+                        symbols[d] = self._host_sizes(d, r.min[axis], r.max[axis]) if hosts \
+                            else ladder.sizes(d, r.min[axis], r.max[axis])
+                    else:
+                        symbols[d] = [r.opt[axis]]
+        return [dict(zip(symbols, values)) for values in itertools.product(*symbols.values())]
+
+    def bucket_graphs(self, profile: int = 0) -> int:
+        """How many bucketed signatures warm_up(profile) runs, each a CUDA graph where graphs replay: every
+        combination of the buckets' sizes; a context packing by graph_rows, its plain buckets below graphs_from
+        positions, a packed one per token bucket and the plain largest shape (_warm_up_graph_packing)."""
+        plan = self.engine.profiles[profile] if self.engine.profiles else None
+        if plan is None or self.buckets is None:
+            return 0
+        shapes = self._warm_up_shapes(plan)
+        if self._graph_packing is None:
+            return len(shapes)
+        mask_symbols = [d for d in self.engine.inputs[self._token_mask].shape if isinstance(d, str)]
+        small = sum(1 for sizes in shapes if math.prod(sizes.get(d, 1) for d in mask_symbols)
+                    < self._graph_packing.graphs_from)
+        most = math.prod(max(sizes.get(d, 1) for sizes in shapes) for d in mask_symbols)
+        return small + len(graph_token_buckets(most, self._graph_packing)) + 1
 
     def _host_sizes(self, symbol: str, low: int, high: int) -> list[int]:
         """The sizes of `symbol` a CPU warm-up binds as hosts of first calls (first_calls.host_sizes)."""

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kiln import Engine
-from kiln.serve.config import CUDA_SYNC_DEFAULT, WARM_UP_DEFAULT, ModelConfig, cuda_sync_mode, warm_up_seconds
+from kiln.serve.config import (BATCH_BUCKETS_DEFAULT, CUDA_SYNC_DEFAULT, WARM_UP_DEFAULT, ModelConfig,
+                               batch_buckets_mode, cuda_sync_mode, warm_up_seconds)
 from kiln.serve.errors import QueueFull, RequestTimeout, Unavailable
 from kiln.serve.instances import Instance
 from kiln.serve.stats import ModelStats
@@ -236,7 +237,8 @@ class Batcher:
     an instance's result comes back as a callback that answers the futures and dispatches again."""
 
     def __init__(self, engine: Engine, config: ModelConfig, stats: ModelStats, max_queue_size: int,
-                 warm_up: str = WARM_UP_DEFAULT, cuda_sync: str = CUDA_SYNC_DEFAULT):
+                 warm_up: str = WARM_UP_DEFAULT, cuda_sync: str = CUDA_SYNC_DEFAULT,
+                 batch_buckets: str = BATCH_BUCKETS_DEFAULT):
         self.config = config
         self.stats = stats
         self.shapes = BatchShapes(engine, config)
@@ -248,9 +250,10 @@ class Batcher:
         self.max_queue_size = config.queue_bound or max_queue_size
         warm_up_s = warm_up_seconds(config, warm_up)  # the model's warm_up parameter, else the server's default
         sync = cuda_sync_mode(config, cuda_sync)  # likewise
+        steps = batch_buckets_mode(config, batch_buckets)  # likewise
         self.instances = [Instance(engine, config.name, k, self._run_batch, self._finish, _flag(config, "buckets"),
                                    warm_up=warm_up_s is not None or "warm_up" not in config.parameters,
-                                   warm_up_s=warm_up_s, cuda_sync=sync)
+                                   warm_up_s=warm_up_s, cuda_sync=sync, batch_buckets=steps)
                           for k in range(config.instance_count)]
         stats.warm_up = [i.warmed_up for i in self.instances if i.warmed_up is not None]
         if any(i.cuda for i in self.instances):

@@ -21,6 +21,9 @@ its name, never silently dropped. What kiln serve reads:
                             Triton's model_warmup, sample requests, is refused: kiln makes its own);
                             cuda_sync: spin | pinned | blocking | staged (how a CUDA instance waits for its stream,
                             kiln/serve/instances.py; default: the server's --cuda-sync);
+                            batch_buckets: pow2 | half (the batch buckets a CUDA instance's graphs are captured
+                            at: powers of two, or also 12, 24, 48, ... (less padding, more graphs),
+                            kiln/runtime/buckets.py; default: the server's --batch-buckets);
                             under --ray, with --autoscale: ray_target_ongoing_requests and the
                             autoscaler's timing, ray_upscale_delay_s, ray_downscale_delay_s,
                             ray_look_back_period_s, ray_metrics_interval_s (seconds; default: the
@@ -45,6 +48,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from tritonclient.grpc import model_config_pb2 as pb
 
 from kiln import Engine
+from kiln.runtime.buckets import BATCH_STEPS
 from kiln.serve import datatypes
 from kiln.serve.datatypes import Datatype
 from kiln.serve.errors import ModelLoadError
@@ -55,7 +59,7 @@ PLATFORMS = {"", "kiln", "onnxruntime_onnx", "onnxruntime"}
 RAY_PARAMETERS = {"ray_target_ongoing_requests", "ray_upscale_delay_s", "ray_downscale_delay_s",
                   "ray_look_back_period_s", "ray_metrics_interval_s"}
 PARAMETERS = {"precision", "opt_level", "profile", "pad_dims", "pad_to_merge", "buckets", "warm_up", "cuda_sync",
-              *RAY_PARAMETERS}
+              "batch_buckets", *RAY_PARAMETERS}
 UNSUPPORTED = ["sequence_batching", "ensemble_scheduling", "batch_input", "batch_output", "response_cache",
                "model_transaction_policy", "model_repository_agents"]
 # warm_up's default (ServeOptions.warm_up, `kiln serve --warm-up`): a CPU instance binds the profile's shapes for at
@@ -65,6 +69,9 @@ WARM_UP_DEFAULT = "0.5"
 # (ServeOptions.cuda_sync, `kiln serve --cuda-sync`)
 CUDA_SYNCS = ("spin", "pinned", "blocking", "staged")
 CUDA_SYNC_DEFAULT = "spin"
+# a bucketed instance's batch buckets (kiln/runtime/buckets.py BATCH_STEPS), where a model's config sets no batch_buckets
+# parameter (ServeOptions.batch_buckets, `kiln serve --batch-buckets`): "pow2" until a GPU measures "half" served
+BATCH_BUCKETS_DEFAULT = "pow2"
 
 
 @dataclass
@@ -279,7 +286,7 @@ def from_proto(message: pb.ModelConfig, where: str) -> ModelConfig:
     unknown = sorted(set(parameters) - PARAMETERS)
     if unknown:
         problems.append(f"parameters {unknown} are not kiln's; it reads {sorted(PARAMETERS)}")
-    for key, parse in (("warm_up", parse_warm_up), ("cuda_sync", parse_cuda_sync)):
+    for key, parse in (("warm_up", parse_warm_up), ("cuda_sync", parse_cuda_sync), ("batch_buckets", parse_batch_buckets)):
         if key in parameters:
             try:
                 parse(parameters[key], f"parameter {key}")
@@ -337,6 +344,15 @@ def parse_cuda_sync(value: str, what: str) -> str:
     return text
 
 
+def parse_batch_buckets(value: str, what: str) -> str:
+    """A batch's buckets: "pow2" or "half" (kiln/runtime/buckets.py BATCH_STEPS; ValueError naming `what` otherwise)."""
+    text = value.strip().lower()
+    if text not in BATCH_STEPS:
+        raise ValueError(f"{what} {value!r}: expected one of {', '.join(BATCH_STEPS)} (powers of two, or also a 1.5x "
+                         "step between them from 8)")
+    return text
+
+
 def warm_up_seconds(config: ModelConfig, default: str = WARM_UP_DEFAULT) -> float | None:
     """The model's warm-up cap in seconds (None: no warm-up): its warm_up parameter, else the server's default."""
     return _setting(config, "warm_up", default, parse_warm_up)
@@ -345,6 +361,11 @@ def warm_up_seconds(config: ModelConfig, default: str = WARM_UP_DEFAULT) -> floa
 def cuda_sync_mode(config: ModelConfig, default: str = CUDA_SYNC_DEFAULT) -> str:
     """How the model's CUDA instances wait for their streams: its cuda_sync parameter, else the server's default."""
     return _setting(config, "cuda_sync", default, parse_cuda_sync)
+
+
+def batch_buckets_mode(config: ModelConfig, default: str = BATCH_BUCKETS_DEFAULT) -> str:
+    """The model's batch buckets: its batch_buckets parameter, else the server's default."""
+    return _setting(config, "batch_buckets", default, parse_batch_buckets)
 
 
 def _setting(config: ModelConfig, key: str, default: str, parse: Callable[[str, str], Any]) -> Any:

@@ -21,7 +21,7 @@ import numpy as np
 from kiln import BindingError, Engine
 from kiln.serve import datatypes
 from kiln.serve.batcher import Batcher, Pending, Signature
-from kiln.serve.config import CUDA_SYNC_DEFAULT, WARM_UP_DEFAULT, ModelConfig, parse_json
+from kiln.serve.config import BATCH_BUCKETS_DEFAULT, CUDA_SYNC_DEFAULT, WARM_UP_DEFAULT, ModelConfig, parse_json
 from kiln.serve.errors import (
     InvalidRequest,
     ModelLoadError,
@@ -104,11 +104,13 @@ class ModelEntry:
 
 class ServerCore:
     def __init__(self, repository: ModelRepository, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
-                 warm_up: str = WARM_UP_DEFAULT, cuda_sync: str = CUDA_SYNC_DEFAULT):
+                 warm_up: str = WARM_UP_DEFAULT, cuda_sync: str = CUDA_SYNC_DEFAULT,
+                 batch_buckets: str = BATCH_BUCKETS_DEFAULT):
         self.repository = repository
         self.max_queue_size = max_queue_size
         self.warm_up = warm_up  # CPU instances' warm-up where a model's config sets none (config.parse_warm_up)
         self.cuda_sync = cuda_sync  # CUDA instances' wait where a model's config sets none (config.parse_cuda_sync)
+        self.batch_buckets = batch_buckets  # bucketed instances' batch buckets likewise (config.parse_batch_buckets)
         self.models: dict[str, ModelEntry] = {}
         self.accepting = True  # False from the start of a shutdown on
         self.started = False
@@ -336,7 +338,7 @@ class ServerCore:
                 # the version is ready only after
                 try:
                     batcher = await asyncio.to_thread(Batcher, v.engine, v.config, stats, self.max_queue_size,
-                                                      self.warm_up, self.cuda_sync)
+                                                      self.warm_up, self.cuda_sync, self.batch_buckets)
                 except ServeError as e:
                     if not entry.versions:
                         entry.state, entry.reason = "UNAVAILABLE", str(e)

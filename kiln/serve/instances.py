@@ -176,12 +176,13 @@ class Instance:
 
     def __init__(self, engine: Engine, name: str, index: int, run: Callable, finish: Callable,
                  buckets: bool | None = None, warm_up: bool = True, warm_up_s: float | None = None,
-                 cuda_sync: str = CUDA_SYNC_DEFAULT):
+                 cuda_sync: str = CUDA_SYNC_DEFAULT, batch_buckets: str | None = None):
         self.index = index
         self.cuda = engine.device.type == "cuda"
         # cuda_sync "staged": spin's numpy calls, their copies through pinned buffers, the answers pinned arrays
         staged = {"host_staging": "pinned"} if self.cuda and cuda_sync == "staged" else {}
-        self.context = engine.create_execution_context(buckets=buckets, **staged)
+        # batch_buckets: the batch's buckets where the context pads (kiln/runtime/buckets.py; None: the runtime's default)
+        self.context = engine.create_execution_context(buckets=buckets, batch_buckets=batch_buckets, **staged)
         self.stream = torch.cuda.Stream(device=engine.device) if self.cuda else None
         # cuda_sync "blocking": the event this instance's thread sleeps on (None: spin, or a CPU instance)
         self.done = torch.cuda.Event(blocking=True) if self.cuda and cuda_sync == "blocking" else None

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kiln.serve.config import CUDA_SYNC_DEFAULT, WARM_UP_DEFAULT
+from kiln.serve.config import BATCH_BUCKETS_DEFAULT, CUDA_SYNC_DEFAULT, WARM_UP_DEFAULT
 from kiln.serve.core import DEFAULT_MAX_QUEUE_SIZE
 from kiln.serve.grpc_options import GrpcOptions
 from kiln.serve.http_server import DEFAULT_MAX_REQUEST_BYTES
@@ -39,6 +39,9 @@ class ServeOptions:
     # how CUDA instances wait for their streams, where a model's config sets no cuda_sync parameter: "spin" | "pinned" |
     # "blocking" | "staged" (kiln/serve/instances.py)
     cuda_sync: str = CUDA_SYNC_DEFAULT
+    # a bucketed (CUDA) instance's batch buckets, where a model's config sets no batch_buckets parameter: "pow2" |
+    # "half" (also 12, 24, 48, ...: kiln/runtime/buckets.py)
+    batch_buckets: str = BATCH_BUCKETS_DEFAULT
     shutdown_timeout: float = 30.0  # seconds for requests in flight to finish at shutdown
     log_level: str = "warning"
     # Python's GIL switch interval while serving (None: leave Python's 5 ms). An instance's thread gives the

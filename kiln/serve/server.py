@@ -88,7 +88,7 @@ class Server:
     def __post_init__(self):
         self.repository = repository_of(self.options)
         self.core = ServerCore(self.repository, self.options.max_queue_size, self.options.warm_up,
-                               self.options.cuda_sync)
+                               self.options.cuda_sync, self.options.batch_buckets)
         self.metrics = MetricsExporter(lambda: [v.stats for v in self.core.ready_versions()])
         self._doors = Frontdoors(self.options)
         self.frontends: FrontendPool | None = None

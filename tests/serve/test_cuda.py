@@ -26,7 +26,7 @@ import kiln
 import kiln.serve
 from kiln.cli import main as kiln_main
 from kiln.serve import ServerThread
-from kiln.serve.config import cuda_sync_mode, parse_pbtxt
+from kiln.serve.config import batch_buckets_mode, cuda_sync_mode, parse_pbtxt
 from kiln.serve.core import ServerCore
 from kiln.serve.errors import ModelLoadError
 from kiln.serve.instances import GpuGate, Instance
@@ -282,6 +282,57 @@ def test_cuda_sync_flag(tmp_path, monkeypatch, capsys):
     assert "--cuda-sync: invalid choice: 'yield'" in capsys.readouterr().err
 
 
+def test_batch_buckets_parameter_flag_and_each_instance(tmp_path, engines, monkeypatch, capsys):
+    """Issue 14: batch_buckets, the model's parameter over the server's --batch-buckets, reaches every instance's context
+    (a CPU instance's too: it pads only where its config turns buckets on)."""
+    half = parse_pbtxt('max_batch_size: 4\nparameters { key: "batch_buckets" value: { string_value: "half" } }',
+                       "m/config.pbtxt")
+    assert batch_buckets_mode(half) == "half" and batch_buckets_mode(half, "pow2") == "half"
+    plain = parse_pbtxt("max_batch_size: 4", "m/config.pbtxt")
+    assert batch_buckets_mode(plain) == "pow2" and batch_buckets_mode(plain, "half") == "half"
+    with pytest.raises(ModelLoadError, match=r"m/config.pbtxt:\n  parameter batch_buckets 'thirds': expected one of "
+                                             r"pow2, half"):
+        parse_pbtxt('parameters { key: "batch_buckets" value: { string_value: "thirds" } }', "m/config.pbtxt")
+
+    root = write_repository(tmp_path, engines)
+    seen = []
+    init = Instance.__init__
+
+    def recording(self, *args, batch_buckets, **kwargs):
+        seen.append(batch_buckets)
+        init(self, *args, batch_buckets=batch_buckets, **kwargs)
+
+    monkeypatch.setattr(Instance, "__init__", recording)
+    bucketed = CONFIGS["mlp"] + '\nparameters { key: "buckets" value: { string_value: "true" } }'
+    for config, default, expected in ((bucketed, "half", "half"), (bucketed, "pow2", "pow2"),
+                                      (bucketed + '\nparameters { key: "batch_buckets" value: { string_value: "half" } }',
+                                       "pow2", "half")):
+        (root / "mlp" / "config.pbtxt").write_text(config)
+        core = ServerCore(ModelRepository(root), batch_buckets=default)
+        asyncio.run(core.load("mlp"))
+        instances = core.model("mlp").batcher.instances
+        assert seen[-2:] == [expected] * 2
+        assert [i.context.buckets.batch_steps for i in instances] == [expected] * 2
+        asyncio.run(core.unload("mlp"))
+
+    served = []
+
+    class Recorded:  # kiln serve's Server, stopped before it serves
+        def __init__(self, options):
+            served.append(options)
+
+        async def serve_forever(self, started):
+            pass
+
+    monkeypatch.setattr(kiln.serve, "Server", Recorded)
+    assert kiln_main(["serve", str(tmp_path), "--batch-buckets", "half"]) == 0
+    assert kiln_main(["serve", str(tmp_path)]) == 0
+    assert [o.batch_buckets for o in served] == ["half", "pow2"]
+    with pytest.raises(SystemExit):
+        kiln_main(["serve", str(tmp_path), "--batch-buckets", "thirds"])
+    assert "--batch-buckets: invalid choice: 'thirds'" in capsys.readouterr().err
+
+
 class _Stream:  # torch.cuda.Stream without a GPU: counts its synchronizations
     def __init__(self, device=None):
         self.synchronized = 0
@@ -310,7 +361,7 @@ class _Event:  # torch.cuda.Event without a GPU: where it was recorded, how ofte
 class _Context:  # an execution context whose run doubles its input, torch in -> torch out (CPU tensors stand in)
     runner = None
 
-    def __init__(self, host_staging="off"):
+    def __init__(self, host_staging="off", batch_buckets=None):
         self.fed = []
         self.host_staging = host_staging
 
@@ -369,8 +420,9 @@ class _CudaLike:  # a CPU engine that the Instance takes for a CUDA one: its con
     def __init__(self, engine, cost_ms):
         self.engine, self.cost_ms = engine, cost_ms
 
-    def create_execution_context(self, buckets=None, host_staging="off"):  # None: on, as a CUDA context's default
-        context = _graph_context(self.engine, True, self.cost_ms, buckets=True if buckets is None else buckets)
+    def create_execution_context(self, buckets=None, host_staging="off", batch_buckets=None):  # None: on, as CUDA's
+        context = _graph_context(self.engine, True, self.cost_ms, buckets=True if buckets is None else buckets,
+                                 batch_buckets=batch_buckets)
         if host_staging != "off":  # pinned memory and the CUDA event stood in (tests/unit/test_host_staging.py)
             from kiln.runtime.host_staging import HostStaging
             context._host_staging = HostStaging(torch.device("cpu"), host_staging,
@@ -409,14 +461,28 @@ def bert_fixed_seq():
     return engine, ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
 
 
-@pytest.mark.parametrize("costs,sync", [("flat", "spin"), ("linear", "spin"), ("linear", "staged")])
-def test_every_batch_a_served_engine_forms_replays_a_graph_warm_up_captured(monkeypatch, bert_fixed_seq, costs, sync):
+def _fewest_chunks(rows: int, sizes: list[int]) -> int:
+    """The fewest bucket sizes that sum to exactly `rows` (what a split takes where a replay's ms is its rows: every
+    padded row and every chunk beyond the first costs)."""
+    fewest = [0] + [rows + 1] * rows
+    for n in range(1, rows + 1):
+        fewest[n] = min((fewest[n - s] + 1 for s in sizes if s <= n), default=rows + 1)
+    return fewest[rows]
+
+
+@pytest.mark.parametrize("costs,sync,steps", [("flat", "spin", "pow2"), ("linear", "spin", "pow2"),
+                                              ("linear", "staged", "pow2"), ("flat", "spin", "half"),
+                                              ("linear", "spin", "half")])
+def test_every_batch_a_served_engine_forms_replays_a_graph_warm_up_captured(monkeypatch, bert_fixed_seq, costs, sync,
+                                                                            steps):
     """Issue 14: a CUDA instance's warm-up captures the graph of every batch bucket of a fixed-sequence profile (bench/
     serve.py's BERT: batch 1..max, seq fixed), reports them (graph_report: warm_up_captured, captured_all), and every
     batch size the batcher can hand it after (1..max rows, numpy as the spin path feeds, torch as pinned's) replays
     graphs only: no capture, no eager run (each call's graph_counts, summed into call_phases' graph counts); its
     answers are onnxruntime's. 'linear' replay times (ms = rows) make every batch off a bucket run split into
     bucket chunks (buckets.split), 'flat' ones (ms = 1 + rows / 100) padded to its bucket: both replay only.
+    `steps` "half" (batch_buckets: 12 between 8 and 16): warm-up captures it too, and a batch of 9..12 replays it
+    (flat) or splits by the measured times as the powers of two do (linear: 14 = 12 + 2, two replays, not three).
     The runtime's graphs are CPU stand-ins (tests/unit/test_direct_replay.py), torch.cuda's stream and event too;
     'staged': the numpy calls through the context's host staging (its pinned memory and event stood in)."""
     from kiln.serve.stats import ModelStats
@@ -427,7 +493,10 @@ def test_every_batch_a_served_engine_forms_replays_a_graph_warm_up_captured(monk
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: None)
     cost = (lambda rows: float(rows)) if costs == "linear" else (lambda rows: 1.0 + rows / 100)
-    instance = Instance(_CudaLike(engine, cost), "bert", 0, None, None, warm_up=True, cuda_sync=sync)
+    instance = Instance(_CudaLike(engine, cost), "bert", 0, None, None, warm_up=True, cuda_sync=sync,
+                        batch_buckets=steps)
+    buckets = [1, 2, 4, 8, 16] if steps == "pow2" else [1, 2, 4, 8, 12, 16]
+    assert instance.context.buckets.sizes("batch", 1, 16) == buckets
     staging = instance.context._host_staging
     assert (staging is not None) == (sync == "staged")
     stats = ModelStats("bert", "1")
@@ -435,8 +504,17 @@ def test_every_batch_a_served_engine_forms_replays_a_graph_warm_up_captured(monk
     try:
         report = instance.graph_report()
         assert instance.captured_all and report["captured_all"]
-        assert report["warm_up_captured"] == [f"{b}x16,{b}x16" for b in (1, 2, 4, 8, 16)], report
-        assert report["warm_up_eager"] == {} and report["captures"] == 5 and report["evictions"] == 0
+        assert report["warm_up_captured"] == [f"{b}x16,{b}x16" for b in buckets], report
+        assert report["warm_up_eager"] == {} and report["captures"] == len(buckets) and report["evictions"] == 0
+        replayed: list[int] = []  # the batch bucket of each padded replay
+        runner = instance.context.runner
+        replay_padded = runner.replay_padded
+
+        def recording(inputs, shapes, program=None):
+            replayed.append(shapes[0][0])
+            return replay_padded(inputs, shapes, program)
+
+        runner.replay_padded = recording
         rng = np.random.default_rng()
         sizes = list(range(1, 17)) + [int(b) for b in rng.integers(1, 17, 8)]
         for k, batch in enumerate(sizes):
@@ -449,9 +527,11 @@ def test_every_batch_a_served_engine_forms_replays_a_graph_warm_up_captured(monk
             outputs = instance.execute(feeds)
             counts = instance.graph_counts
             stats.record_phases(1, batch, 0, 0, 0, 1, instance.cpu_ns, instance.gpu_ns, 0, 0, 0, None, counts)
-            split = costs == "linear" and batch & (batch - 1) != 0  # off a bucket: chunks of buckets
+            split = costs == "linear" and batch not in buckets  # off a bucket: chunks of buckets
             assert (counts.captures, counts.eager, counts.splits) == (0, 0, int(split)), (batch, counts)
-            assert counts.replays == (bin(batch).count("1") if split else 1), (batch, counts)
+            assert counts.replays == (_fewest_chunks(batch, buckets) if split else 1), (batch, counts)
+            if not split:  # one replay, of the smallest bucket that holds the batch (12 for 9..12 rows with "half")
+                assert replayed[-1] == min(b for b in buckets if b >= batch), (batch, replayed[-1:])
             got = next(iter(outputs.values()))
             got = got.numpy() if isinstance(got, torch.Tensor) else got
             want = session.run(None, {"input_ids": ids, "attention_mask": mask})[0]

@@ -198,3 +198,91 @@ def test_a_bucket_captured_by_a_run_has_its_replay_time_learned(bert):
         context.run(_feeds(rng, batch, seq))
     assert context.buckets.costs == {(("seq", 32),): {4: 0.5}, (("seq", 16),): {1: 1.5}}
     assert runner.stats.captures == 2
+
+
+def _bert_buckets(steps: str):
+    buckets = plan_buckets([Binding("input_ids", "int64", ["batch", "seq"]),
+                            Binding("attention_mask", "int64", ["batch", "seq"])],
+                           [Binding("y", "float", ["batch", "seq", 4])])
+    buckets.batch_steps = steps
+    return buckets
+
+
+def test_half_batch_buckets_add_a_1_5x_step_from_8_and_cost_these_graphs():
+    pow2, half = _bert_buckets("pow2"), _bert_buckets("half")
+    assert half.sizes("batch", 1, 64) == [1, 2, 4, 8, 12, 16, 24, 32, 48, 64]
+    assert half.sizes("batch", 1, 8) == [1, 2, 4, 8] and half.sizes("batch", 1, 10) == [1, 2, 4, 8, 10]
+    assert half.sizes("batch", 5, 20) == [8, 12, 16, 20] and half.sizes("batch", 1, 12) == [1, 2, 4, 8, 12]
+    assert [half.bucket("batch", n, 1, 64) for n in (9, 12, 13, 17, 25, 33, 49)] == [12, 12, 16, 24, 32, 48, 64]
+    assert half.sizes("seq", 1, 512) == pow2.sizes("seq", 1, 512)  # the sequence's ladder is its own
+    # the graphs a warm-up captures (one per batch x sequence bucket): BERT 1..32 x 1..512, 1..64 x 128
+    # (bench/serve.py's profile: the sequence fixed) and 1..64 x 1..128
+    for steps, wide, served, short in ((pow2, 60, 7, 28), (half, 80, 10, 40)):
+        assert len(steps.sizes("batch", 1, 32)) * len(steps.sizes("seq", 1, 512)) == wide
+        assert len(steps.sizes("batch", 1, 64)) * len(steps.sizes("seq", 128, 128)) == served
+        assert len(steps.sizes("batch", 1, 64)) * len(steps.sizes("seq", 1, 128)) == short
+
+
+def test_half_buckets_split_by_the_measured_replays():
+    # H100 BERT-base fp16 seq 128 replays (serve-graphs-2026-12-07.md), 12 and 24 between their neighbours
+    half = _bert_buckets("half")
+    for size, ms in {1: 0.43, 2: 0.46, 4: 0.52, 8: 0.66, 12: 0.80, 16: 0.94, 24: 1.29, 32: 1.63}.items():
+        half.learn({"batch": (size, size), "seq": (128, 128)}, ms)
+    assert half.split({"batch": (11, 12), "seq": (100, 128)}) is None  # padded to 12: 8 + 4 would cost 1.2 ms
+    assert half.split({"batch": (20, 24), "seq": (100, 128)}) is None
+    # time growing with the rows: 14 as 12 + 2 (two replays) where pow2 would take 8 + 4 + 2
+    grows = _bert_buckets("half")
+    for size in (1, 2, 4, 8, 12, 16):
+        grows.learn({"batch": (size, size), "seq": (128, 128)}, float(size))
+    assert grows.split({"batch": (14, 16), "seq": (100, 128)}) == [(12, 12), (2, 2)]
+
+
+def test_batch_buckets_is_checked_and_read_from_the_environment(bert, monkeypatch):
+    _, engine = bert
+    with pytest.raises(ValueError, match=r"batch_buckets='thirds': expected one of \('pow2', 'half'\)"):
+        engine.create_execution_context(buckets=True, batch_buckets="thirds")
+    assert engine.create_execution_context(buckets=True).buckets.batch_steps == "pow2"
+    monkeypatch.setenv("KILN_BATCH_BUCKETS", "half")
+    assert engine.create_execution_context(buckets=True).buckets.batch_steps == "half"
+    assert engine.create_execution_context(buckets=True, batch_buckets="pow2").buckets.batch_steps == "pow2"
+
+
+@pytest.fixture(scope="module")
+def bert_wide_batch():
+    exported = zoo.export("bert_tiny", dynamic=True)
+    return exported, kiln.build(str(exported.path), profiles=[{"input_ids": "1x1,8x16,16x32"}])
+
+
+def test_half_buckets_pad_exactly_and_warm_up_runs_each(bert_wide_batch):
+    """Batches padded to 12 (and 16) against unpadded runs and onnxruntime, fresh shapes and masks; the warm-up runs
+    every bucket: 6 batch (1, 2, 4, 8, 12, 16) x 2 sequence (16, 32)."""
+    exported, engine = bert_wide_batch
+    half = engine.create_execution_context(buckets=True, batch_buckets="half")
+    plain = engine.create_execution_context(buckets=False)
+    session = ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng()
+    shapes = {(9, 7), (12, 32), (13, 17)} | {(int(rng.integers(9, 17)), int(rng.integers(1, 33))) for _ in range(3)}
+    for batch, seq in sorted(shapes):
+        feeds = _feeds(rng, batch, seq)
+        targets = half.buckets.targets([feeds["input_ids"], feeds["attention_mask"]], engine.profiles[0],
+                                       engine.input_names)
+        assert targets["batch"] == (batch, 12 if batch <= 12 else 16)
+        got = next(iter(half.run(feeds).values()))
+        assert got.shape == (batch, seq, 64)  # cropped back
+        np.testing.assert_allclose(got, next(iter(plain.run(feeds).values())), rtol=RTOL, atol=ATOL,
+                                   err_msg=f"padded (half) vs unpadded, batch {batch} x seq {seq}")
+        np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=1e-4, atol=1e-4)
+    assert half.warm_up() == 6 * 2
+    assert engine.create_execution_context(buckets=True).warm_up() == 5 * 2
+
+
+def test_half_buckets_only_where_the_graph_cache_holds_them(bert_wide_batch, caplog):
+    """bucket_graphs counts what warm_up runs (a graph each on CUDA); half steps that would pass max_graphs stay
+    powers of two, with a warning (BERT 1..32 x 1..512: 80 shapes for 64 graphs)."""
+    _, engine = bert_wide_batch
+    half = engine.create_execution_context(buckets=True, batch_buckets="half", max_graphs=12)
+    assert half.buckets.batch_steps == "half" and half.bucket_graphs() == 6 * 2 == half.warm_up()
+    with caplog.at_level("WARNING", logger="kiln.runtime.context"):
+        kept = engine.create_execution_context(buckets=True, batch_buckets="half", max_graphs=11)
+    assert kept.buckets.batch_steps == "pow2" and kept.bucket_graphs() == 5 * 2
+    assert "12 bucketed shapes would pass the 11 graphs" in caplog.text
