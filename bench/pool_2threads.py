@@ -7,6 +7,8 @@ rotates by round):
 
     1t        torch.set_num_threads(1)
     2t-pool   2 threads, kiln_pool_enabled = 1 in every library with a pool.c (gemm_native._POOLED)
+    2t-pool0  the same with kiln_pool_step_aside = 0 (the pool before 2026-12-07: a worker woken on the caller's
+              CPU runs items there)
     2t-omp    2 threads, kiln_pool_enabled = 0 (kiln_parallel_for is an OpenMP dynamic loop)
     (--ort: onnxruntime at 1 and 2 intra-op threads, the same feeds: the control)
 
@@ -40,10 +42,14 @@ def set_mode(mode: str) -> None:
     import torch
 
     from kiln.kernels.cpu import gemm_native
+    # "2t-pool:16": gemm.c's kiln_gemm_items_per_thread = 16 (default 4); "2t-pool0": pool.c's kiln_pool_step_aside = 0
+    mode, _, items = mode.partition(":")
     torch.set_num_threads(1 if mode.startswith("1t") else 2)
     pool = 0 if mode.endswith("omp") else 1
     for lib in gemm_native._POOLED:
         ctypes.c_int.in_dll(lib, "kiln_pool_enabled").value = pool
+        ctypes.c_int.in_dll(lib, "kiln_pool_step_aside").value = 0 if mode.endswith("pool0") else 1
+        ctypes.c_long.in_dll(lib, "kiln_gemm_items_per_thread").value = int(items or 4)
 
 
 def child(args) -> None:
@@ -152,8 +158,8 @@ def main() -> None:
     names = list(dict.fromkeys(k.split("|")[0] for k in keys))
     modes = list(dict.fromkeys(k.split("|")[1] for k in keys))
     print("| workload | " + " | ".join(f"{m} µs (spread)" for m in modes) +
-          " | 2t-pool / 1t (rounds < 1) | 2t-omp / 1t (rounds < 1) | pool / omp (rounds < 1) |")
-    print("|---" * (len(modes) + 4) + "|")
+          " | 2t-pool / 1t (rounds < 1) | 2t-omp / 1t (rounds < 1) | pool / omp (rounds < 1) | pool / pool0 (rounds < 1) |")
+    print("|---" * (len(modes) + 5) + "|")
     for name in names:
         cells = []
         for m in modes:
@@ -165,7 +171,7 @@ def main() -> None:
                 return "-"
             q = [r["us"][f"{name}|{a}"] / r["us"][f"{name}|{b}"] for r in rounds]
             return f"{statistics.median(q):.3f} ({sum(x < 1 for x in q)}/{len(q)})"
-        cells += [ratio("2t-pool", "1t"), ratio("2t-omp", "1t"), ratio("2t-pool", "2t-omp")]
+        cells += [ratio("2t-pool", "1t"), ratio("2t-omp", "1t"), ratio("2t-pool", "2t-omp"), ratio("2t-pool", "2t-pool0")]
         print(f"| {name} | " + " | ".join(cells) + " |")
     print("outputs bit-identical to 1 thread's:", all(identical.values()) if identical else "n/a",
           {k: v for k, v in identical.items() if not v})

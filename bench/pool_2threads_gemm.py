@@ -57,6 +57,9 @@ def main() -> None:
         layers[spec] = (layer, x, y, plan, scratch)
     modes = args.modes.split(",")
     results: dict[tuple[str, str], list[float]] = {}
+    stats: dict[tuple[str, str], list[int]] = {}  # loops, worker items, wait ns, parks (pool.c's kiln_pool_stats)
+    counters = (ctypes.c_long * 6)()
+    lib.kiln_pool_stats.argtypes = [ctypes.c_void_p]
     reference, identical = {}, {}
     set_mode("1t")
     for spec, (layer, x, y, plan, _) in layers.items():
@@ -72,17 +75,24 @@ def main() -> None:
                 for _ in range(3):
                     lib.kiln_gemm(address, None, 0, None)
                 times = []
+                lib.kiln_pool_stats(counters)
+                before = list(counters)
                 for _ in range(args.calls):
                     start = time.perf_counter_ns()
                     lib.kiln_gemm(address, None, 0, None)
                     times.append((time.perf_counter_ns() - start) / 1e3)
                 results.setdefault((spec, mode), []).append(statistics.median(times))
+                lib.kiln_pool_stats(counters)
+                total = stats.setdefault((spec, mode), [0] * 7)
+                for i in range(6):
+                    total[i] += counters[i] - before[i]
+                total[6] += args.calls
                 identical[(spec, mode)] = identical.get((spec, mode), True) and torch.equal(y, reference[spec])
         loads.append(os.getloadavg()[0])
     print(f"1-min load {min(loads):.2f}-{max(loads):.2f}; {args.rounds} rounds x {args.calls} calls")
     print("| M x K x N | " + " | ".join(f"{m} µs (spread)" for m in modes) + " | pool / 1t (rounds < 1) | "
-          "omp / 1t (rounds < 1) | pool / omp (rounds < 1) |")
-    print("|---" * (len(modes) + 4) + "|")
+          "omp / 1t (rounds < 1) | pool / omp (rounds < 1) | pool / pool0 (rounds < 1) |")
+    print("|---" * (len(modes) + 5) + "|")
     for spec in layers:
         cells = [f"{statistics.median(results[(spec, m)]):.0f} ({min(results[(spec, m)]):.0f}-"
                  f"{max(results[(spec, m)]):.0f})" for m in modes]
@@ -92,8 +102,15 @@ def main() -> None:
                 return "-"
             q = [u / v for u, v in zip(results[(spec, a)], results[(spec, b)])]
             return f"{statistics.median(q):.3f} ({sum(v < 1 for v in q)}/{len(q)})"
-        cells += [ratio("2t-pool", "1t"), ratio("2t-omp", "1t"), ratio("2t-pool", "2t-omp")]
+        cells += [ratio("2t-pool", "1t"), ratio("2t-omp", "1t"), ratio("2t-pool", "2t-omp"), ratio("2t-pool", "2t-pool0")]
         print(f"| {spec} | " + " | ".join(cells) + " |")
+    print("\nkiln's pool per call (pool.c's kiln_pool_stats): loops, items the worker ran, µs the caller waited for "
+          "them, worker parks, worker items on the caller's CPU, loops left to the caller")
+    for (spec, mode), (loops, items, wait, parks, shared, aside, calls) in stats.items():
+        if mode.startswith("2t-pool"):  # pool0 included
+            print(f"  {spec} {mode}: {loops / calls:.2f} loops, {items / calls:.2f} worker items, "
+                  f"{wait / calls / 1e3:.1f} µs waited, {parks / calls:.2f} parks, {shared / calls:.2f} worker items on "
+                  f"the caller's CPU, {aside / calls:.2f} loops left to the caller")
     print("bit-identical to 1 thread:", all(identical.values()), [k for k, v in identical.items() if not v])
 
 
