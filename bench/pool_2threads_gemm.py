@@ -59,7 +59,6 @@ def main() -> None:
     results: dict[tuple[str, str], list[float]] = {}
     stats: dict[tuple[str, str], list[int]] = {}  # loops, worker items, wait ns, parks (pool.c's kiln_pool_stats)
     counters = (ctypes.c_long * 6)()
-    lib.kiln_pool_stats.argtypes = [ctypes.c_void_p]
     reference, identical = {}, {}
     set_mode("1t")
     for spec, (layer, x, y, plan, _) in layers.items():
