@@ -7,8 +7,9 @@ rotates by round):
 
     1t        torch.set_num_threads(1)
     2t-pool   2 threads, kiln_pool_enabled = 1 in every library with a pool.c (gemm_native._POOLED)
-    2t-pool0  the same with kiln_pool_step_aside = 0 (the pool before 2026-12-07: a worker woken on the caller's
-              CPU runs items there)
+    2t-pool0  the same with kiln_pool_step_aside = 0 and kiln_pool_backoff_max_ns = 0 (the pool before 2026-12-07:
+              a worker woken on the caller's CPU runs items there, every loop wakes the sleepers)
+    2t-poolS  step aside, no back-off (kiln_pool_backoff_max_ns = 0)
     2t-omp    2 threads, kiln_pool_enabled = 0 (kiln_parallel_for is an OpenMP dynamic loop)
     (--ort: onnxruntime at 1 and 2 intra-op threads, the same feeds: the control)
 
@@ -49,6 +50,8 @@ def set_mode(mode: str) -> None:
     for lib in gemm_native._POOLED:
         ctypes.c_int.in_dll(lib, "kiln_pool_enabled").value = pool
         ctypes.c_int.in_dll(lib, "kiln_pool_step_aside").value = 0 if mode.endswith("pool0") else 1
+        # "2t-poolS": step aside, no back-off; "2t-pool0": neither (the pool before 2026-12-07)
+        ctypes.c_long.in_dll(lib, "kiln_pool_backoff_max_ns").value = 0 if mode[-1] in "0S" else 4_000_000
         ctypes.c_long.in_dll(lib, "kiln_gemm_items_per_thread").value = int(items or 4)
 
 
@@ -158,8 +161,8 @@ def main() -> None:
     names = list(dict.fromkeys(k.split("|")[0] for k in keys))
     modes = list(dict.fromkeys(k.split("|")[1] for k in keys))
     print("| workload | " + " | ".join(f"{m} µs (spread)" for m in modes) +
-          " | 2t-pool / 1t (rounds < 1) | 2t-omp / 1t (rounds < 1) | pool / omp (rounds < 1) | pool / pool0 (rounds < 1) |")
-    print("|---" * (len(modes) + 5) + "|")
+          " | 2t-pool / 1t (rounds < 1) | 2t-omp / 1t (rounds < 1) | pool / omp (rounds < 1) | pool / pool0 (rounds < 1) | pool / poolS (rounds < 1) |")
+    print("|---" * (len(modes) + 6) + "|")
     for name in names:
         cells = []
         for m in modes:
@@ -171,7 +174,7 @@ def main() -> None:
                 return "-"
             q = [r["us"][f"{name}|{a}"] / r["us"][f"{name}|{b}"] for r in rounds]
             return f"{statistics.median(q):.3f} ({sum(x < 1 for x in q)}/{len(q)})"
-        cells += [ratio("2t-pool", "1t"), ratio("2t-omp", "1t"), ratio("2t-pool", "2t-omp"), ratio("2t-pool", "2t-pool0")]
+        cells += [ratio("2t-pool", "1t"), ratio("2t-omp", "1t"), ratio("2t-pool", "2t-omp"), ratio("2t-pool", "2t-pool0"), ratio("2t-pool", "2t-poolS")]
         print(f"| {name} | " + " | ".join(cells) + " |")
     print("outputs bit-identical to 1 thread's:", all(identical.values()) if identical else "n/a",
           {k: v for k, v in identical.items() if not v})

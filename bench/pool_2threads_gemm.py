@@ -90,8 +90,8 @@ def main() -> None:
         loads.append(os.getloadavg()[0])
     print(f"1-min load {min(loads):.2f}-{max(loads):.2f}; {args.rounds} rounds x {args.calls} calls")
     print("| M x K x N | " + " | ".join(f"{m} µs (spread)" for m in modes) + " | pool / 1t (rounds < 1) | "
-          "omp / 1t (rounds < 1) | pool / omp (rounds < 1) | pool / pool0 (rounds < 1) |")
-    print("|---" * (len(modes) + 5) + "|")
+          "omp / 1t (rounds < 1) | pool / omp (rounds < 1) | pool / pool0 (rounds < 1) | pool / poolS (rounds < 1) |")
+    print("|---" * (len(modes) + 6) + "|")
     for spec in layers:
         cells = [f"{statistics.median(results[(spec, m)]):.0f} ({min(results[(spec, m)]):.0f}-"
                  f"{max(results[(spec, m)]):.0f})" for m in modes]
@@ -101,7 +101,7 @@ def main() -> None:
                 return "-"
             q = [u / v for u, v in zip(results[(spec, a)], results[(spec, b)])]
             return f"{statistics.median(q):.3f} ({sum(v < 1 for v in q)}/{len(q)})"
-        cells += [ratio("2t-pool", "1t"), ratio("2t-omp", "1t"), ratio("2t-pool", "2t-omp"), ratio("2t-pool", "2t-pool0")]
+        cells += [ratio("2t-pool", "1t"), ratio("2t-omp", "1t"), ratio("2t-pool", "2t-omp"), ratio("2t-pool", "2t-pool0"), ratio("2t-pool", "2t-poolS")]
         print(f"| {spec} | " + " | ".join(cells) + " |")
     print("\nkiln's pool per call (pool.c's kiln_pool_stats): loops, items the worker ran, µs the caller waited for "
           "them, worker parks, worker items on the caller's CPU, loops left to the caller")

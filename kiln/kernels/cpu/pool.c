@@ -53,8 +53,19 @@ static struct {
     long shared_items;          /* worker items run on the CPU the loop's caller started on (kiln_pool_stats) */
     long steps_aside;           /* loops a worker woke for on the caller's CPU and left to it (kiln_pool_step_aside) */
     int caller_cpu;             /* the CPU the current (or last) loop's caller started on, or -1 */
+    long aside_seen, items_seen; /* steps_aside and worker_items at the last loop's start (under lock) */
+    long backoff_ns;            /* how long loops leave the sleeping workers asleep after a wake for nothing (under lock) */
+    long quiet_until_ns;        /* no wake before this (under lock) */
 } kiln_pool = {PTHREAD_MUTEX_INITIALIZER, 0, 0, 0, NULL, NULL, 0, 0, 0, 0, 0, 0, POOL_SPIN_NS, 0, {0}, 0, 0, 0, 0, 0, 0,
-               -1};
+               -1, 0, 0, 0, 0};
+
+/* Where a worker left a loop to its caller (kiln_pool_step_aside) and ran no item since, the next loops do not wake
+   the sleeping workers for a while: 100 us, doubled at each such wake up to this (0: wake at every loop). Why: a wake
+   that puts the worker on the caller's CPU costs the caller two switches (~8 us a loop on the Zen 3 at load 5-7:
+   bench/results/pool-2threads-zen3-2026-12-07.md) for nothing; a worker that runs an item resets it, and a worker
+   still polling takes part in every loop as before. */
+long kiln_pool_backoff_max_ns = 4000000L;
+#define POOL_BACKOFF_MIN_NS 100000L
 
 /* 1 (the default): a worker that finds itself on the CPU its loop's caller started on leaves the loop's items to the
    caller and sleeps on the futex at once, and a worker polling between loops on the last caller's CPU stops polling.
@@ -241,7 +252,21 @@ static void kiln_parallel_for(long count, int threads, kiln_item_fn fn, void *ct
     if (++kiln_pool.last == 0) kiln_pool.last = 1;
     const unsigned int g = kiln_pool.last;
     /* the gap since the last loop, and from it how long the workers poll after this one */
-    kiln_pool.gaps[kiln_pool.loops++ % POOL_GAPS] = kiln_pool.ended_ns ? pool_now_ns() - kiln_pool.ended_ns : LONG_MAX;
+    const long start_ns = pool_now_ns();
+    kiln_pool.gaps[kiln_pool.loops++ % POOL_GAPS] = kiln_pool.ended_ns ? start_ns - kiln_pool.ended_ns : LONG_MAX;
+    /* a wake for nothing since the last loop (a worker stepped aside, none ran an item): leave the sleepers be a while */
+    const long aside = __atomic_load_n(&kiln_pool.steps_aside, __ATOMIC_RELAXED);
+    const long items = __atomic_load_n(&kiln_pool.worker_items, __ATOMIC_RELAXED);
+    if (items != kiln_pool.items_seen || kiln_pool_backoff_max_ns <= 0) {
+        kiln_pool.backoff_ns = 0;
+        kiln_pool.quiet_until_ns = 0;
+    } else if (aside != kiln_pool.aside_seen) {
+        const long doubled = kiln_pool.backoff_ns ? 2 * kiln_pool.backoff_ns : POOL_BACKOFF_MIN_NS;
+        kiln_pool.backoff_ns = doubled < kiln_pool_backoff_max_ns ? doubled : kiln_pool_backoff_max_ns;
+        kiln_pool.quiet_until_ns = start_ns + kiln_pool.backoff_ns;
+    }
+    kiln_pool.aside_seen = aside;
+    kiln_pool.items_seen = items;
     __atomic_store_n(&kiln_pool.spin_ns, kiln_pool_spin_window(kiln_pool.gaps, POOL_GAPS, kiln_pool_follow_ns),
                      __ATOMIC_RELAXED);
     __atomic_store_n(&kiln_pool.caller_cpu, pool_cpu(), __ATOMIC_RELAXED);
@@ -252,7 +277,8 @@ static void kiln_parallel_for(long count, int threads, kiln_item_fn fn, void *ct
     __atomic_store_n(&kiln_pool.done, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&kiln_pool.word, (unsigned long)g << 32, __ATOMIC_RELEASE);
     __atomic_store_n(&kiln_pool.generation, g, __ATOMIC_SEQ_CST);
-    if (__atomic_load_n(&kiln_pool.sleepers, __ATOMIC_SEQ_CST) > 0) pool_wake(&kiln_pool.generation);
+    if (__atomic_load_n(&kiln_pool.sleepers, __ATOMIC_SEQ_CST) > 0 && start_ns >= kiln_pool.quiet_until_ns)
+        pool_wake(&kiln_pool.generation);
     pool_run_items(g);
     /* only the items a worker claimed are waited for */
     const long waited = __atomic_load_n(&kiln_pool.done, __ATOMIC_ACQUIRE) < count ? pool_now_ns() : 0;
