@@ -51,7 +51,7 @@ def set_mode(mode: str) -> None:
         ctypes.c_int.in_dll(lib, "kiln_pool_enabled").value = pool
         ctypes.c_int.in_dll(lib, "kiln_pool_step_aside").value = 0 if mode.endswith("pool0") else 1
         # "2t-poolS": step aside, no back-off; "2t-pool0": neither (the pool before 2026-12-07)
-        ctypes.c_long.in_dll(lib, "kiln_pool_backoff_max_ns").value = 0 if mode[-1] in "0S" else 4_000_000
+        ctypes.c_long.in_dll(lib, "kiln_pool_backoff_max_ns").value = 0 if mode[-1] in "0S" else 1_000_000
         ctypes.c_long.in_dll(lib, "kiln_gemm_items_per_thread").value = int(items or 4)
 
 

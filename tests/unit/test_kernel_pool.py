@@ -185,3 +185,49 @@ def test_a_worker_woken_on_the_callers_cpu_leaves_the_items_to_it(on_the_pool, s
     else:
         assert shared > 0
         assert end["steps_aside"] == start["steps_aside"]
+
+
+@pytest.mark.parametrize("backoff_ns", [1_000_000, 0])
+def test_loops_leave_a_worker_that_stepped_aside_asleep_for_a_while(on_the_pool, backoff_ns):
+    """pool.c's kiln_pool_backoff_max_ns: on one CPU, back-to-back loops of ~0.1 ms wake the sleeping worker (which
+    then steps aside) at most once a back-off (100 us doubling to 1 ms: the ramp's 4 wakes, then one a ms) with it, at
+    most loops without it (0). The outputs stay one thread's, bitwise."""
+    import os
+    import time
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no sched_setaffinity")
+    lib = gemm_native.load()
+    backoff = ctypes.c_long.in_dll(lib, "kiln_pool_backoff_max_ns")
+    g = torch.Generator().manual_seed(6)
+    layer = gemm_native.PackedLinear(torch.randn(512, 128, generator=g), None, "")
+    x = torch.randn(96, 128, generator=g)  # 6.3 M multiply-adds: split (past PARALLEL_MACS), ~0.1-0.2 ms
+    before, previous, allowed = torch.get_num_threads(), backoff.value, os.sched_getaffinity(0)
+    calls = 100
+    try:
+        torch.set_num_threads(1)
+        want = layer(x)
+        torch.set_num_threads(2)
+        layer(x)
+        _pin_process({min(allowed)})
+        backoff.value = backoff_ns
+        for _ in range(5):
+            layer(x)
+        time.sleep(0.02)  # the worker asleep, the back-off's state settled on this process's one CPU
+        start, began = _pool_counters(), time.perf_counter()
+        outs = [layer(x) for _ in range(calls)]
+        elapsed_ms = (time.perf_counter() - began) * 1e3
+        time.sleep(0.02)  # a worker woken by the last loops steps aside after them
+        end = _pool_counters()
+    finally:
+        _pin_process(allowed)
+        backoff.value = previous
+        torch.set_num_threads(before)
+    for out in outs:
+        assert torch.equal(out, want)
+    wakes = end["steps_aside"] - start["steps_aside"]
+    assert end["shared_items"] == start["shared_items"]
+    bound = 6 + elapsed_ms  # the ramp (0.1 + 0.2 + 0.4 + 0.8 ms), then one wake a ms at most, +1 for the first
+    if backoff_ns:
+        assert wakes <= bound, (wakes, elapsed_ms)
+    else:
+        assert wakes > min(bound, calls / 2), (wakes, elapsed_ms)

@@ -63,8 +63,9 @@ static struct {
    the sleeping workers for a while: 100 us, doubled at each such wake up to this (0: wake at every loop). Why: a wake
    that puts the worker on the caller's CPU costs the caller two switches (~8 us a loop on the Zen 3 at load 5-7:
    bench/results/pool-2threads-zen3-2026-12-07.md) for nothing; a worker that runs an item resets it, and a worker
-   still polling takes part in every loop as before. */
-long kiln_pool_backoff_max_ns = 4000000L;
+   still polling takes part in every loop as before. The bound: a worker freed to run on another CPU later waits at most
+   this long to be woken again (one wasted wake a bound: ~1% of a loaded core at 1 ms). */
+long kiln_pool_backoff_max_ns = 1000000L;
 #define POOL_BACKOFF_MIN_NS 100000L
 
 /* 1 (the default): a worker that finds itself on the CPU its loop's caller started on leaves the loop's items to the
