@@ -13,6 +13,10 @@
  * the next call's first loop finds them awake. One loop at a time: a caller that finds the pool busy (another
  * thread's loop, or a loop inside an item) runs its items itself. After a fork the child has no workers: they are
  * started again. Compiled into each library that uses it.
+ *
+ * Where the other CPUs are busy, the futex wake puts a worker on its caller's own CPU, where the two take turns: a
+ * worker that finds itself there leaves the loop to the caller and sleeps at once (kiln_pool_step_aside), and the next
+ * loops leave it asleep for a short back-off (kiln_pool_backoff_max_ns), bench/results/pool-2threads-zen3-2026-12-07.md.
  */
 #include <limits.h>
 #include <pthread.h>
