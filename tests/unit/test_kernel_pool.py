@@ -130,3 +130,104 @@ def test_the_pool_is_kilns_default_only_on_a_busy_machine():
     assert kiln_pool_wanted({}, load=1.5, cpus=2) is True  # busy: the pool
     assert kiln_pool_wanted({"KILN_POOL": "1"}, load=0.0, cpus=2) is True  # the user decides
     assert kiln_pool_wanted({"KILN_POOL": "0"}, load=9.0, cpus=2) is False
+
+
+def _pool_counters() -> dict[str, int]:
+    out = (ctypes.c_long * 6)()
+    gemm_native.load().kiln_pool_stats(out)
+    return dict(zip(("loops", "worker_items", "wait_ns", "parks", "shared_items", "steps_aside"), out))
+
+
+def _pin_process(cpus: set[int]) -> None:
+    """Every thread of this process (the pool's workers included) onto `cpus`."""
+    import os
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, PermissionError):
+            pass  # a thread that just ended, or one another test's library owns
+
+
+@pytest.mark.parametrize("step_aside", [1, 0])
+def test_a_worker_woken_on_the_callers_cpu_leaves_the_items_to_it(on_the_pool, step_aside):
+    """pool.c's kiln_pool_step_aside: with the process on one CPU (a worker can only wake on the caller's CPU, as the
+    kernel places it where the other CPUs are busy), a worker runs no item when it is on (1); it runs some when it is
+    off (0, the form before). The outputs are the same either way, bitwise, as one thread's."""
+    import os
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no sched_setaffinity")
+    lib = gemm_native.load()
+    flag = ctypes.c_int.in_dll(lib, "kiln_pool_step_aside")
+    g = torch.Generator().manual_seed(5)
+    layer = gemm_native.PackedLinear(torch.randn(1024, 512, generator=g), torch.randn(1024, generator=g), "Relu")
+    x = torch.randn(384, 512, generator=g)
+    before, previous, allowed = torch.get_num_threads(), flag.value, os.sched_getaffinity(0)
+    try:
+        torch.set_num_threads(1)
+        want = layer(x)
+        torch.set_num_threads(2)
+        layer(x)  # the workers started (they inherit nothing: _pin_process moves them)
+        _pin_process({min(allowed)})
+        flag.value = step_aside
+        start = _pool_counters()
+        outs = [layer(x) for _ in range(30)]
+        end = _pool_counters()
+    finally:
+        _pin_process(allowed)
+        flag.value = previous
+        torch.set_num_threads(before)
+    for out in outs:
+        assert torch.equal(out, want)
+    shared = end["shared_items"] - start["shared_items"]
+    if step_aside:
+        assert shared == 0
+        assert end["steps_aside"] > start["steps_aside"]
+    else:
+        assert shared > 0
+        assert end["steps_aside"] == start["steps_aside"]
+
+
+@pytest.mark.parametrize("backoff_ns", [1_000_000, 0])
+def test_loops_leave_a_worker_that_stepped_aside_asleep_for_a_while(on_the_pool, backoff_ns):
+    """pool.c's kiln_pool_backoff_max_ns: on one CPU, back-to-back loops of ~0.1 ms wake the sleeping worker (which
+    then steps aside) at most once a back-off (100 us doubling to 1 ms: the ramp's 4 wakes, then one a ms) with it, at
+    most loops without it (0). The outputs stay one thread's, bitwise."""
+    import os
+    import time
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no sched_setaffinity")
+    lib = gemm_native.load()
+    backoff = ctypes.c_long.in_dll(lib, "kiln_pool_backoff_max_ns")
+    g = torch.Generator().manual_seed(6)
+    layer = gemm_native.PackedLinear(torch.randn(512, 128, generator=g), None, "")
+    x = torch.randn(96, 128, generator=g)  # 6.3 M multiply-adds: split (past PARALLEL_MACS), ~0.1-0.2 ms
+    before, previous, allowed = torch.get_num_threads(), backoff.value, os.sched_getaffinity(0)
+    calls = 100
+    try:
+        torch.set_num_threads(1)
+        want = layer(x)
+        torch.set_num_threads(2)
+        layer(x)
+        _pin_process({min(allowed)})
+        backoff.value = backoff_ns
+        for _ in range(5):
+            layer(x)
+        time.sleep(0.02)  # the worker asleep, the back-off's state settled on this process's one CPU
+        start, began = _pool_counters(), time.perf_counter()
+        outs = [layer(x) for _ in range(calls)]
+        elapsed_ms = (time.perf_counter() - began) * 1e3
+        time.sleep(0.02)  # a worker woken by the last loops steps aside after them
+        end = _pool_counters()
+    finally:
+        _pin_process(allowed)
+        backoff.value = previous
+        torch.set_num_threads(before)
+    for out in outs:
+        assert torch.equal(out, want)
+    wakes = end["steps_aside"] - start["steps_aside"]
+    assert end["shared_items"] == start["shared_items"]
+    bound = 6 + elapsed_ms  # the ramp (0.1 + 0.2 + 0.4 + 0.8 ms), then one wake a ms at most, +1 for the first
+    if backoff_ns:
+        assert wakes <= bound, (wakes, elapsed_ms)
+    else:  # at most loops: ~100 of 100 here alone (13-14 with the back-off), fewer where other work takes the CPU
+        assert wakes > 0, (wakes, elapsed_ms)

@@ -717,11 +717,15 @@ long kiln_gemm_scratch_floats(int kernel, long m, long k) {
     return blocks_per_m_block(kd, ceil_div(m, kd->mr)) * kd->mr * k + 64;
 }
 
+/* Work items per thread that panel_chunk aims at (a global so that bench/pool_2threads_gemm.py can time others
+   in one process; nothing else writes it). */
+long kiln_gemm_items_per_thread = 4;
+
 /* Panels per work item: enough items for every thread to take several (dynamic balance: a core slowed
    by other work takes fewer), at most 8 panels (a chunk's C tile, mc x 8·NR, stays in L2 across the K
    blocks). */
 static long panel_chunk(long panels, long row_groups, int threads) {
-    long chunk = panels * row_groups / (4L * threads);
+    long chunk = panels * row_groups / (kiln_gemm_items_per_thread * threads);
     return chunk < 1 ? 1 : (chunk > 8 ? 8 : chunk);
 }
 

@@ -130,6 +130,8 @@ def open_library(stem: str, source: str, test_kernels: bool) -> ctypes.CDLL | st
     lib.kiln_pool_spin_window.restype = ctypes.c_long
     lib.kiln_pool_spin_window.argtypes = [ctypes.POINTER(ctypes.c_long), ctypes.c_int, ctypes.c_long]
     lib.kiln_pool_parks.restype = ctypes.c_long
+    lib.kiln_pool_stats.restype = None
+    lib.kiln_pool_stats.argtypes = [ctypes.POINTER(ctypes.c_long)]
     _POOLED.append(lib)
     lib.kiln_gemm_packed_floats.restype = ctypes.c_long
     lib.kiln_gemm_packed_floats.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_long]

@@ -13,6 +13,10 @@
  * the next call's first loop finds them awake. One loop at a time: a caller that finds the pool busy (another
  * thread's loop, or a loop inside an item) runs its items itself. After a fork the child has no workers: they are
  * started again. Compiled into each library that uses it.
+ *
+ * Where the other CPUs are busy, the futex wake puts a worker on its caller's own CPU, where the two take turns: a
+ * worker that finds itself there leaves the loop to the caller and sleeps at once (kiln_pool_step_aside), and the next
+ * loops leave it asleep for a short back-off (kiln_pool_backoff_max_ns), bench/results/pool-2threads-zen3-2026-12-07.md.
  */
 #include <limits.h>
 #include <pthread.h>
@@ -48,7 +52,50 @@ static struct {
     long gaps[POOL_GAPS];       /* ns between the last loops' end and the next one's start (under lock) */
     long loops;                 /* loops run on the workers (under lock) */
     long parks;                 /* the times a worker went to sleep on the futex */
-} kiln_pool = {PTHREAD_MUTEX_INITIALIZER, 0, 0, 0, NULL, NULL, 0, 0, 0, 0, 0, 0, POOL_SPIN_NS, 0, {0}, 0, 0};
+    long worker_items;          /* items the workers ran (kiln_pool_stats) */
+    long wait_ns;               /* how long callers waited, their own items done, for the workers' (kiln_pool_stats) */
+    long shared_items;          /* worker items run on the CPU the loop's caller started on (kiln_pool_stats) */
+    long steps_aside;           /* loops a worker woke for on the caller's CPU and left to it (kiln_pool_step_aside) */
+    int caller_cpu;             /* the CPU the current (or last) loop's caller started on, or -1 */
+    long aside_seen, items_seen; /* steps_aside and worker_items at the last loop's start (under lock) */
+    long backoff_ns;            /* how long loops leave the sleeping workers asleep after a wake for nothing (under lock) */
+    long quiet_until_ns;        /* no wake before this (under lock) */
+} kiln_pool = {PTHREAD_MUTEX_INITIALIZER, 0, 0, 0, NULL, NULL, 0, 0, 0, 0, 0, 0, POOL_SPIN_NS, 0, {0}, 0, 0, 0, 0, 0, 0,
+               -1, 0, 0, 0, 0};
+
+/* Where a worker left a loop to its caller (kiln_pool_step_aside) and ran no item since, the next loops do not wake
+   the sleeping workers for a while: 100 us, doubled at each such wake up to this (0: wake at every loop). Why: a wake
+   that puts the worker on the caller's CPU costs the caller two switches (~8 us a loop on the Zen 3 at load 5-7:
+   bench/results/pool-2threads-zen3-2026-12-07.md) for nothing; a worker that runs an item resets it, and a worker
+   still polling takes part in every loop as before. The bound: a worker freed to run on another CPU later waits at most
+   this long to be woken again (one wasted wake a bound: ~1% of a loaded core at 1 ms). */
+long kiln_pool_backoff_max_ns = 1000000L;
+#define POOL_BACKOFF_MIN_NS 100000L
+
+/* 1 (the default): a worker that finds itself on the CPU its loop's caller started on leaves the loop's items to the
+   caller and sleeps on the futex at once, and a worker polling between loops on the last caller's CPU stops polling.
+   Why: on a machine whose other CPUs are busy, the futex wake puts the worker on the caller's own CPU (the kernel's
+   wake-affine choice when the worker's last CPU is taken), where the two take turns on one core: the split does
+   nothing but add switches, and a worker polling there takes the caller's time. On a 2-vCPU Zen 3 at load ~5.5 every
+   item a worker ran (4-12 a GEMM) ran on the caller's CPU, and llama_tiny's GEMMs alone ran 2-12% slower at 2 threads
+   than at 1 (bench/results/pool-2threads-zen3-2026-12-07.md). 0: the form before 2026-12-07 (the tests, A/B). */
+int kiln_pool_step_aside = 1;
+
+extern int sched_getcpu(void);  /* glibc (sched.h with _GNU_SOURCE, which this file cannot rely on being first) */
+
+static int pool_cpu(void) {
+#if defined(__linux__)
+    return sched_getcpu();
+#else
+    return -1;
+#endif
+}
+
+/* Whether the calling thread runs on the CPU the current (or last) loop's caller started on. */
+static int on_caller_cpu(void) {
+    const int caller = __atomic_load_n(&kiln_pool.caller_cpu, __ATOMIC_RELAXED);
+    return caller >= 0 && pool_cpu() == caller;
+}
 
 static inline void pool_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -79,17 +126,20 @@ static void pool_wake(unsigned int *address) {
 #endif
 }
 
-/* Claim and run items of generation g until none is left (or the loop is over). */
-static void pool_run_items(unsigned int g) {
-    for (;;) {
+/* Claim and run items of generation g until none is left (or the loop is over); how many it ran. */
+static long pool_run_items(unsigned int g) {
+    for (long ran = 0;; ++ran) {
         unsigned long w = __atomic_load_n(&kiln_pool.word, __ATOMIC_ACQUIRE);
-        if ((unsigned int)(w >> 32) != g) return;
+        if ((unsigned int)(w >> 32) != g) return ran;
         const long item = (long)(w & 0xffffffffUL);
         /* read before the claim: a claim that succeeds proves generation g still running, so these are its */
         kiln_item_fn fn = __atomic_load_n(&kiln_pool.fn, __ATOMIC_RELAXED);
         void *ctx = __atomic_load_n(&kiln_pool.ctx, __ATOMIC_RELAXED);
-        if (item >= __atomic_load_n(&kiln_pool.count, __ATOMIC_RELAXED)) return;
-        if (!__atomic_compare_exchange_n(&kiln_pool.word, &w, w + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) continue;
+        if (item >= __atomic_load_n(&kiln_pool.count, __ATOMIC_RELAXED)) return ran;
+        if (!__atomic_compare_exchange_n(&kiln_pool.word, &w, w + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+            --ran;
+            continue;
+        }
         fn(ctx, item);
         __atomic_add_fetch(&kiln_pool.done, 1, __ATOMIC_RELEASE);
     }
@@ -108,17 +158,18 @@ long kiln_pool_spin_window(const long *gaps, int n, long follow) {
 static void *pool_worker(void *arg) {
     const int id = (int)(long)arg;
     unsigned int seen = __atomic_load_n(&kiln_pool.generation, __ATOMIC_ACQUIRE);
+    int park = 0;  /* sleep at once: the worker left the last loop to its caller (kiln_pool_step_aside) */
     for (;;) {
         unsigned int g;
         long since = 0;
         int polls = 0;
-        const long window = __atomic_load_n(&kiln_pool.spin_ns, __ATOMIC_RELAXED);
+        const long window = park ? 0 : __atomic_load_n(&kiln_pool.spin_ns, __ATOMIC_RELAXED);
         while ((g = __atomic_load_n(&kiln_pool.generation, __ATOMIC_ACQUIRE)) == seen) {
             pool_relax();
             if (++polls % 64) continue;
             const long now = pool_now_ns();
             if (since == 0) since = now;
-            if (now - since < window) continue;
+            if (now - since < window && !(kiln_pool_step_aside && on_caller_cpu())) continue;
             __atomic_add_fetch(&kiln_pool.sleepers, 1, __ATOMIC_SEQ_CST);
             __atomic_add_fetch(&kiln_pool.parks, 1, __ATOMIC_RELAXED);
             if (__atomic_load_n(&kiln_pool.generation, __ATOMIC_SEQ_CST) == seen)
@@ -127,7 +178,18 @@ static void *pool_worker(void *arg) {
             since = 0;
         }
         seen = g;
-        if (id < __atomic_load_n(&kiln_pool.limit, __ATOMIC_RELAXED)) pool_run_items(g);
+        park = 0;
+        if (id < __atomic_load_n(&kiln_pool.limit, __ATOMIC_RELAXED)) {
+            const int shared = on_caller_cpu();
+            if (shared && kiln_pool_step_aside) {
+                __atomic_add_fetch(&kiln_pool.steps_aside, 1, __ATOMIC_RELAXED);
+                park = 1;
+                continue;
+            }
+            const long ran = pool_run_items(g);
+            if (ran) __atomic_add_fetch(&kiln_pool.worker_items, ran, __ATOMIC_RELAXED);
+            if (ran && shared) __atomic_add_fetch(&kiln_pool.shared_items, ran, __ATOMIC_RELAXED);
+        }
     }
     return NULL;
 }
@@ -148,6 +210,18 @@ long kiln_pool_follow_ns = 0;
 /* How many times the workers went to sleep on the futex (tests: the spin window kept them awake or not). */
 long kiln_pool_parks(void) {
     return __atomic_load_n(&kiln_pool.parks, __ATOMIC_RELAXED);
+}
+
+/* Counters for benchmarks: out[0] loops run on the workers, [1] items the workers ran, [2] ns callers waited for
+   the workers' items after their own, [3] the workers' parks on the futex, [4] worker items that ran on the CPU
+   their loop's caller started on, [5] loops a worker left to the caller (kiln_pool_step_aside). */
+void kiln_pool_stats(long *out) {
+    out[4] = __atomic_load_n(&kiln_pool.shared_items, __ATOMIC_RELAXED);
+    out[5] = __atomic_load_n(&kiln_pool.steps_aside, __ATOMIC_RELAXED);
+    out[0] = kiln_pool.loops;
+    out[1] = __atomic_load_n(&kiln_pool.worker_items, __ATOMIC_RELAXED);
+    out[2] = kiln_pool.wait_ns;
+    out[3] = __atomic_load_n(&kiln_pool.parks, __ATOMIC_RELAXED);
 }
 
 /* 0: kiln_parallel_for is an OpenMP dynamic loop instead (KILN_POOL=0; kiln/kernels/cpu/gemm_native.py sets it) */
@@ -183,9 +257,24 @@ static void kiln_parallel_for(long count, int threads, kiln_item_fn fn, void *ct
     if (++kiln_pool.last == 0) kiln_pool.last = 1;
     const unsigned int g = kiln_pool.last;
     /* the gap since the last loop, and from it how long the workers poll after this one */
-    kiln_pool.gaps[kiln_pool.loops++ % POOL_GAPS] = kiln_pool.ended_ns ? pool_now_ns() - kiln_pool.ended_ns : LONG_MAX;
+    const long start_ns = pool_now_ns();
+    kiln_pool.gaps[kiln_pool.loops++ % POOL_GAPS] = kiln_pool.ended_ns ? start_ns - kiln_pool.ended_ns : LONG_MAX;
+    /* a wake for nothing since the last loop (a worker stepped aside, none ran an item): leave the sleepers be a while */
+    const long aside = __atomic_load_n(&kiln_pool.steps_aside, __ATOMIC_RELAXED);
+    const long items = __atomic_load_n(&kiln_pool.worker_items, __ATOMIC_RELAXED);
+    if (items != kiln_pool.items_seen || kiln_pool_backoff_max_ns <= 0) {
+        kiln_pool.backoff_ns = 0;
+        kiln_pool.quiet_until_ns = 0;
+    } else if (aside != kiln_pool.aside_seen) {
+        const long doubled = kiln_pool.backoff_ns ? 2 * kiln_pool.backoff_ns : POOL_BACKOFF_MIN_NS;
+        kiln_pool.backoff_ns = doubled < kiln_pool_backoff_max_ns ? doubled : kiln_pool_backoff_max_ns;
+        kiln_pool.quiet_until_ns = start_ns + kiln_pool.backoff_ns;
+    }
+    kiln_pool.aside_seen = aside;
+    kiln_pool.items_seen = items;
     __atomic_store_n(&kiln_pool.spin_ns, kiln_pool_spin_window(kiln_pool.gaps, POOL_GAPS, kiln_pool_follow_ns),
                      __ATOMIC_RELAXED);
+    __atomic_store_n(&kiln_pool.caller_cpu, pool_cpu(), __ATOMIC_RELAXED);
     __atomic_store_n(&kiln_pool.fn, fn, __ATOMIC_RELAXED);
     __atomic_store_n(&kiln_pool.ctx, ctx, __ATOMIC_RELAXED);
     __atomic_store_n(&kiln_pool.count, count, __ATOMIC_RELAXED);
@@ -193,14 +282,17 @@ static void kiln_parallel_for(long count, int threads, kiln_item_fn fn, void *ct
     __atomic_store_n(&kiln_pool.done, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&kiln_pool.word, (unsigned long)g << 32, __ATOMIC_RELEASE);
     __atomic_store_n(&kiln_pool.generation, g, __ATOMIC_SEQ_CST);
-    if (__atomic_load_n(&kiln_pool.sleepers, __ATOMIC_SEQ_CST) > 0) pool_wake(&kiln_pool.generation);
+    if (__atomic_load_n(&kiln_pool.sleepers, __ATOMIC_SEQ_CST) > 0 && start_ns >= kiln_pool.quiet_until_ns)
+        pool_wake(&kiln_pool.generation);
     pool_run_items(g);
     /* only the items a worker claimed are waited for */
+    const long waited = __atomic_load_n(&kiln_pool.done, __ATOMIC_ACQUIRE) < count ? pool_now_ns() : 0;
     for (int polls = 0; __atomic_load_n(&kiln_pool.done, __ATOMIC_ACQUIRE) < count; ++polls) {
         if (polls < 4096) pool_relax();
         else sched_yield();
     }
     kiln_pool.ended_ns = pool_now_ns();
+    if (waited) kiln_pool.wait_ns += kiln_pool.ended_ns - waited;
     pthread_mutex_unlock(&kiln_pool.lock);
 }
 
