@@ -34,22 +34,6 @@ if [ "$BENCH_S" != "0" ]; then
     SERVE_ARGS="--batching on --protocols grpc --client wire --window 2.0 --warmup 0.5 --tuning-runs 3 --cuda-sync ${SYNCS:-spin pinned}" \
     timeout $(( BENCH_S + 10 )) bash bench/serve_gpu.sh .whl-serve > /dev/null 2>&1
   grep -E "^== |failed|Error|error|wrong answer" "$OUT/serve_gpu.log" | grep -v "^| " | cut -c1-300 | tail -6
-  python3 - "$OUT/serve.md" <<'PY'
-import sys
-try:
-    lines = open(sys.argv[1]).read().splitlines()
-except OSError:
-    sys.exit("no serve.md")
-start = next((k for k, line in enumerate(lines) if line.startswith("Where a call's time goes")), None)
-print("model (sync) | c | infer/s | p50 ms | p99 ms | server us/req | queue us/req | requests/call | call ms | loop %core | engine %core | errors | wrong")
-for line in lines[:start]:
-    c = [x.strip() for x in line.split("|")[1:-1]]
-    if line.startswith("| bert") and len(c) > 25:
-        print(" | ".join(c[i] for i in (0, 7, 8, 9, 11, 12, 13, 16, 17, 19, 20, 24, 25)))
-if start is None:
-    sys.exit("no phase table (the server kept no call_phases?)")
-print()
-print("\n".join(line for line in lines[start:] if line.strip()))
-PY
+  python3 bench/serve_summary.py "$OUT/serve.md"
 fi
 echo "== $(( $(date +%s) - START )) s"
