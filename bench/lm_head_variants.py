@@ -13,23 +13,11 @@ events on one GPU (issue 11: bench/results/zoo-cuda-h100-2026-12-07.md, the LM h
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
 import torch.nn.functional as F
-
-
-def median_ms(fn, runs: int = 40) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+from gpu import time_cuda  # bench/gpu.py: CUDA events around each call
 
 
 def main() -> None:
@@ -68,7 +56,7 @@ def main() -> None:
     print("| variant | ms (median) | TFLOP/s | max abs err vs fp32 |")
     print("|---|---|---|---|")
     for name, fn in variants:
-        ms = median_ms(fn)
+        ms = statistics.median(time_cuda(fn, warmup=5, iters=40))
         fn()
         got = rows[:, :n] if name in ("fp32 into a view", "fp32 contiguous", "fp16 padded + cast") else None
         if name == "fp16 padded":
