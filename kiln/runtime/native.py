@@ -94,6 +94,7 @@ class Segment:
         self.constants = constants or {}  # slot -> weight: what the layers' own launches read besides activations
         self.resized: OrderedDict[tuple, Segment | None] = OrderedDict()  # entry sizes -> that size's segment
         self.view_evictions = 0  # sizes let go from `resized` so far (what holds on to them notices: direct_run.py)
+        self.unbound: str | None = None  # why the latest sizes that could not be bound ran layer by layer
         self._resize_lock = threading.Lock()
         natives = natives if natives is not None else [m.fn.native for m in members]
         produced: dict[int, int] = {}  # slot -> member that writes it
@@ -552,8 +553,9 @@ class Segment:
             if segment is None:
                 with onednn.shared_memories():  # the layers' memory objects at one arena place and size: one each
                     segment = self._bound_at(key)
-        except Exception:  # noqa: BLE001  a size the layers cannot bind: they run one by one, as before
+        except Exception as error:  # noqa: BLE001  a size the layers cannot bind: they run one by one, as before
             segment = None
+            self.unbound = f"{key}: {type(error).__name__}: {error}"  # the latest, for tests and the profiler
         self.resized[key] = segment
         while len(self.resized) > (VIEWS if self._views else RESIZED):
             self.resized.popitem(last=False)

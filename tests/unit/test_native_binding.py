@@ -94,14 +94,15 @@ def test_new_shapes_leave_no_garbage_for_the_collector_and_a_dropped_view_dies(d
         for batch, seq in shapes + shapes[:1]:
             context.run(_feeds(rng, batch, seq))
         views = [v for s in engine.program.segments for v in s.resized.values() if isinstance(v, native._Resized)]
-        assert views, "no shape bound a view"
+        assert views, f"no shape bound a view: {[s.unbound for s in engine.program.segments]}"
         alive = [weakref.ref(v) for v in views] + [weakref.ref(b) for v in views for b in v._owned
                                                        if not isinstance(b, np.ndarray)]
         del views
         _evict_views(engine)
         left = [r() for r in alive if r() is not None]
         assert not left, f"evicted views or their calls still held: {_referrers(left)}"
-        assert gc.collect() == 0, "binding or running a new shape left a reference cycle"
+        assert gc.collect() == 0, ("binding or running a new shape left a reference cycle; sizes left unbound: "
+                                   f"{[s.unbound for s in engine.program.segments]}")
     finally:
         gc.enable()
 
