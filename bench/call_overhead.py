@@ -9,7 +9,8 @@ fixed [1, 16] float32: the path with nothing to compute). Each is built at the t
 --engines DIR, built and saved there the first time), checked against onnxruntime, then every rung of its call path
 runs in interleaved rounds (rung 1, rung 2, ..., onnxruntime, rung 1, ...): a block of calls per rung per round,
 timed as one by the clock (the calling thread's CPU time by default: time waiting for a core on a shared machine is
-not counted), the block sized to about --block-ms. Per rung the median of its rounds' per-call times.
+not counted), the block sized to about --block-ms, 20 ms slept and 5 calls made before it; each round starts one rung
+later than the one before. Per rung the median of its rounds' per-call times.
 
 The rungs are what the context's call actually takes for this model (kiln/runtime/context.py, cpu_paths.py,
 direct_run.py, native.py), each a strict part of the one above it, so a row's "above" is the cost of what it adds
@@ -43,6 +44,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 MODELS = ("resnet_tiny", "regnet_tiny", "roberta_tiny", "relu16")
+SETTLE_S = 0.02  # slept before each block: onnxruntime's workers spin on after its block (2 threads)
 CLOCKS = {"thread": time.thread_time_ns, "process": time.process_time_ns, "wall": time.perf_counter_ns}
 
 
@@ -225,10 +227,13 @@ def measure(model: str, args: argparse.Namespace) -> None:
         blocks[rung.name] = max(20, int(args.block_ms * 1e6 / max(per_call, 1.0)))
     times: dict[str, list[float]] = {r.name: [] for r in rungs}
     loads = []
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
         loads.append(os.getloadavg()[0])
-        for rung in rungs:
+        for rung in rungs[r % len(rungs):] + rungs[:r % len(rungs)]:  # each round starts one rung later
             n, call = blocks[rung.name], rung.call
+            time.sleep(SETTLE_S)
+            for _ in range(5):
+                call()
             t0 = clock()
             for _ in range(n):
                 call()
