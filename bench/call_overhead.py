@@ -119,19 +119,24 @@ def rungs_of(engine: Any, feeds: dict[str, np.ndarray]) -> tuple[list[Rung], Any
     arrays = [feeds[n] for n in engine.input_names]
     whole = context._whole_segment if context._static is not None else None
     if whole is not None:  # a fixed-shape engine that is one native segment: numpy in, numpy out
-        staged = bool(whole._staged)
-        exits = whole.run_numpy(arrays)
-        entry_addresses, exit_addresses = [a.ctypes.data for a in arrays], [e.ctypes.data for e in exits]
+        numpy_run = whole.run if hasattr(whole, "segment") else whole.run_numpy  # StaticRun (direct_run.py); before
+        segment = whole.segment if hasattr(whole, "segment") else whole  # it, the Segment itself (run_numpy)
+        staged = bool(segment._staged)
+        exits = numpy_run(arrays)
+        entries = list(whole.addresses) if hasattr(whole, "addresses") else [a.ctypes.data for a in arrays]
+        for position, k in getattr(whole, "moving", ()):
+            entries[position] = arrays[k].ctypes.data
+        exit_addresses = [(e.base if e.base is not None else e).ctypes.data for e in exits]
 
         def run_fixed(exits: list[np.ndarray] = exits) -> None:  # (the exits held as long as the call)
-            with whole._lock:
-                whole._run(entry_addresses, exit_addresses, staged)
+            with segment._lock:
+                segment._run(entries, exit_addresses, staged)
 
         rungs += [Rung("_run_static", lambda: context._run_static(feeds)),
-                  Rung("Segment.run_numpy", lambda: whole.run_numpy(arrays)),
-                  Rung("Segment._run (exits made once)", run_fixed),
-                  Rung("compiled loop alone", _loop_alone(whole, staged, entry_addresses, exit_addresses, exits))]
-        return rungs, whole
+                  Rung("the segment's numpy run", lambda: numpy_run(arrays)),
+                  Rung("the segment's run, exits made once", run_fixed),
+                  Rung("compiled loop alone", _loop_alone(segment, staged, entries, exit_addresses, exits))]
+        return rungs, segment
     direct = context._direct
     if direct is not None:  # numpy feeds of a checked signature: one call of the segment's loop (direct_run.py)
         record = direct.find(torch_signature(arrays))

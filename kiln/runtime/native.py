@@ -771,11 +771,11 @@ class Segment:
             self._run([v.data_ptr() for v in entries], [v.data_ptr() for v in exits], staged)
         return tuple(exits) if len(exits) != 1 else exits[0]
 
-    def run_at(self, entry_addresses: list[int], exit_addresses: list[int]) -> None:
-        """One run on entries and exits at these addresses, laid out as planned (not a staged segment's NCHW
-        images): kiln/runtime/direct_run.py's."""
+    def run_at(self, entry_addresses: list[int], exit_addresses: list[int], staged: bool = False) -> None:
+        """One run on entries and exits at these addresses, laid out as planned (`staged`: NCHW images where the
+        segment lays them out at its loop's head): kiln/runtime/direct_run.py's."""
         with self._lock:
-            self._run(entry_addresses, exit_addresses, False)
+            self._run(entry_addresses, exit_addresses, staged)
 
     def run_numpy(self, arrays: list[np.ndarray]) -> list[np.ndarray] | None:
         """The whole program as this one segment, on C-contiguous float32 numpy arrays of the
