@@ -416,7 +416,7 @@ class Segment:
             if isinstance(src, int):  # fixed: a staged entry's buffer
                 addresses[i] = src
         functions, objects, nargs, args = native_loop.call_arrays(calls)
-        return (loop.kiln_run_segment, functions, ctypes.cast(self._set_handle, ctypes.c_void_p), nbind,
+        return (loop.kiln_run_segment_bare, functions, ctypes.cast(self._set_handle, ctypes.c_void_p), nbind,
                 (ctypes.c_void_p * max(nbind, 1))(*[m for m, _ in bindings]), addresses,
                 [(i, src) for i, (_, src) in enumerate(bindings) if not isinstance(src, int)],
                 len(calls), objects, nargs, args, ctypes.c_int(-1))
@@ -428,7 +428,7 @@ class Segment:
         self.ran_planned = True
         chooser = self.chooser
         if chooser is None:
-            self._run_form(sources, staged, PARALLEL)
+            self._run_form_as_is(sources, staged, PARALLEL)
             return
         form = chooser.choose()
         start = time.perf_counter()

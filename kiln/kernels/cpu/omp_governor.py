@@ -180,6 +180,7 @@ class Governor:
         self._count: ctypes.c_ulonglong | None = None
         self._original = 0
         self._reason: str | None = None  # why not governed (None: governed, or not decided yet)
+        self._with_openmp = False  # the native loop library was built with OpenMP (_load)
         self._spin = CALL_SPIN  # the count of the calls begun now
         # the last READINGS of the tasks runnable, one per REFRESH_S, taken by the refresher thread (never by a call);
         # _taken counts them, _decided_on is _taken at the last decision (-1: none yet)
@@ -210,9 +211,11 @@ class Governor:
             if self._lib is None:
                 self._reason = f"no native loop library ({native_loop.reason()})"
                 return False
-        if not self._lib.kiln_omp_available():
-            self._reason = "the native loop library was built without OpenMP"
-            return False
+        if not self._with_openmp:
+            self._with_openmp = bool(self._lib.kiln_omp_available())  # asked once: begin() asks at every call
+            if not self._with_openmp:  # until the count is located
+                self._reason = "the native loop library was built without OpenMP"
+                return False
         return True
 
     def _locate(self) -> None:
