@@ -16,7 +16,8 @@ The rungs are what the context's call actually takes for this model (kiln/runtim
 direct_run.py, native.py), each a strict part of the one above it, so a row's "above" is the cost of what it adds
 over the row below: engine.run (the thread's context), context.run (the OpenMP governor around the call),
 context._run (the path's dispatch, checks, conversions, outputs), then the path's own rungs down to the compiled
-loop alone (its moving addresses written and one ctypes call on buffers made once). "layers" is the compiled loop's
+loop alone (its moving addresses written and one ctypes call on buffers made once; at 2 threads in the form the
+segment's chooser holds best, OpenMP's count at 1 around a serial one). "layers" is the compiled loop's
 own per-layer times summed (Segment.timed: one clock read per layer, counted in the layers). "overhead" is engine.run
 less the compiled loop alone.
 
@@ -90,15 +91,34 @@ def engine_of(model: str, source: Any, folder: Path | None, threads: int):
 
 
 def _loop_alone(segment: Any, staged: bool, entries: list[int], exits: list[int], keep: Any) -> Callable[[], None]:
-    """The segment's compiled loop on fixed entry and exit addresses, in the form its chooser would run now; `keep`:
-    what the addresses point into (held as long as the call)."""
-    from kiln.kernels.cpu.form_choice import PARALLEL
+    """The segment's compiled loop on fixed entry and exit addresses, in the form its chooser holds best at each call
+    (the serial one with OpenMP's count at 1 around it, set here by two ctypes calls: as the engine's path needs it,
+    whichever way the checkout under test sets it); `keep`: what the addresses point into (held by the call)."""
+    from kiln.kernels.cpu import onednn
+    from kiln.kernels.cpu.form_choice import PARALLEL, SERIAL
     from kiln.runtime.native_members import _run_loop
 
-    form = segment.chooser.choose() if segment.chooser is not None else PARALLEL
-    c, names = segment._c[staged, form], segment._variants[staged, form][2]
     sources = {"entry": entries, "exit": exits}
-    run = functools.partial(_run_loop, c, segment._stream, sources, names)
+    runs = {form: functools.partial(_run_loop, segment._c[staged, form], segment._stream, sources,
+                                    segment._variants[staged, form][2])
+            for form in (PARALLEL, SERIAL) if (staged, form) in segment._c}
+    chooser = segment.chooser
+    if chooser is None:
+        run = runs[PARALLEL]
+        run.keep = keep
+        return run
+    get_max, set_count = onednn._openmp_threads(onednn.load().lib)
+    parallel, serial = runs[PARALLEL], runs[SERIAL]
+
+    def run() -> None:
+        if chooser.best() == SERIAL:
+            before = get_max()
+            set_count(1)
+            serial()
+            set_count(before)
+        else:
+            parallel()
+
     run.keep = keep
     return run
 

@@ -83,7 +83,7 @@ class StaticRun:
     call and no entry check per run: the context's _run_static has checked the arrays against the bindings (dtype,
     shape, C order, writable), and StaticRun.of the bindings against the segment's planned entries, once. Before,
     such a program ran through torch.from_numpy, Program.run and the segment's torch call (roberta_tiny at 2 x 16:
-    ~27 µs of a ~115 µs call, bench/results/call-overhead-zen3-2026-12-07.md); one whose entries were exactly its
+    ~27 µs of a ~115 µs call, bench/results/call-overhead-zen4-2026-12-07.md); one whose entries were exactly its
     inputs ran Segment.run_numpy, which checked each array again."""
 
     segment: Segment
@@ -152,7 +152,7 @@ class StaticRun:
 
 def address_of(array: np.ndarray) -> int:
     """The address of a writable C-contiguous array's data, through ctypes' view of its buffer: ~0.35 µs here, where
-    array.ctypes.data makes a helper object per call (~1 µs; bench/results/call-overhead-zen3-2026-12-07.md)."""
+    array.ctypes.data makes a helper object per call (~1 µs; bench/results/call-overhead-zen4-2026-12-07.md)."""
     return ctypes.addressof(_BYTE.from_buffer(array)) if array.nbytes else array.ctypes.data
 
 

@@ -26,7 +26,7 @@ is also what the tuner times):
 Pure bookkeeping over (form, seconds): no torch, no clock of its own (the caller times the run), so its logic
 is tested with made-up times (tests/unit/test_form_choice.py). It runs at every call of a segment with two forms: each
 form's estimate is kept as its window changes, not sorted again at each decision (choose + record ~2.5 -> ~1 µs a
-call, bench/results/call-overhead-zen3-2026-12-07.md).
+call, bench/results/call-overhead-zen4-2026-12-07.md).
 """
 
 from __future__ import annotations

@@ -275,7 +275,7 @@ class one_openmp_thread:  # named as the function it was: `with one_openmp_threa
     1 the serial form enters no parallel region of two threads (EfficientNet-B0: 20 -> 0 a run, counted by
     bench/openmp_regions.py), so its time does not hang on how OpenMP's idle workers wait. The count is the
     calling thread's own: torch's and other threads' are untouched. A class, not a generator's context manager: it
-    is entered at every run of a serial form (~0.9 µs less a call, bench/results/call-overhead-zen3-2026-12-07.md)."""
+    is entered at every run of a serial form (~0.9 µs less a call, bench/results/call-overhead-zen4-2026-12-07.md)."""
 
     __slots__ = ("_before",)
 
