@@ -6,6 +6,8 @@ path does not take runs the general path)."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -111,3 +113,29 @@ def test_arrays_it_does_not_take_run_the_general_path(embedding, monkeypatch):
     for other in (np.asfortranarray(ids), readonly, wide[:, ::2]):
         np.testing.assert_array_equal(context.run({"ids": other})["y"], want)
     assert ran == [1]
+
+
+def test_threads_each_on_their_own_context(embedding):
+    """engine.run from two threads at once (a context each, Engine.run): every output onnxruntime's for its own
+    input, none written by the other thread's runs."""
+    engine, session = embedding
+    results: dict[int, list] = {0: [], 1: []}
+    start = threading.Barrier(2)
+
+    def work(k: int) -> None:
+        rng = np.random.default_rng(10 + k)
+        start.wait()
+        for _ in range(150):
+            ids = _ids(rng)
+            results[k].append((ids, engine.run({"ids": ids})["y"]))
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for k in (0, 1):
+        assert len(results[k]) == 150
+        for ids, y in results[k]:
+            np.testing.assert_allclose(y, session.run(None, {"ids": ids})[0], rtol=ORT_TOL, atol=ORT_TOL)
+    assert not any(np.shares_memory(y, z) for (_, y), (_, z) in zip(results[0], results[1]))
