@@ -302,7 +302,7 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
 
     def run(self, feeds: dict[str, Any] | list[Any]) -> dict[str, Any]:
         governor = self._omp
-        if governor is None:
+        if governor is None or governor.idle():
             return self._run(feeds)
         governor.begin()
         try:

@@ -430,6 +430,16 @@ class Governor:
                     log.info("kiln: OpenMP wait: %s", self.last)
             self._count.value = self._spin
 
+    def idle(self) -> bool:
+        """Whether begin() and end() would only count a call from this thread: not governed, or a team of one thread
+        with the count not located (a 1-thread caller's every call). Read without the lock: a call that races the
+        count's locating by another thread's call takes begin() from its next call on, and begin()'s count of calls
+        is read only once the count is located (the outermost call decides). ExecutionContext.run skips the pair
+        then: ~1 µs of a 1-thread call's ~9 on a one-Relu engine (bench/results/call-overhead-zen4-2026-12-07.md)."""
+        if self._reason is not None:
+            return True
+        return self._count is None and self._with_openmp and self._lib.kiln_omp_max_threads() < 2
+
     def end(self) -> None:
         """A call returned: its threads sleep on their own within the count begin() set."""
         with self._lock:
