@@ -21,6 +21,9 @@ segment's chooser holds best, OpenMP's count at 1 around a serial one). "layers"
 own per-layer times summed (Segment.timed: one clock read per layer, counted in the layers). "overhead" is engine.run
 less the compiled loop alone.
 
+--micro: the pieces' warm costs alone (the loop's ctypes call through argtypes and bare, an array's address two ways,
+numpy and torch conversions, a lock, the form chooser, one_openmp_thread, the OpenMP governor's begin and end).
+
 --profile: cProfile of --profile-calls engine.run calls per model (its tottime per function; cProfile's own cost
 inflates every Python function, so read the order and the counts, not the microseconds).
 """
@@ -295,6 +298,85 @@ def measure(model: str, args: argparse.Namespace) -> None:
         print("\n".join(line for line in out.getvalue().splitlines()[6:] if line.strip()))
 
 
+def micro(args: argparse.Namespace) -> None:
+    """Warm costs of the call path's pieces alone (ns a call, best of 5 blocks): what the ladder's rungs are made of,
+    before a network's run cools the caches (in a call each costs more: the rungs in situ)."""
+    import ctypes
+    import threading
+
+    import torch
+
+    from kiln.kernels.cpu import native_loop, omp_governor, onednn
+    from kiln.kernels.cpu.form_choice import FormChooser
+
+    lib, dnnl = native_loop.load(), onednn.load()
+    a = np.zeros((1, 3, 64, 64), np.float32)
+    nothing = [(ctypes.c_void_p * 1)() for _ in range(5)]
+    count, failed = (ctypes.c_int * 1)(), ctypes.c_int(-1)
+    set_handle = ctypes.cast(dnnl.lib.dnnl_memory_set_data_handle, ctypes.c_void_p)
+    loop_args = (nothing[0], set_handle, dnnl.stream, 0, nothing[1], nothing[2], 0, nothing[3], count, nothing[4])
+    bare = getattr(lib, "kiln_run_segment_bare", None)
+    chooser = FormChooser()
+    tick = [0]
+
+    def choose_and_record() -> None:
+        form = chooser.choose()
+        time.perf_counter()
+        tick[0] += 1
+        chooser.record(form, 1e-4 * (1.5 if form == "parallel" else 1.0) * (1 + (tick[0] % 7) * 1e-3))
+
+    def serial_count() -> None:
+        with onednn.one_openmp_thread():
+            pass
+
+    governor = omp_governor.governor()
+
+    def governor_pair() -> None:
+        governor.begin()
+        governor.end()
+
+    lock = threading.Lock()
+
+    def locked() -> None:
+        with lock:
+            pass
+
+    pieces = [("the loop's ctypes call, argtypes (11 conversions), no layer",
+               lambda: lib.kiln_run_segment(*loop_args, ctypes.byref(failed))),
+              ("array.ctypes.data", lambda: a.ctypes.data),
+              ("ctypes.addressof(c_char.from_buffer(array))", lambda: ctypes.addressof(ctypes.c_char.from_buffer(a))),
+              ("np.empty((1, 1000), float32)", lambda: np.empty((1, 1000), np.float32)),
+              ("torch.from_numpy", lambda: torch.from_numpy(a)),
+              ("tensor.numpy()", torch.from_numpy(a).numpy),
+              ("torch._C._InferenceMode guard, entered and left", lambda: _entered(torch._C._InferenceMode(True))),
+              ("a lock, entered and left", locked),
+              ("FormChooser choose + perf_counter + record", choose_and_record),
+              ("with one_openmp_thread()", serial_count),
+              (f"governor begin + end ({args.threads} thread(s))", governor_pair)]
+    if hasattr(governor, "idle"):  # what ExecutionContext.run asks first (since 2026-12-07)
+        pieces.append((f"governor idle() ({args.threads} thread(s))", governor.idle))
+    if bare is not None:
+        pieces.insert(1, ("the loop's ctypes call, bare (kiln_run_segment_bare), no layer",
+                          lambda: bare(*loop_args, ctypes.byref(failed))))
+    print(f"\nwarm costs, {args.threads} thread(s), thread clock, load {os.getloadavg()[0]:.2f}")
+    print("| piece | ns a call |\n|---|---|")
+    for name, fn in pieces:
+        for _ in range(2000):
+            fn()
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.thread_time_ns()
+            for _ in range(100_000):
+                fn()
+            best = min(best, (time.thread_time_ns() - t0) / 100_000)
+        print(f"| {name} | {best:.0f} |")
+
+
+def _entered(guard: Any) -> None:
+    with guard:
+        pass
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
@@ -306,6 +388,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--profile-calls", type=int, default=2000)
     parser.add_argument("--profile-rows", type=int, default=20)
+    parser.add_argument("--micro", action="store_true", help="the pieces' warm costs alone, no model")
     args = parser.parse_args()
     import torch
 
@@ -316,6 +399,9 @@ def main() -> None:
 
     print(f"call overhead: {args.threads} thread(s), clock {args.clock}, torch {torch.__version__}, onnxruntime "
           f"{onnxruntime.__version__}, kiln {kiln.__version__}, load {os.getloadavg()[0]:.2f}")
+    if args.micro:
+        micro(args)
+        return
     for model in args.models.split(","):
         measure(model, args)
 
