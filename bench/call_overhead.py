@@ -48,6 +48,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 MODELS = ("resnet_tiny", "regnet_tiny", "roberta_tiny", "relu16")
+DYNAMIC = "_dynamic"  # a zoo model's name with it: exported with dynamic batch x sequence, built over DYNAMIC_PROFILE
+DYNAMIC_PROFILE = {"input_ids": "1x1,2x16,8x64"}
 SETTLE_S = 0.02  # slept before each block: onnxruntime's workers spin on after its block (2 threads)
 CLOCKS = {"thread": time.thread_time_ns, "process": time.process_time_ns, "wall": time.perf_counter_ns}
 
@@ -77,19 +79,21 @@ def model_and_feeds(model: str) -> tuple[Any, dict[str, np.ndarray]]:
         return _relu16()
     from kiln import zoo
 
-    exported = zoo.export(model)
+    dynamic = model.endswith(DYNAMIC)  # exported with dynamic batch x sequence, fed the zoo's [2, 16]
+    exported = zoo.export(model.removesuffix(DYNAMIC), **({"batch": 2, "seq": 16, "dynamic": True} if dynamic else {}))
     return str(exported.path), {k: np.ascontiguousarray(v) for k, v in exported.inputs().items()}
 
 
 def engine_of(model: str, source: Any, folder: Path | None, threads: int):
     import kiln
 
+    options = {"profiles": [DYNAMIC_PROFILE]} if model.endswith(DYNAMIC) else {}
     if folder is None:
-        return kiln.build(source)
+        return kiln.build(source, **options)
     path = folder / f"{model}-{threads}t.kiln"
     if not path.exists():
         folder.mkdir(parents=True, exist_ok=True)
-        kiln.build(source).save(str(path))
+        kiln.build(source, **options).save(str(path))
     return kiln.load(str(path))
 
 
@@ -182,6 +186,14 @@ def rungs_of(engine: Any, feeds: dict[str, np.ndarray]) -> tuple[list[Rung], Any
     args = [torch.from_numpy(a) for a in arrays]
     if context._static is not None:
         rungs.append(Rung("_run_static", lambda: context._run_static(feeds)))
+    elif context._checked is not None:  # dynamic shapes: a checked signature, then the program (padded first calls)
+        rungs.append(Rung("_run_checked", lambda: context._run_checked(feeds)))
+        if context._first_calls is not None:
+            def first_calls_run() -> None:
+                with inference_mode():
+                    context._first_calls.run(args)
+
+            rungs.append(Rung("FirstCalls.run (torch in/out)", first_calls_run))
 
     def program_run() -> None:
         with inference_mode():
