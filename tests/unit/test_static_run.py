@@ -54,7 +54,8 @@ def test_a_segment_reading_constants_runs_numpy_in_numpy_out(embedding):
     context = engine.create_execution_context()
     whole = context._whole_segment
     assert isinstance(whole, StaticRun)  # None before: the segment's entries were not exactly the inputs
-    assert whole.moving == ((0, 0),) and len(whole.keep) == 1 and all(whole.addresses[1:])  # the positions, fixed
+    assert [k for _, k in whole.moving] == [0] and whole.keep  # the ids move; constants (the positions) are fixed
+    assert all(a for p, a in enumerate(whole.addresses) if p != whole.moving[0][0])
     rng = np.random.default_rng(1)
     feeds = [{"ids": _ids(rng)} for _ in range(3)]
     outputs = [context.run(f)["y"] for f in feeds]
