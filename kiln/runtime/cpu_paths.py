@@ -25,8 +25,8 @@ inference_mode = functools.partial(_GUARD, True) if _GUARD is not None else torc
 
 class CpuPaths:
     """run()'s direct paths on the CPU, a mixin of ExecutionContext: they read what its __init__ set (engine,
-    program, _static, _whole_segment, _checked, _numpy_check, _direct, _first_calls) and fall back on its general
-    path's helpers."""
+    program, _static, _whole_segment, _output_names, _checked, _numpy_check, _direct, _first_calls) and fall back on
+    its general path's helpers."""
 
     def _run_checked(self, feeds: dict[str, Any]) -> dict[str, Any] | None:
         """A CPU engine fed numpy arrays (C-contiguous, writable, of numpy's own dtypes): checked once per
@@ -49,7 +49,7 @@ class CpuPaths:
         if self._direct is not None:
             results = self._run_direct([feeds[n] for n in names])
             if results is not None:
-                return {b.name: v for b, v in zip(self.engine.outputs, results)}
+                return dict(zip(self._output_names, results))
         args = [torch.from_numpy(feeds[n]) for n in names]
         with inference_mode():
             results = self._run_program(args, self._packed_rows(args, self._host_tokens(feeds)))
@@ -85,9 +85,7 @@ class CpuPaths:
             arrays.append(value)
         whole = self._whole_segment
         if whole is not None:  # the program is one native segment: numpy in, numpy out, no torch call
-            results = whole.run_numpy(arrays)
-            if results is not None:
-                return {b.name: r for b, r in zip(outputs, results)}
+            return dict(zip(self._output_names, whole.run(arrays)))
         args = [torch.from_numpy(a) for a in arrays]
         with inference_mode():
             results = self.program.run(args)
@@ -107,14 +105,3 @@ def _static_signature(engine: Any) -> tuple | None:
             return None
         signature.append((np.dtype(dt.numpy), tuple(b.shape)))
     return [b.name for b in engine.inputs], signature, list(engine.outputs)
-
-
-def _whole_segment(program: Any):
-    """The program's one step when it is a native segment reading the inputs and writing the
-    outputs, in their order (kiln/runtime/native.py); else None."""
-    if len(program.run_steps) != 1 or len(program.segments) != 1:
-        return None
-    segment = program.segments[0]
-    if segment.entries != program.input_slots or segment.exits != program.output_slots:
-        return None
-    return segment

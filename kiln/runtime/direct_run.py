@@ -9,6 +9,10 @@ for one signature, found once: the view bound at its sizes, the addresses of its
 constants) and the exits' numpy forms; a run writes the inputs' addresses, makes the exits with numpy and calls the
 loop.
 
+A program of fixed input shapes that is one native segment runs the same way from its first call (StaticRun: the
+context's _run_static path, kiln/runtime/cpu_paths.py), its constant entries (an encoder's position ids) at fixed
+addresses.
+
 A new signature's first call makes its record without a run of the program (DirectRuns.bind: shape values by the
 shape function, the view bound at their sizes), so it too is one call of the loop
 (bench/results/first-call-2026-12-05.md).
@@ -23,6 +27,7 @@ its signature used in both, as the general path does.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import threading
 import weakref
@@ -34,7 +39,7 @@ import torch
 
 from kiln.runtime.native import Segment
 from kiln.runtime.program import Program
-from kiln.tactics.tactic import row_major_strides
+from kiln.tactics.tactic import native_strides, row_major_strides
 
 DIRECT_RUNS = 512  # signatures whose records are kept (then the cache starts over): small objects each
 
@@ -64,10 +69,91 @@ class DirectRun:
             return None
         addresses = list(self.addresses)
         for position, k in self.moving:
-            addresses[position] = arrays[k].ctypes.data
+            addresses[position] = address_of(arrays[k])
         exits = [np.empty(size, dtype) for size, dtype in self.exits]
-        view.run_at(addresses, [e.ctypes.data for e in exits])
+        view.run_at(addresses, [address_of(e) for e in exits])
         return [exits[j] for j in self.outputs]
+
+
+@dataclass(frozen=True)
+class StaticRun:
+    """A program of fixed input shapes that is one native segment (it reads the inputs and the program's constants,
+    writes the outputs), run on numpy arrays as one call of its compiled loop: the inputs' addresses written in at
+    `moving`, the constants' fixed in `addresses`, numpy exits made per run (a caller's outputs are its own). No torch
+    call and no entry check per run: the context's _run_static has checked the arrays against the bindings (dtype,
+    shape, C order, writable), and StaticRun.of the bindings against the segment's planned entries, once. Before,
+    such a program ran through torch.from_numpy, Program.run and the segment's torch call (roberta_tiny at 2 x 16:
+    ~27 µs of a ~115 µs call, bench/results/call-overhead-zen4-2026-12-07.md); one whose entries were exactly its
+    inputs ran Segment.run_numpy, which checked each array again."""
+
+    segment: Segment
+    staged: bool  # the segment lays NCHW images out NHWC at its loop's head (its staged variant)
+    addresses: tuple[int, ...]  # every entry's address, the inputs' as 0
+    moving: tuple[tuple[int, int], ...]  # (entry position, input index)
+    exits: tuple[tuple[tuple[int, ...], np.dtype, bool], ...]  # (the memory's shape, dtype, NHWC memory of NCHW)
+    outputs: tuple[int, ...]  # each program output's exit
+    keep: tuple[Any, ...]  # what the fixed addresses point into
+
+    @classmethod
+    def of(cls, program: Program, signature: list[tuple[np.dtype, tuple[int, ...]]]) -> StaticRun | None:
+        """The program's StaticRun for inputs of `signature` [(numpy dtype, shape)] in binding order, or None where
+        the program is not one native segment reading inputs of its planned sizes and dtypes (NCHW images where it
+        lays them out) and contiguous constants, and writing every output row-major (or NHWC, an NCHW view)."""
+        if len(program.run_steps) != 1 or len(program.segments) != 1 or program.run_steps[0].fn is not \
+                program.segments[0]:
+            return None
+        segment = program.segments[0]
+        if not all(s in segment.exits for s in program.output_slots):
+            return None
+        input_of = {slot: k for k, slot in enumerate(program.input_slots)}
+        addresses, moving, keep = [], [], []
+        for position, (slot, size, dtype, layout) in enumerate(zip(segment.entries, segment.entry_sizes,
+                                                                   segment.entry_dtypes, segment.entry_layouts)):
+            k = input_of.get(slot)
+            if k is not None:  # an input, fed row-major: an NCHW image where the loop lays it out (staged)
+                numpy_dtype, shape = signature[k]
+                if NUMPY_TO_TORCH.get(np.dtype(numpy_dtype)) != dtype or tuple(shape) != tuple(size) \
+                        or layout not in ("rows", "nhwc"):
+                    return None
+                moving.append((position, k))
+                addresses.append(0)
+                continue
+            value = program.template[slot]
+            if not isinstance(value, torch.Tensor) or value.dtype != dtype or value.device.type != "cpu" \
+                    or tuple(value.shape) != tuple(size) or layout != "rows" or not value.is_contiguous():
+                return None
+            keep.append(value)
+            addresses.append(value.data_ptr())
+        exits = []
+        for size, strides, dtype in segment.exit_shapes:
+            numpy_dtype, size, strides = _NUMPY_OF.get(dtype), tuple(size), tuple(strides)
+            if numpy_dtype is None:
+                return None
+            if strides == row_major_strides(size):
+                exits.append((size, numpy_dtype, False))
+            elif len(size) == 4 and strides == native_strides(size):
+                n, c, h, w = size
+                exits.append(((n, h, w, c), numpy_dtype, True))
+            else:
+                return None
+        outputs = tuple(segment.exits.index(s) for s in program.output_slots)
+        return cls(segment, bool(segment._staged), tuple(addresses), tuple(moving), tuple(exits), outputs, tuple(keep))
+
+    def run(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        """The outputs of inputs `arrays` (in binding order, checked by the caller)."""
+        addresses = list(self.addresses)
+        for position, k in self.moving:
+            addresses[position] = address_of(arrays[k])
+        made = [np.empty(size, dtype) for size, dtype, _ in self.exits]
+        self.segment.run_at(addresses, [address_of(e) for e in made], self.staged)
+        exits = [e.transpose(0, 3, 1, 2) if nhwc else e for e, (_, _, nhwc) in zip(made, self.exits)]
+        return [exits[j] for j in self.outputs]
+
+
+def address_of(array: np.ndarray) -> int:
+    """The address of a writable C-contiguous array's data, through ctypes' view of its buffer: ~0.35 µs here, where
+    array.ctypes.data makes a helper object per call (~1 µs; bench/results/call-overhead-zen4-2026-12-07.md)."""
+    return ctypes.addressof(_BYTE.from_buffer(array)) if array.nbytes else array.ctypes.data
 
 
 class DirectRuns:
@@ -270,6 +356,7 @@ def _forget(runs: weakref.ref, signature: tuple, view: weakref.ref) -> None:
 
 _NUMPY_OF = {t: d for d, t in NUMPY_TO_TORCH.items()}
 _UNBOUND = object()  # DirectRuns._make: a shape plan or view not there
+_BYTE = ctypes.c_char  # address_of's view of an array's buffer
 
 
 def torch_signature(arrays: list[np.ndarray]) -> tuple | None:

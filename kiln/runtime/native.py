@@ -49,7 +49,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from kiln.kernels.cpu import hugepages, native_loop, onednn
@@ -68,10 +67,6 @@ _CL = torch.channels_last
 RESIZED = 8  # segments bound for other input sizes than the tuned one, per segment (profile shapes)
 VIEWS = 256  # sizes kept as views over a template's memory (_Resized: plans only), per segment
 GROW_AHEAD_BYTES = 256 << 20  # the largest arena a view template grows to at load (Segment.grow_ahead): pages touched
-
-
-_NUMPY = {torch.float32: np.dtype(np.float32), torch.int64: np.dtype(np.int64), torch.int32: np.dtype(np.int32),
-          torch.uint8: np.dtype(np.uint8), torch.bool: np.dtype(np.bool_)}
 
 
 class Segment:
@@ -417,7 +412,7 @@ class Segment:
             if isinstance(src, int):  # fixed: a staged entry's buffer
                 addresses[i] = src
         functions, objects, nargs, args = native_loop.call_arrays(calls)
-        return (loop.kiln_run_segment, functions, ctypes.cast(self._set_handle, ctypes.c_void_p), nbind,
+        return (loop.kiln_run_segment_bare, functions, ctypes.cast(self._set_handle, ctypes.c_void_p), nbind,
                 (ctypes.c_void_p * max(nbind, 1))(*[m for m, _ in bindings]), addresses,
                 [(i, src) for i, (_, src) in enumerate(bindings) if not isinstance(src, int)],
                 len(calls), objects, nargs, args, ctypes.c_int(-1))
@@ -429,7 +424,7 @@ class Segment:
         self.ran_planned = True
         chooser = self.chooser
         if chooser is None:
-            self._run_form(sources, staged, PARALLEL)
+            self._run_form_as_is(sources, staged, PARALLEL)
             return
         form = chooser.choose()
         start = time.perf_counter()
@@ -773,28 +768,11 @@ class Segment:
             self._run([v.data_ptr() for v in entries], [v.data_ptr() for v in exits], staged)
         return tuple(exits) if len(exits) != 1 else exits[0]
 
-    def run_at(self, entry_addresses: list[int], exit_addresses: list[int]) -> None:
-        """One run on entries and exits at these addresses, laid out as planned (not a staged segment's NCHW
-        images): kiln/runtime/direct_run.py's."""
+    def run_at(self, entry_addresses: list[int], exit_addresses: list[int], staged: bool = False) -> None:
+        """One run on entries and exits at these addresses, laid out as planned (`staged`: NCHW images where the
+        segment lays them out at its loop's head): kiln/runtime/direct_run.py's."""
         with self._lock:
-            self._run(entry_addresses, exit_addresses, False)
-
-    def run_numpy(self, arrays: list[np.ndarray]) -> list[np.ndarray] | None:
-        """The whole program as this one segment, on C-contiguous float32 numpy arrays of the
-        planned sizes (NCHW images: the staged loop); numpy outputs. None: not such inputs."""
-        for a, size, dtype in zip(arrays, self.entry_sizes, self.entry_dtypes):
-            if a.dtype != _NUMPY.get(dtype) or a.shape != size or not a.flags.c_contiguous:
-                return None
-        exits = []
-        for size, strides, dtype in self.exit_shapes:
-            if len(size) == 4 and strides != row_major_strides(size):
-                n, c, h, w = size
-                exits.append(np.empty((n, h, w, c), _NUMPY[dtype]).transpose(0, 3, 1, 2))  # NHWC memory, NCHW shape
-            else:
-                exits.append(np.empty(size, _NUMPY[dtype]))
-        with self._lock:
-            self._run([a.ctypes.data for a in arrays], [e.ctypes.data for e in exits], bool(self._staged))
-        return exits
+            self._run(entry_addresses, exit_addresses, staged)
 
 
 @dataclass

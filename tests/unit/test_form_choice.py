@@ -4,6 +4,9 @@ load is followed, and that one slow run changes nothing. Times in ms-like units;
 
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
 
 from kiln.kernels.cpu.form_choice import PARALLEL, SERIAL, FormChooser
@@ -115,3 +118,72 @@ def test_bad_arguments_are_refused():
         FormChooser(probe_cost=0.0)
     with pytest.raises(ValueError, match="unknown form 'gpu'"):
         FormChooser().record("gpu", 1.0)
+
+
+class _Sorted:
+    """The chooser's rule restated plainly (its estimates sorted from the windows at every decision, as it was before
+    it kept them, 2026-12-07): the oracle its kept estimates must follow call for call."""
+
+    def __init__(self, **options):
+        self.chooser = FormChooser(**options)  # for its settings only
+        c = self.chooser
+        self.times = {f: [] for f in c.forms}
+        self.runs = {f: 0 for f in c.forms}
+        self.best, self.next, self.since, self.challenger, self.interval = c.forms[0], c.forms[0], 0, None, \
+            c.explore_every
+
+    def median(self, form):
+        window = sorted(self.times[form][-self.chooser.window:])
+        return window[len(window) // 2] if window else None
+
+    def starting(self):
+        return any(len(self.times[f][-self.chooser.window:]) < self.chooser.start_runs for f in self.chooser.forms)
+
+    def record(self, form, seconds):
+        c = self.chooser
+        self.runs[form] += 1
+        if self.runs[form] > c.warmup:
+            measured = not self.starting()
+            if measured and form != self.best:
+                self.challenger = form if seconds < self.median(self.best) else None
+                self.since = 0
+            elif measured:
+                self.since += 1
+            self.times[form].append(seconds)
+        empty = [f for f in c.forms if not self.times[f]]
+        if empty:
+            self.next = empty[0]
+            return
+        if self.starting():
+            self.next = min(c.forms, key=lambda f: len(self.times[f][-c.window:]))
+            return
+        a, b = c.forms
+        ea, eb = self.median(a), self.median(b)
+        best, other, fast, slow = (b, a, eb, ea) if eb < ea else (a, b, ea, eb)
+        self.best = best
+        wanted = math.ceil((slow / fast - 1) / c.probe_cost) if fast > 0 else c.explore_every
+        self.interval = max(c.explore_every, min(wanted, c.longest_interval))
+        if self.challenger is not None and self.challenger != best:
+            self.next = self.challenger
+        elif self.since + 1 >= self.interval:
+            self.next = other
+        else:
+            self.next = best
+
+
+@pytest.mark.parametrize("options", [{}, {"warmup": 0}, {"window": 5, "start_runs": 2}, {"explore_every": 4}])
+def test_kept_estimates_choose_as_sorted_windows_do(options):
+    """5,000 runs of drifting, noisy and spiking times: the same form chosen at every run, the same estimates."""
+    rng = random.Random(7)
+    chooser, oracle = FormChooser(**options), _Sorted(**options)
+    for i in range(5000):
+        form = chooser.choose()
+        assert form == oracle.next, f"run {i}"
+        load = 1.0 + (i // 700) % 3  # the machine gets busier and frees again
+        base = {PARALLEL: 10.0 * load * load, SERIAL: 14.0 * load}[form]
+        seconds = base * rng.uniform(0.9, 1.1) * (8.0 if rng.random() < 0.02 else 1.0)
+        chooser.record(form, seconds)
+        oracle.record(form, seconds)
+        for f in chooser.forms:
+            assert chooser.estimate(f) == oracle.median(f), f"run {i}, {f}"
+        assert chooser.best() == oracle.best and chooser.interval() == oracle.interval

@@ -17,6 +17,7 @@ from kiln.kernels.cpu import onednn
 from kiln.ops.quantized import qconv
 from kiln.ops.registry import OpContext
 from kiln.plan.spec import ProgramSpec, StepSpec
+from kiln.runtime.direct_run import StaticRun
 from kiln.runtime.native import Segment
 from kiln.runtime.program import Program
 
@@ -90,12 +91,14 @@ def test_a_uint8_entry_reads_as_uint8(threads, layout):
         _within_one_step(depthwise, _reference(p, 1, expand))
 
 
-def test_run_numpy_writes_uint8_exits(threads):
+def test_a_numpy_run_writes_uint8_exits(threads):
+    """The program as a fixed-shape context runs it on numpy arrays (StaticRun, kiln/runtime/direct_run.py)."""
     gen = torch.Generator().manual_seed(1300 + threads)
     p = _program(gen)
-    (segment,) = p.segments
     x = torch.randint(0, 256, (N, C, H, W), generator=gen, dtype=torch.uint8)
-    expand, depthwise = segment.run_numpy([x.numpy()])
+    whole = StaticRun.of(p, [(np.dtype(np.uint8), (N, C, H, W))])
+    assert whole is not None and whole.staged
+    expand, depthwise = whole.run([x.numpy()])
     assert expand.dtype == depthwise.dtype == np.uint8
     want = p.with_kernels(lambda _i, fn: fn).run([x])
     assert torch.equal(torch.from_numpy(expand.copy()), want[0])

@@ -274,6 +274,29 @@ def test_one_thread_has_nothing_to_govern_yet():
         torch.set_num_threads(before)
 
 
+def test_a_call_with_nothing_to_govern_skips_begin_and_end(two_threads):
+    """idle(): true for a 1-thread caller once begin() has seen the library (the count not looked for), and where
+    the governor gave up (its reason); false where it governs (the count located) and before the first begin(). An
+    ExecutionContext's run() then makes neither call."""
+    located = _governor(lambda readings: 1)
+    assert not located.idle()  # governed: every call sets the count
+    torch.set_num_threads(1)
+    try:
+        assert not located.idle()  # ... whatever its thread's team
+        g = omp_governor.Governor(runnable=lambda readings: 1)
+        assert not g.idle()  # nothing known yet: begin() looks
+        g.begin()
+        g.end()
+        assert g.idle() and g.governed() is None
+        torch.set_num_threads(2)
+        assert not g.idle()  # a team of two on this thread: begin() locates the count
+        refused = omp_governor.Governor(runnable=lambda readings: 1)
+        refused._reason = "KILN_OMP_GOVERN=0"
+        assert refused.idle()
+    finally:
+        torch.set_num_threads(2)
+
+
 def test_a_realtime_caller_has_the_cores(two_threads, monkeypatch):
     """At SCHED_FIFO / RR the other runnable work waits for the caller's team: not oversubscribed for it."""
     g = _governor(lambda readings: 64)

@@ -24,7 +24,9 @@ is also what the tuner times):
 - the first WARMUP runs of each form are not counted (first-touch pages, cold caches and code).
 
 Pure bookkeeping over (form, seconds): no torch, no clock of its own (the caller times the run), so its logic
-is tested with made-up times (tests/unit/test_form_choice.py).
+is tested with made-up times (tests/unit/test_form_choice.py). It runs at every call of a segment with two forms: each
+form's estimate is kept as its window changes, not sorted again at each decision (choose + record ~2.5 -> ~1 µs a
+call, bench/results/call-overhead-zen4-2026-12-07.md).
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ class FormChooser:
     start_runs: int | None = None  # counted runs of each form before either is preferred (None: window; 1: one each)
     runs: dict[str, int] = field(default_factory=dict)  # form -> runs made (warm-up included): what a bench reports
     _times: dict[str, deque] = field(default_factory=dict)
+    _estimates: dict[str, float | None] = field(default_factory=dict)  # estimate(form), kept as its times change
+    _started: bool = False  # every form has start_runs counted runs (then always: the windows only fill)
     _since_probe: int = 0
     _challenger: str | None = None  # a form whose last probe beat the incumbent: probed again at once
     _best: str = PARALLEL
@@ -74,6 +78,7 @@ class FormChooser:
                              f"{self.longest_interval}, {self.start_runs}")
         self.runs = {f: 0 for f in self.forms}
         self._times = {f: deque(maxlen=self.window) for f in self.forms}
+        self._estimates = {f: None for f in self.forms}
         self._best = self._next = self.forms[0]
         self._interval = self.explore_every
 
@@ -86,21 +91,22 @@ class FormChooser:
         times = self._times.get(form)
         if times is None:
             raise ValueError(f"FormChooser: unknown form {form!r}, not one of {self.forms}")
-        self.runs[form] += 1
-        if self.runs[form] > self.warmup:
-            measured = not self._starting()
+        runs = self.runs[form] = self.runs[form] + 1
+        if runs > self.warmup:
+            measured = self._started or not self._starting()
             if measured and form != self._best:  # a probe: again at once when it beat the incumbent's estimate
-                self._challenger = form if seconds < self.estimate(self._best) else None
+                self._challenger = form if seconds < self._estimates[self._best] else None
                 self._since_probe = 0
             elif measured:  # the interval counts from when both forms have an estimate
                 self._since_probe += 1
             times.append(seconds)
+            ordered = sorted(times)
+            self._estimates[form] = ordered[len(ordered) // 2]
         self._decide()
 
     def estimate(self, form: str) -> float | None:
         """Median of the form's last counted run times (seconds); None before its first."""
-        times = sorted(self._times[form])
-        return times[len(times) // 2] if times else None
+        return self._estimates[form]
 
     def best(self) -> str:
         """The form with the lower estimate (the first form on a tie or before both are measured)."""
@@ -116,15 +122,17 @@ class FormChooser:
         return any(len(times) < self.start_runs for times in self._times.values())
 
     def _decide(self) -> None:
-        for form in self.forms:  # each form's warm-up and first counted run, one form after the other
-            if not self._times[form]:
-                self._next = form
+        if not self._started:
+            for form in self.forms:  # each form's warm-up and first counted run, one form after the other
+                if not self._times[form]:
+                    self._next = form
+                    return
+            if self._starting():  # then in turn until each has `start_runs` (the form with fewer first)
+                self._next = min(self.forms, key=lambda f: len(self._times[f]))
                 return
-        if self._starting():  # then in turn until each has `start_runs` (the form with fewer first)
-            self._next = min(self.forms, key=lambda f: len(self._times[f]))
-            return
+            self._started = True
         a, b = self.forms
-        ea, eb = self.estimate(a), self.estimate(b)
+        ea, eb = self._estimates[a], self._estimates[b]
         best, other, fast, slow = (b, a, eb, ea) if eb < ea else (a, b, ea, eb)
         self._best = best
         # probes every interval runs cost (slow - fast) / interval of the time: at most probe_cost of fast

@@ -147,6 +147,11 @@ def load() -> ctypes.CDLL | None:
         timed = [*loop, ctypes.c_void_p, ctypes.c_int]  # ... and the per-call times, by a clock
         for fn, argtypes in ((library.kiln_run_segment, loop), (library.kiln_run_segment_timed, timed)):
             fn.restype, fn.argtypes = ctypes.c_int, argtypes
+        # the loop as a segment's run calls it (Segment._c_loop): no argtypes, so ctypes converts nothing (each argument
+        # is a ctypes object already, or a Python int for an int parameter): ~0.55 µs a call here against ~1.3 µs
+        # through argtypes' eleven conversions (bench/results/call-overhead-zen4-2026-12-07.md)
+        library.kiln_run_segment_bare = library._FuncPtr(("kiln_run_segment", library))
+        library.kiln_run_segment_bare.restype = ctypes.c_int
         # the OpenMP team's threads and their parking (kiln/kernels/cpu/omp_governor.py)
         for fn, argtypes in ((library.kiln_omp_available, []), (library.kiln_omp_max_threads, []),
                              (library.kiln_omp_team, [ctypes.POINTER(ctypes.c_int), ctypes.c_int]),

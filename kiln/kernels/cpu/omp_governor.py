@@ -180,6 +180,7 @@ class Governor:
         self._count: ctypes.c_ulonglong | None = None
         self._original = 0
         self._reason: str | None = None  # why not governed (None: governed, or not decided yet)
+        self._with_openmp = False  # the native loop library was built with OpenMP (_load)
         self._spin = CALL_SPIN  # the count of the calls begun now
         # the last READINGS of the tasks runnable, one per REFRESH_S, taken by the refresher thread (never by a call);
         # _taken counts them, _decided_on is _taken at the last decision (-1: none yet)
@@ -210,9 +211,11 @@ class Governor:
             if self._lib is None:
                 self._reason = f"no native loop library ({native_loop.reason()})"
                 return False
-        if not self._lib.kiln_omp_available():
-            self._reason = "the native loop library was built without OpenMP"
-            return False
+        if not self._with_openmp:
+            self._with_openmp = bool(self._lib.kiln_omp_available())  # asked once: begin() asks at every call
+            if not self._with_openmp:  # until the count is located
+                self._reason = "the native loop library was built without OpenMP"
+                return False
         return True
 
     def _locate(self) -> None:
@@ -426,6 +429,16 @@ class Governor:
                 if first or spinning != self._spinning:  # logged when it changes, not every REFRESH_S
                     log.info("kiln: OpenMP wait: %s", self.last)
             self._count.value = self._spin
+
+    def idle(self) -> bool:
+        """Whether begin() and end() would only count a call from this thread: not governed, or a team of one thread
+        with the count not located (a 1-thread caller's every call). Read without the lock: a call that races the
+        count's locating by another thread's call takes begin() from its next call on, and begin()'s count of calls
+        is read only once the count is located (the outermost call decides). ExecutionContext.run skips the pair
+        then: ~1 µs of a 1-thread call's ~9 on a one-Relu engine (bench/results/call-overhead-zen4-2026-12-07.md)."""
+        if self._reason is not None:
+            return True
+        return self._count is None and self._with_openmp and self._lib.kiln_omp_max_threads() < 2
 
     def end(self) -> None:
         """A call returned: its threads sleep on their own within the count begin() set."""

@@ -267,28 +267,32 @@ def creating_with_threads(threads: int | None) -> Iterator[None]:
 _OPENMP_COUNT: list = []  # [(omp_get_max_threads, omp_set_num_threads) or None], looked up once
 
 
-@contextlib.contextmanager
-def one_openmp_thread() -> Iterator[None]:
+class one_openmp_thread:  # named as the function it was: `with one_openmp_thread():`
     """What runs inside runs with OpenMP's count at 1 in the calling thread, restored on the way out: a native
     segment's serial form (kiln/runtime/native.py). A oneDNN kernel created at one thread runs in the caller
     anyway, but some read the count when they execute (depthwise convolutions, eltwise, reorders: parallel(0, ...)
     forks omp_get_max_threads() threads), and kiln's own kernels clamp their plan's count to it: with the count at
     1 the serial form enters no parallel region of two threads (EfficientNet-B0: 20 -> 0 a run, counted by
     bench/openmp_regions.py), so its time does not hang on how OpenMP's idle workers wait. The count is the
-    calling thread's own: torch's and other threads' are untouched."""
-    if not _OPENMP_COUNT:
-        _OPENMP_COUNT.append(_openmp_threads(load().lib))
-    openmp = _OPENMP_COUNT[0]
-    if openmp is None:  # a libdnnl without OpenMP: nothing to lower
-        yield
-        return
-    get_max, set_count = openmp
-    before = get_max()
-    set_count(1)
-    try:
-        yield
-    finally:
-        set_count(before)
+    calling thread's own: torch's and other threads' are untouched. A class, not a generator's context manager: it
+    is entered at every run of a serial form (~0.9 µs less a call, bench/results/call-overhead-zen4-2026-12-07.md)."""
+
+    __slots__ = ("_before",)
+
+    def __enter__(self) -> None:
+        if not _OPENMP_COUNT:
+            _OPENMP_COUNT.append(_openmp_threads(load().lib))
+        openmp = _OPENMP_COUNT[0]
+        if openmp is None:  # a libdnnl without OpenMP: nothing to lower
+            self._before = None
+            return
+        get_max, set_count = openmp
+        self._before = get_max()
+        set_count(1)
+
+    def __exit__(self, *_exc: Any) -> None:
+        if self._before is not None:
+            _OPENMP_COUNT[0][1](self._before)
 
 
 def _openmp_threads(lib: ctypes.CDLL):
@@ -298,8 +302,8 @@ def _openmp_threads(lib: ctypes.CDLL):
     except AttributeError:
         return None
     get_max.restype, get_max.argtypes = ctypes.c_int, []
-    set_count.restype, set_count.argtypes = None, [ctypes.c_int]
-    return get_max, set_count
+    set_count.restype = None  # no argtypes: a Python int is passed as the C int it takes (~0.1 µs a call less, twice in
+    return get_max, set_count  # every serial run: one_openmp_thread)
 
 
 def _check(status: int, what: str) -> None:
