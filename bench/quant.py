@@ -3,6 +3,7 @@
     python bench/quant.py                         # ResNet-50, MobileNetV2 (batch 1), BERT-base, MiniLM-L6, BERT-tiny (seq 128)
     python bench/quant.py --models mobilenet_v2 --rounds 3 --no-write
     python bench/quant.py --models bert_base --batch 8     # every model at batch 8
+    python bench/quant.py --models mobilenet_v2 --threads 1 --clock thread --avx2   # every peer capped to AVX2
 
 Per model (kiln.zoo; MobileNetV2 and MiniLM-L6 have their real weights, ResNet-50 and the BERTs random ones):
 
@@ -42,6 +43,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+if "--avx2" in sys.argv:  # every peer on an AVX2-only CPU (bench/zoo_avx2.py's caps), set before any library loads
+    import cpuid_avx2  # noqa: E402
+
+    cpuid_avx2.enable()
+    os.environ["KILN_CPU_ISA"] = "avx2"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from cpu import commit, cpu_busy  # noqa: E402  bench/cpu.py
 
@@ -346,6 +352,8 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--layers", type=int, default=40, help="per-layer kernel table: calls per layer (0: none)")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--avx2", action="store_true", help="kiln (KILN_CPU_ISA=avx2) and every library "
+                        "(onnxruntime's MLAS by bench/cpuid_avx2.py's cpuid mask) capped to AVX2")
     args = parser.parse_args(argv)
     if args.clock == "thread" and args.threads != 1:
         parser.error("--clock thread counts the calling thread only: give --threads 1 (the other threads' work "
