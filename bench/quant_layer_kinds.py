@@ -20,6 +20,7 @@ import argparse
 import collections
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -47,8 +48,8 @@ def conv_kind(w_shape: list[int], group: int, stride: int) -> str:
     return f"{kh}x{kw} dense"
 
 
-def kiln_steps(engine, feeds: dict, runs: int) -> list[tuple[str, str, float]]:
-    """(kind, tactic, ms) of every step: the calling thread's CPU time of its kernel, median of `runs` eager runs."""
+def kiln_steps(engine, feeds: dict, runs: int) -> list[tuple[str, str, str, float]]:
+    """(name, kind, tactic, ms) of every step: the calling thread's CPU time of its kernel, median of `runs` eager runs."""
     import torch
 
     program = engine.program
@@ -78,12 +79,14 @@ def kiln_steps(engine, feeds: dict, runs: int) -> list[tuple[str, str, float]]:
             w = weights[constants[spec.inputs[3]]]
             kind = conv_kind(list(w.shape), int(spec.attributes.get("group", 1)),
                              int(spec.attributes.get("strides", [1, 1])[0]))
-        rows.append((kind, spec.tactic or "default", statistics.median(s) if s else 0.0))
+        rows.append((spec.name, kind, spec.tactic or "default", statistics.median(s) if s else 0.0))
     return rows
 
 
-def ort_nodes(model: Path, feeds: dict, runs: int) -> list[tuple[str, float]]:
-    """(kind, ms) of every onnxruntime node: its profiler's kernel time, mean over `runs`."""
+def ort_nodes(model: Path, feeds: dict, runs: int, kinds: dict[str, str]) -> list[tuple[str, float]]:
+    """(kind, ms) of every onnxruntime node: its profiler's kernel time, mean over `runs`. Its fused nodes keep the
+    QDQ model's node names (node_Conv_809 -> node_Conv_809_token_1), as kiln's steps do: a convolution's kind is
+    that of kiln's step of the same name (`kinds`; its weight is prepacked, the profile gives no shape)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -98,17 +101,9 @@ def ort_nodes(model: Path, feeds: dict, runs: int) -> list[tuple[str, float]]:
     for e in events:
         if e.get("cat") != "Node" or not e["name"].endswith("_kernel_time"):
             continue
-        op, kind = e["args"]["op_name"], e["args"]["op_name"]
-        if op in ("QLinearConv", "Conv"):
-            shapes = [list(d.values())[0] for d in e["args"].get("input_type_shape", [])]
-            w = shapes[3] if op == "QLinearConv" else shapes[1]
-            x = shapes[0]
-            channels = {x[1], x[3]} if len(x) == 4 else set()
-            group = w[0] if w[1] == 1 and w[0] in channels and w[0] > 4 else 1
-            out = [list(d.values())[0] for d in e["args"].get("output_type_shape", [])][0]
-            spatial_in, spatial_out = max(x[2], x[1] if x[3] in channels else x[2]), max(out[2], out[1])
-            stride = 2 if spatial_out * 2 <= spatial_in else 1
-            kind = conv_kind(w, group, stride)
+        name = re.sub(r"(_token_\d+)?_kernel_time$", "", e["name"])
+        kind = kinds.get(name, e["args"]["op_name"]) if e["args"]["op_name"] in ("QLinearConv", "Conv") \
+            else e["args"]["op_name"]
         rows.append((kind, e["dur"] / 1e3 / runs))
     return rows
 
@@ -134,16 +129,17 @@ def main(argv: list[str] | None = None) -> None:
     engines = {"kiln (ORT QDQ)": kiln.build(str(qdq))}
     if args.own:
         engines["kiln int8"] = kiln.build(str(exported.path), precision="int8", calibration=calibration)
+    steps = {peer: kiln_steps(engine, feeds, args.runs) for peer, engine in engines.items()}
     ort_ms = collections.defaultdict(float)
     ort_count = collections.Counter()
-    for kind, ms in ort_nodes(qdq, feeds, args.runs):
+    for kind, ms in ort_nodes(qdq, feeds, args.runs, {name: kind for name, kind, _, _ in steps["kiln (ORT QDQ)"]}):
         ort_ms[kind] += ms
         ort_count[kind] += 1
-    for peer, engine in engines.items():
+    for peer in engines:
         ms_by = collections.defaultdict(float)
         count = collections.Counter()
         tactics = collections.defaultdict(collections.Counter)
-        for kind, tactic, ms in kiln_steps(engine, feeds, args.runs):
+        for _name, kind, tactic, ms in steps[peer]:
             ms_by[kind] += ms
             count[kind] += 1
             tactics[kind][tactic.removeprefix("cpu.")] += 1
