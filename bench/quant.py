@@ -354,7 +354,16 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--avx2", action="store_true", help="kiln (KILN_CPU_ISA=avx2) and every library "
                         "(onnxruntime's MLAS by bench/cpuid_avx2.py's cpuid mask) capped to AVX2")
+    parser.add_argument("--without", default="", help="tactics left out of every kiln build (comma-separated "
+                        "names): the engines as they were before a tactic came")
     args = parser.parse_args(argv)
+    for name in [t for t in args.without.split(",") if t]:
+        from kiln.tactics import registry
+
+        registry.load_device("cpu")
+        if registry.get(name) is None:
+            parser.error(f"--without {name}: no such tactic")
+        registry.unregister(name)
     if args.clock == "thread" and args.threads != 1:
         parser.error("--clock thread counts the calling thread only: give --threads 1 (the other threads' work "
                      "would not be counted)")

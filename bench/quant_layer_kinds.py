@@ -114,7 +114,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--own", action="store_true", help="kiln's own PTQ engine too (entropy, 8 crops)")
     parser.add_argument("--avx2", action="store_true", help="bench/quant.py's cap: every library on AVX2")
+    parser.add_argument("--without", default="", help="tactics left out of every kiln build (comma-separated "
+                        "names): the engines as they were before a tactic came")
     args = parser.parse_args(argv)
+    for name in [t for t in args.without.split(",") if t]:
+        from kiln.tactics import registry
+
+        registry.load_device("cpu")
+        if registry.get(name) is None:
+            parser.error(f"--without {name}: no such tactic")
+        registry.unregister(name)
     import torch
 
     torch.set_num_threads(1)
