@@ -27,15 +27,17 @@ OUTPUTS = {torch.float32: 0, torch.uint8: 1, torch.int8: 2}  # OUT_*
 SOURCES = (torch.uint8, torch.int8)
 MAX_KERNEL = 8  # taps a side: 64 taps x 255 x 128 < 2^24 keeps the float sums exact
 INT32_MAX = 2**31 - 1
+FLOAT_EXACT = 2**24  # float32 holds every integer below it
 PARALLEL_ELEMENTS = 1 << 14  # below this many outputs one thread (depthwise.py's)
 
 
 class _Plan(ctypes.Structure):  # qdw_plan in qdepthwise.c
     _fields_ = [("get_handle", ctypes.c_void_p), ("x", ctypes.c_void_p), ("y", ctypes.c_void_p),
-                ("w", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("scale", ctypes.c_void_p),
+                ("w", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("bias_float", ctypes.c_void_p),
+                ("scale", ctypes.c_void_p),
                 *((name, ctypes.c_long) for name in ("N", "C", "Cp", "H", "W", "OH", "OW")),
                 *((name, ctypes.c_int) for name in ("KH", "KW", "SH", "SW", "PT", "PL")),
-                ("x_signed", ctypes.c_int), ("x_zero", ctypes.c_float),
+                ("float_bias", ctypes.c_int), ("x_signed", ctypes.c_int), ("x_zero", ctypes.c_float),
                 ("activation", ctypes.c_int), ("alpha", ctypes.c_float), ("beta", ctypes.c_float),
                 ("out", ctypes.c_int), ("y_scale", ctypes.c_float), ("y_zero", ctypes.c_int),
                 ("threads", ctypes.c_int)]
@@ -103,10 +105,12 @@ class QDepthwiseConv(plan_member.PlanKernel):
         if self.out_dtype not in OUTPUTS:
             raise ValueError(f"output {self.out_dtype}: float32, uint8, int8 only")
         kh, kw = int(w.shape[2]), int(w.shape[3])
-        bias32 = torch.zeros(c, dtype=torch.int64) if bias is None else bias.detach().to(torch.int64).reshape(-1)
-        if bias32.numel() != c:
-            raise ValueError(f"a bias of {bias32.numel()} values for a layer of {c} channels")
-        if int(bias32.abs().max()) + kh * kw * 255 * 128 > INT32_MAX:
+        bias64 = torch.zeros(c, dtype=torch.int64) if bias is None else bias.detach().to(torch.int64).reshape(-1)
+        if bias64.numel() != c:
+            raise ValueError(f"a bias of {bias64.numel()} values for a layer of {c} channels")
+        taps = w.detach().to(torch.int64).reshape(c, kh * kw)
+        bias64 = bias64 - int(x_zero) * taps.sum(dim=1)  # the kernel sums x·w, a padding tap reading z_x
+        if int(bias64.abs().max()) + kh * kw * 255 * 128 > INT32_MAX:
             raise ValueError("int8 depthwise kernel: the bias could carry the int32 sums past their range")
         width = lanes()
         cp = -(-c // width) * width
@@ -114,7 +118,10 @@ class QDepthwiseConv(plan_member.PlanKernel):
         self._w = torch.zeros(kh, kw, cp, dtype=torch.float32)
         self._w[:, :, :c] = w.detach().to(torch.float32).reshape(c, kh, kw).permute(1, 2, 0)
         self._bias = torch.zeros(cp, dtype=torch.int32)
-        self._bias[:c] = bias32.to(torch.int32)
+        self._bias[:c] = bias64.to(torch.int32)
+        self._bias_float = self._bias.to(torch.float32)
+        # the sums start at the bias where every partial sum stays an integer below 2^24 (exact in float32)
+        float_bias = int(bias64.abs().max()) + kh * kw * 255 * 128 < FLOAT_EXACT
         self._scale = torch.zeros(cp, dtype=torch.float32)
         self._scale[:c] = onednn_int8.combined_scales(x_scale, w_scale).expand(c).to(torch.float32)
         pt, pl, pb, pr = (int(p) for p in pads)
@@ -126,7 +133,8 @@ class QDepthwiseConv(plan_member.PlanKernel):
         self.implementation = f"kiln qdepthwise.c ({width} lanes)"
         self.what = f"int8 depthwise {kh}x{kw}/{sh} {list(self.input_size)} -> {list(self.output_size)}"
         y_dtype, y_scale, y_zero = (torch.float32, 1.0, 0) if y is None else y
-        self.fields = dict(w=self._w.data_ptr(), bias=self._bias.data_ptr(), scale=self._scale.data_ptr(),
+        self.fields = dict(w=self._w.data_ptr(), bias=self._bias.data_ptr(), bias_float=self._bias_float.data_ptr(),
+                           scale=self._scale.data_ptr(), float_bias=int(float_bias),
                            N=n, C=c, Cp=cp, H=h, W=wd, OH=oh, OW=ow, KH=kh, KW=kw, SH=sh, SW=sw, PT=pt, PL=pl,
                            x_signed=int(x_dtype == torch.int8), x_zero=float(x_zero),
                            activation=ACTIVATIONS[activation], alpha=float(alpha), beta=float(beta),
