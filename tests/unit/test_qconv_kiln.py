@@ -130,16 +130,13 @@ def test_a_pair_past_the_bound_is_refused_at_prepare():
 
 # ---- built engines against onnxruntime ---------------------------------------------------------
 
-def _qdq_block(rng, shape, expand: int, project: int) -> onnx.ModelProto:
-    """Q(x) -> 3x3 stride-2 padded conv + Relu -> Q/DQ -> 1x1 expand + Relu -> Q/DQ -> 1x1 project -> Q -> DQ: each
-    weight int8 per output channel (7-bit: onnxruntime's reduce_range), uint8 activations."""
-    c = shape[1]
+def _qdq_layers(rng, shape, layers, out_shape) -> onnx.ModelProto:
+    """Q(x) -> each layer (name, weight shape, Conv attributes, Relu after it) with its output Q/DQ'd -> the last DQ:
+    each weight int8 per output channel (7-bit: onnxruntime's reduce_range), int32 biases, uint8 activations."""
     inits, nodes, x = [], [helper.make_node("QuantizeLinear", ["x", "s0", "z"], ["q0"]),
                            helper.make_node("DequantizeLinear", ["q0", "s0", "z"], ["d0"])], "d0"
     inits += [numpy_helper.from_array(np.array(0.05, np.float32), "s0"),
               numpy_helper.from_array(np.array(3, np.uint8), "z")]
-    layers = [("stem", (c, c, 3, 3), dict(strides=[2, 2], pads=[1, 1, 1, 1]), True),
-              ("expand", (expand, c, 1, 1), {}, True), ("project", (project, expand, 1, 1), {}, False)]
     for i, (name, w_shape, attrs, relu) in enumerate(layers, start=1):
         w = rng.integers(-63, 64, w_shape).astype(np.int8)
         w_scale = (rng.random(w_shape[0]) * 0.004 + 0.001).astype(np.float32)
@@ -160,12 +157,29 @@ def _qdq_block(rng, shape, expand: int, project: int) -> onnx.ModelProto:
         nodes += [helper.make_node("QuantizeLinear", [out, f"s{i}", "z"], [f"q{i}"]),
                   helper.make_node("DequantizeLinear", [f"q{i}", f"s{i}", "z"], [f"d{i}"])]
         x = f"d{i}"
-    h = (shape[2] + 1) // 2
-    graph = helper.make_graph(nodes, "qdq_block", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
-                              [helper.make_tensor_value_info(x, TensorProto.FLOAT, [shape[0], project, h, h])], inits)
+    graph = helper.make_graph(nodes, "qdq_layers", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                              [helper.make_tensor_value_info(x, TensorProto.FLOAT, out_shape)], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
     model.ir_version = 9
     return model
+
+
+def _qdq_block(rng, shape, expand: int, project: int) -> onnx.ModelProto:
+    """A 3x3 stride-2 padded convolution + Relu, a 1x1 expand + Relu, a 1x1 projection."""
+    c, h = shape[1], (shape[2] + 1) // 2
+    return _qdq_layers(rng, shape, [("stem", (c, c, 3, 3), dict(strides=[2, 2], pads=[1, 1, 1, 1]), True),
+                                    ("expand", (expand, c, 1, 1), {}, True),
+                                    ("project", (project, expand, 1, 1), {}, False)], [shape[0], project, h, h])
+
+
+def _qdq_inverted_residual(rng, shape, expand: int, stride: int) -> onnx.ModelProto:
+    """MobileNetV2's block without its residual: 1x1 expand + Relu, 3x3 depthwise (stride, padding 1) + Relu,
+    1x1 projection back to the input's channels."""
+    c, h = shape[1], (shape[2] - 1) // stride + 1
+    return _qdq_layers(rng, shape, [("expand", (expand, c, 1, 1), {}, True),
+                                    ("depthwise", (expand, 1, 3, 3), dict(group=expand, strides=[stride, stride],
+                                                                          pads=[1, 1, 1, 1]), True),
+                                    ("project", (c, expand, 1, 1), {}, False)], [shape[0], c, h, h])
 
 
 def _onnxruntime(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
@@ -214,3 +228,130 @@ def test_the_tuner_times_it_beside_onednn_and_the_float_layer():
         tried = layers[name]["candidates"]
         assert isinstance(tried[TACTIC], float), tried[TACTIC]
         assert isinstance(tried["cpu.qconv.onednn"], float) and isinstance(tried["cpu.qconv.dequantized"], float)
+
+
+# ---- depthwise (cpu.qconv.kiln_dw, qdepthwise.c) -----------------------------------------------
+
+DW = "cpu.qconv.kiln_dw"
+
+DW_CASES = [  # (input [N, C, H, W], kernel, stride, pads [t, l, b, r], source, output dtype)
+    ((1, 32, 17, 15), 3, 1, [1, 1, 1, 1], torch.uint8, torch.uint8),  # MobileNetV2's: 15 = 3 blocks of 4 + 3
+    ((2, 24, 12, 13), 3, 2, [1, 1, 1, 1], torch.uint8, torch.int8),  # stride 2, batch 2
+    ((1, 37, 9, 10), 3, 1, [0, 2, 1, 0], torch.uint8, torch.uint8),  # odd channels (the scalar tail), uneven padding
+    ((1, 16, 11, 11), 5, 2, [2, 2, 2, 2], torch.int8, None),  # 5x5, an int8 source, float32 out
+    ((1, 48, 7, 7), 3, 1, [1, 1, 1, 1], torch.int8, torch.uint8),  # 7 = 4 + 3
+    ((1, 8, 6, 5), 3, 3, [0, 0, 0, 0], torch.uint8, torch.uint8),  # stride 3, no padding: the run-time geometry
+    ((1, 64, 40, 40), 3, 1, [1, 1, 1, 1], torch.uint8, torch.uint8),  # large enough for 2 threads
+]
+
+
+def _dw_args(rng, shape, k, quantized_out, dtype, y_dtype, full_range=True, bias_scale=900):
+    """x channels-last, weights over the whole int8 range (exact: no byte pairs in this kernel), int32 bias."""
+    c = shape[1]
+    lo, hi = (-128, 128) if full_range else (-64, 64)
+    w = torch.from_numpy(rng.integers(lo, hi, (c, 1, k, k)).astype(np.int8))
+    w.view(-1)[:2] = torch.tensor([-128, 127], dtype=torch.int8)
+    args = _qconv_args(rng, shape, w, quantized_out, dtype, y_dtype or torch.uint8)
+    args[8] = torch.from_numpy(rng.integers(-bias_scale, bias_scale, c).astype(np.int32))
+    return args
+
+
+def _dw_output(args: list, attrs: dict):
+    tactic = registry.get(DW)
+    step = _step(args, attrs)
+    metas = _metas(args)
+    ok = tactic.check(step, metas)
+    assert ok is True, ok
+    step = dataclasses.replace(step, tactic=DW, tactic_config=tactic.configure(step, metas))
+    launch = tactic.prepare(step, [a if i in CONSTANT else None for i, a in enumerate(args)], torch.device("cpu"))
+    return launch(_ctx(), *args, **attrs)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("activation", ["", "Relu", "Clip"])
+@pytest.mark.parametrize("shape, k, stride, pads, dtype, y_dtype", DW_CASES)
+def test_the_depthwise_layer_is_the_reference_within_one_step(shape, k, stride, pads, dtype, y_dtype, activation,
+                                                              threads):
+    """Weights over the whole int8 range, |w1| + |w2| up to 255 (the 1x1 GEMM's gate would refuse them): the float
+    sums are exact integers whatever the weights."""
+    rng = case_rng(f"dw {shape} {k} {stride} {pads} {dtype} {y_dtype} {activation}")
+    args = _dw_args(rng, shape, k, y_dtype is not None, dtype, y_dtype)
+    attrs = {"group": shape[1], "strides": [stride, stride], "pads": pads, "activation": activation,
+             "alpha": -0.5 if activation == "Clip" else 0.0, "beta": 2.0}
+    want = lookup("QConv", "kiln").fn(_ctx(), *args, **attrs)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = _dw_output(args, attrs)
+    finally:
+        torch.set_num_threads(before)
+    assert got.is_contiguous(memory_format=torch.channels_last)
+    _within_one_step(got.contiguous(), want.contiguous())
+
+
+@pytest.mark.parametrize("bias_scale", [900, 2**26])
+def test_the_depthwise_int32_sums_are_exact(bias_scale):
+    """Float32 output at scale 1: r = float32(t) of the int32 sum t = Σ (x − z_x)·w + bias, equal to torch's int64
+    convolution rounded once to float32. A bias near 2^26 takes the int32 path (the bias added to the exact float
+    sums in int32); a small one starts the sums at it."""
+    rng = case_rng(f"dw sums {bias_scale}")
+    shape = (2, 40, 9, 11)
+    args = _dw_args(rng, shape, 3, False, torch.uint8, None, bias_scale=bias_scale)
+    args[1], args[4] = torch.tensor(1.0), torch.ones(shape[1])
+    attrs = {"group": shape[1], "strides": [2, 2], "pads": [1, 1, 1, 1], "activation": ""}
+    got = _dw_output(args, attrs)
+    x = args[0].to(torch.int64) - int(args[2])
+    want = torch.nn.functional.conv2d(x, args[3].to(torch.int64), args[8].to(torch.int64), stride=2, padding=1,
+                                      groups=shape[1])
+    torch.testing.assert_close(got, want.to(torch.float32), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("attrs, w_shape, expected", [
+    ({"group": 16, "dilations": [2, 2]}, (16, 1, 3, 3), "dilations"),
+    ({"group": 16, "pads": [4, 4, 4, 4]}, (16, 1, 9, 9), "1 to 8 taps"),
+    ({"group": 8}, (16, 2, 3, 3), "not depthwise"),
+    ({"group": 16, "activation": "LeakyRelu"}, (16, 1, 3, 3), "LeakyRelu"),
+])
+def test_what_the_depthwise_kernel_cannot_run_is_refused_with_a_reason(attrs, w_shape, expected):
+    rng = case_rng(f"dw refused {attrs}")
+    w = torch.from_numpy(rng.integers(-64, 64, w_shape).astype(np.int8))
+    args = _qconv_args(rng, (1, 16, 12, 12), w, True)
+    why = registry.get(DW).check(_step(args, attrs), _metas(args))
+    assert isinstance(why, str) and expected in why, why
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape, expand, stride", [((1, 16, 14, 14), 96, 2), ((2, 24, 9, 9), 72, 1)])
+def test_an_inverted_residual_block_runs_in_one_segment_equal_to_onnxruntime(shape, expand, stride, threads):
+    """kiln's two int8 kernels allowed alone for QConv: the expand and projection run as cpu.qconv.kiln_i8, the
+    depthwise layer (stride 1 and 2, padding) as cpu.qconv.kiln_dw, all three members of one native segment; the
+    output is onnxruntime's within one output step."""
+    rng = case_rng(f"block {shape} {expand} {stride} {threads}")
+    model = _qdq_inverted_residual(rng, shape, expand, stride)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        engine = kiln.build(model, device="cpu", tactics=[TACTIC, DW, "cpu.quantize", "cpu.dequantize"])
+        convs = {s.name: s.tactic for s in engine.plan.program.steps if s.op_type == "QConv"}
+        assert convs == {"expand": TACTIC, "depthwise": DW, "project": TACTIC}, convs
+        segments = [{m.ctx.name for m in s.members} for s in engine.program.segments]
+        assert any({"expand", "depthwise", "project"} <= members for members in segments), segments
+        context = engine.create_execution_context()
+        step = 0.08 + 0.04 * 3
+        for _ in range(2):
+            x = rng.normal(0, 3, shape).astype(np.float32)
+            got, want = context.run({"x": x})[engine.plan.program.outputs[0]], _onnxruntime(model, x)
+            steps = np.abs(got - want) / step
+            assert steps.max() <= 1.0 + 1e-4, steps.max()
+            assert (steps > 0.5).sum() <= max(2, steps.size // 500)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_tuner_times_the_depthwise_kernel_beside_onednn_and_the_float_layer():
+    engine = kiln.build(_qdq_inverted_residual(case_rng("dw tuner"), (1, 16, 14, 14), 96, 1), device="cpu")
+    layers = engine.plan.header["tactics"]["layers"]
+    tried = layers["depthwise"]["candidates"]
+    assert isinstance(tried[DW], float), tried[DW]
+    assert isinstance(tried["cpu.qconv.onednn"], float) and isinstance(tried["cpu.qconv.dequantized"], float)
+    assert "not depthwise" in layers["expand"]["candidates"][DW]
