@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     total: dict[str, float] = {}
     layers = []
     if "1x1" in kinds:
-        layers += [(f"1x1 {c}->{o} {h}²", lambda c=c, o=o, h=h: pointwise_peers(c, o, h, o > c)) for c, o, h in POINTWISE]
+        layers += [(f"1x1 {c}->{o} {h}²", lambda c=c, o=o, h=h: pointwise_peers(c, o, h, o > c))
+                   for c, o, h in POINTWISE]
     if "depthwise" in kinds:
         layers += [(f"dw 3x3/{s} {c} {h}²", lambda c=c, h=h, s=s: depthwise_peers(c, h, s)) for c, h, s in DEPTHWISE]
     header = None

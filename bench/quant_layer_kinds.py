@@ -49,7 +49,8 @@ def conv_kind(w_shape: list[int], group: int, stride: int) -> str:
 
 
 def kiln_steps(engine, feeds: dict, runs: int) -> list[tuple[str, str, str, float]]:
-    """(name, kind, tactic, ms) of every step: the calling thread's CPU time of its kernel, median of `runs` eager runs."""
+    """(name, kind, tactic, ms) of every step: the calling thread's CPU time of its kernel, median of `runs` eager
+    runs."""
     import torch
 
     program = engine.program

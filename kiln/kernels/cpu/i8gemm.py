@@ -1,6 +1,7 @@
-"""kiln::QGemm in kiln's C on AVX2 without VNNI (i8gemm.c): 8-bit rows x [M, K] times an int8 weight [N, K], exact
-int32 sums (vpmaddubsw + vpmaddwd), the zero point, bias, scale, activation (Relu/Clip; Gelu/GeluTanh by gemm.c's
-vector forms) and requantization fused on the sums.
+"""kiln::QGemm and 1x1 kiln::QConv in kiln's C on AVX2 without VNNI (i8gemm.c): 8-bit rows x [M, K] times an int8
+weight [N, K], exact int32 sums (vpmaddubsw + vpmaddwd), the zero point, bias, scale, activation (Relu/Clip;
+Gelu/GeluTanh by gemm.c's vector forms) and requantization fused on the sums (a 1x1 convolution: its NHWC rows,
+kiln/tactics/cpu/qconv_kiln.py).
 
 Why: on a Zen 3 without VNNI oneDNN's int8 matmul ran MiniLM's QDQ GEMMs 1.09-1.5x slower than onnxruntime's MLAS
 (bench/results/qdq-avx2-2026-12-07.md). This kernel runs them at 92-95% of the core's u8s8 ceiling, 1.1-1.2x faster

@@ -27,13 +27,12 @@
  * (bench/results/quant-cpu-2026-12-07.md).
  *
  * Layout: the weights as float32 [KH][KW][Cp], bias (int32) and scale (float32) as [Cp] (Cp: C rounded up to the
- * vector width, zeros past C); a ring row is [(OW − 1)·SW + KW][Cp] floats; a scalar loop takes the channels past the
- * last whole vector. Threads over runs of output rows, each with its ring (malloc'd per call: ~40-100 KB at
- * MobileNetV2's layers). Returns 0, 1 where a ring could not be allocated, or 2 (oneDNN's "invalid arguments") when an
- * operand is not bound: the segment names the layer. */
+ * vector width, zeros past C); a ring row is [(OW − 1)·SW + KW][Cp] floats; a scalar loop takes the channels past
+ * the last whole vector. Threads over runs of output rows, each with its ring (the plan's, allocated with it by
+ * qdepthwise.py: ~40-100 KB at MobileNetV2's layers). Returns 0, or 2 (oneDNN's "invalid arguments") when an operand
+ * is not bound: the segment names the layer. */
 #include <omp.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -62,6 +61,8 @@ typedef struct {
     float y_scale;
     int y_zero;
     int threads;                  /* 1: no parallel region */
+    float *rings;                 /* [threads][ring_floats]: each thread's ring (qdepthwise.py's, per plan) */
+    long ring_floats;             /* KH·((OW − 1)·SW + KW)·Cp */
 } qdw_plan;
 
 #define U 4           /* output pixels of a block */
@@ -128,9 +129,10 @@ typedef __m512i vi;
 #define BYTES_U(a) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(a))))
 #define BYTES_S(a) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(a))))
 /* int32 lanes to bytes, saturated to uint8 (negatives to 0 first: vpmovusdb reads them unsigned) or int8 */
-#define STORE_BYTES(a, v, is_unsigned)                                                                            \
-    _mm_storeu_si128((__m128i *)(a), (is_unsigned) ? _mm512_cvtusepi32_epi8(_mm512_max_epi32(v, _mm512_setzero_si512())) \
-                                                   : _mm512_cvtsepi32_epi8(v))
+#define STORE_BYTES(a, v, is_unsigned)                                                                           \
+    _mm_storeu_si128((__m128i *)(a),                                                                               \
+                     (is_unsigned) ? _mm512_cvtusepi32_epi8(_mm512_max_epi32(v, _mm512_setzero_si512()))         \
+                                   : _mm512_cvtsepi32_epi8(v))
 #else
 #define LANES 8
 typedef __m256 vf;
@@ -319,18 +321,13 @@ int kiln_qdepthwise(void *object, void *stream, int nargs, const void *args)
     if (p->get_handle(p->x, &xh) || !xh || p->get_handle(p->y, &y) || !y) return 2;
     const uint8_t *x = (const uint8_t *)xh;
     const long rows = p->N * p->OH, Wb = (p->OW - 1) * p->SW + p->KW;
-    int failed = 0;
-#pragma omp parallel num_threads(p->threads) if (p->threads > 1) reduction(| : failed)
+#pragma omp parallel num_threads(p->threads) if (p->threads > 1)
     {
         const long team = omp_get_num_threads(), me = omp_get_thread_num();
         const long first = rows * me / team, last = rows * (me + 1) / team;  /* a run of output rows each */
-        ring g = {(float *)aligned_alloc(64, ((size_t)p->KH * Wb * p->Cp * sizeof(float) + 63) / 64 * 64), Wb, {{0}}};
-        if (g.rows == NULL) failed = 1;
-        else {
-            for (int k = 0; k < MAX_KERNEL; k++) g.held[k][0] = -1;
-            for (long r = first; r < last; r++) output_row(p, x, y, &g, r / p->OH, r % p->OH);
-            free(g.rows);
-        }
+        ring g = {p->rings + me * p->ring_floats, Wb, {{0}}};
+        for (int k = 0; k < MAX_KERNEL; k++) g.held[k][0] = -1;
+        for (long r = first; r < last; r++) output_row(p, x, y, &g, r / p->OH, r % p->OH);
     }
-    return failed;
+    return 0;
 }

@@ -6,7 +6,7 @@ bench/results/quant-cpu-2026-12-07.md): an int8 MobileNetV2 paid for its depthwi
 qdepthwise.c widens the bytes to float32 and runs the float kernel's FMAs on them, exact (every partial sum an integer
 below 2^24), on a quarter of the float layer's input bytes. Which kernel a layer runs is the autotuner's pick between
 this, oneDNN's int8 convolution and the float layer (kiln/tactics/cpu/qconv_kiln.py cpu.qconv.kiln_dw), timed on the
-machine (bench/results/int8-mnv2-zen3-2026-12-07.md).
+machine (bench/results/int8-mnv2-avx2-2026-12-07.md).
 
 Built by native_loop.build with the machine's C compiler (AVX-512 where the CPU has it and KILN_CPU_ISA does not cap
 it, else AVX2; plain C without either); `load()` is None without a compiler.
@@ -40,7 +40,7 @@ class _Plan(ctypes.Structure):  # qdw_plan in qdepthwise.c
                 ("float_bias", ctypes.c_int), ("x_signed", ctypes.c_int), ("x_zero", ctypes.c_float),
                 ("activation", ctypes.c_int), ("alpha", ctypes.c_float), ("beta", ctypes.c_float),
                 ("out", ctypes.c_int), ("y_scale", ctypes.c_float), ("y_zero", ctypes.c_int),
-                ("threads", ctypes.c_int)]
+                ("threads", ctypes.c_int), ("rings", ctypes.c_void_p), ("ring_floats", ctypes.c_long)]
 
 
 _LIBRARY = native_loop.KernelLibrary("qdepthwise", SOURCE, ["kiln_qdepthwise", "kiln_qdepthwise_lanes"],
@@ -133,6 +133,8 @@ class QDepthwiseConv(plan_member.PlanKernel):
         self.implementation = f"kiln qdepthwise.c ({width} lanes)"
         self.what = f"int8 depthwise {kh}x{kw}/{sh} {list(self.input_size)} -> {list(self.output_size)}"
         y_dtype, y_scale, y_zero = (torch.float32, 1.0, 0) if y is None else y
+        # each thread's ring of KH input rows widened to float32, [(OW − 1)·SW + KW][Cp] a row (qdepthwise.c)
+        self.ring_floats = kh * ((ow - 1) * sw + kw) * cp
         self.fields = dict(w=self._w.data_ptr(), bias=self._bias.data_ptr(), bias_float=self._bias_float.data_ptr(),
                            scale=self._scale.data_ptr(), float_bias=int(float_bias),
                            N=n, C=c, Cp=cp, H=h, W=wd, OH=oh, OW=ow, KH=kh, KW=kw, SH=sh, SW=sw, PT=pt, PL=pl,
@@ -166,7 +168,9 @@ class _Bound(plan_member.PlanMember):
         elements = n * c * oh * ow
         forms = onednn_primitives.thread_forms(elements, elements * layer.fields["KH"] * layer.fields["KW"])
         threads = torch.get_num_threads() if elements >= PARALLEL_ELEMENTS and forms[0] is None else 1
-        base = self.plan_base()
+        # a ring per thread, the serial form on the first (the two forms never run at once)
+        self._rings = torch.empty(threads * layer.ring_floats, dtype=torch.float32)
+        base = dict(self.plan_base(), rings=self._rings.data_ptr(), ring_floats=layer.ring_floats)
         self._plans(_Plan(**base, threads=threads, **layer.fields),
                     _Plan(**base, threads=1, **layer.fields) if threads > 1 and len(forms) > 1 else None)
 

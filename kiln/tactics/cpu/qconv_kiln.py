@@ -11,7 +11,7 @@
 Why: on AVX2 without VNNI oneDNN's int8 1x1 convolutions ran MobileNetV2's expand layers at 0.86x its fp32 ones
 (16->96 at 112², bench/results/quant-cpu-2026-12-07.md) while i8gemm.c runs GEMMs at 92-95% of the core's u8s8
 ceiling (bench/results/int8-gemm-avx2-2026-12-07.md). A candidate beside cpu.qconv.onednn and cpu.qconv.dequantized:
-the tuner times them per layer and keeps the fastest (bench/results/int8-mnv2-zen3-2026-12-07.md). Likewise oneDNN's
+the tuner times them per layer and keeps the fastest (bench/results/int8-mnv2-avx2-2026-12-07.md). Likewise oneDNN's
 int8 depthwise convolutions, 1.27-1.89x its float ones there: qdepthwise.c runs the float kernel's FMAs on a quarter of
 its input bytes.
 
@@ -34,7 +34,8 @@ from kiln.plan.spec import StepSpec
 from kiln.tactics.cpu.quantized import (_built, _configure, _constants_refusal, _residual_refusal, conv_launch,
                                         qconv_parts)
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, NativeStep, PlanRule, SizedPlan, Tactic, conv_geometry, resizable, same_primitive
+from kiln.tactics.tactic import (InputMeta, NativeStep, PlanRule, SizedPlan, Tactic, conv_geometry, resizable,
+                                 same_primitive)
 from kiln.tactics.tactic import attribute as _attr
 from kiln.tactics.tactic import tensor_input as _input
 
