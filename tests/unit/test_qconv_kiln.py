@@ -334,6 +334,8 @@ def test_an_inverted_residual_block_runs_in_one_segment_equal_to_onnxruntime(sha
         engine = kiln.build(model, device="cpu", tactics=[TACTIC, DW, "cpu.quantize", "cpu.dequantize"])
         convs = {s.name: s.tactic for s in engine.plan.program.steps if s.op_type == "QConv"}
         assert convs == {"expand": TACTIC, "depthwise": DW, "project": TACTIC}, convs
+        record = engine.plan.header["quantization"]["layers"]  # what `kiln inspect` says: int8 kernels, not "fp32"
+        assert {name: record[name]["precision"] for name in convs} == dict.fromkeys(convs, "int8"), record
         segments = [{m.ctx.name for m in s.members} for s in engine.program.segments]
         assert any({"expand", "depthwise", "project"} <= members for members in segments), segments
         context = engine.create_execution_context()
