@@ -357,3 +357,22 @@ def test_the_tuner_times_the_depthwise_kernel_beside_onednn_and_the_float_layer(
     assert isinstance(tried[DW], float), tried[DW]
     assert isinstance(tried["cpu.qconv.onednn"], float) and isinstance(tried["cpu.qconv.dequantized"], float)
     assert "not depthwise" in layers["expand"]["candidates"][DW]
+
+
+def test_an_engine_of_dynamic_batch_runs_every_size_of_its_profile():
+    """[batch, 24, 9, 9] through a profile: the segment binds both kernels at each batch it meets (built on first use,
+    the 1x1 layers on the packed weight they share), each run equal to onnxruntime's within one output step."""
+    rng = case_rng("dynamic batch")
+    model = _qdq_inverted_residual(rng, ["batch", 24, 9, 9], 72, 2)
+    engine = kiln.build(model, device="cpu", tactics=[TACTIC, DW, "cpu.quantize", "cpu.dequantize"],
+                        profiles=[{"x": "1x24x9x9,2x24x9x9,3x24x9x9"}])
+    convs = {s.name: s.tactic for s in engine.plan.program.steps if s.op_type == "QConv"}
+    assert convs == {"expand": TACTIC, "depthwise": DW, "project": TACTIC}, convs
+    context = engine.create_execution_context()
+    for batch in (2, 1, 3, 2):
+        x = rng.normal(0, 3, (batch, 24, 9, 9)).astype(np.float32)
+        got, want = context.run({"x": x})[engine.plan.program.outputs[0]], _onnxruntime(model, x)
+        assert got.shape == (batch, 24, 5, 5)
+        steps = np.abs(got - want) / (0.08 + 0.04 * 3)
+        assert steps.max() <= 1.0 + 1e-4, (batch, steps.max())
+        assert (steps > 0.5).sum() <= max(2, steps.size // 500)
