@@ -239,7 +239,9 @@ def run_model(name: str, args) -> Row:
         if layers:
             ran = [v["precision"] for v in layers.values()]
             row.notes.append(f"{peer}: {len(ran)} quantized layers, " + ", ".join(
-                f"{ran.count(p)} {p}" for p in sorted(set(ran))))
+                f"{ran.count(p)} {p}" for p in sorted(set(ran))) + "".join(
+                f"; {name}: {v['precision']} on {v['tactic']} ({v['why']})" for name, v in layers.items()
+                if v["precision"] != "int8"))
     sessions = {"onnxruntime fp32": session(exported.path, args.threads),
                 "onnxruntime int8": session(qdq, args.threads)}
     runs = {**{p: (lambda f, e=e: first_output(e.run(f))) for p, e in engines.items()},
