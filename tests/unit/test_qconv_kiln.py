@@ -376,3 +376,41 @@ def test_an_engine_of_dynamic_batch_runs_every_size_of_its_profile():
         steps = np.abs(got - want) / (0.08 + 0.04 * 3)
         assert steps.max() <= 1.0 + 1e-4, (batch, steps.max())
         assert (steps > 0.5).sum() <= max(2, steps.size // 500)
+
+
+_PLAIN_DEPTHWISE = """
+import json, numpy as np, torch
+from kiln.kernels.cpu import native_loop
+native_loop.compile_flags = lambda: (("-O2", "-fopenmp"),)
+from kiln.kernels.cpu import qdepthwise
+rng = np.random.default_rng(7)
+out = []
+for n, c, h, s, dtype, zero in [(1, 20, 9, 2, torch.uint8, 3), (2, 16, 7, 1, torch.int8, -5)]:
+    lo, hi = (0, 256) if dtype == torch.uint8 else (-128, 128)
+    x = torch.from_numpy(rng.integers(lo, hi, (n, c, h, h))).to(dtype).contiguous(memory_format=torch.channels_last)
+    w = torch.from_numpy(rng.integers(-128, 128, (c, 1, 3, 3)).astype(np.int8))
+    b = torch.from_numpy(rng.integers(-900, 900, c).astype(np.int32))
+    layer = qdepthwise.QDepthwiseConv(w, torch.ones(c), b, (n, c, h, h), [s, s], [1, 1, 1, 1], dtype, 1.0, zero, None)
+    want = torch.nn.functional.conv2d(x.to(torch.int64) - zero, w.to(torch.int64), b.to(torch.int64), stride=s,
+                                      padding=1, groups=c)
+    out.append(bool((layer(x) == want.to(torch.float32)).all()))
+print(json.dumps({"lanes": qdepthwise.lanes(), "exact": out}))
+"""
+
+
+@pytest.mark.slow
+def test_the_plain_c_depthwise_gives_the_same_sums(tmp_path):
+    """qdepthwise.c compiled without -march (no AVX2: its scalar loops) in a subprocess with its own cache: the int32
+    sums (float32 output at scale 1) equal torch's int64 convolution."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root), KILN_CACHE=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", _PLAIN_DEPTHWISE], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"lanes": 1, "exact": [True, True]}

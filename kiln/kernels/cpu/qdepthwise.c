@@ -104,7 +104,7 @@ static void pixels_scalar(const qdw_plan *p, void *y, const float *const *tap_ro
             for (int kh = 0; kh < p->KH; kh++)
                 for (int kw = 0; kw < p->KW; kw++)
                     acc += tap_rows[kh][(ow * p->SW + kw) * p->Cp + c] * p->w[(kh * p->KW + kw) * p->Cp + c];
-            store_scalar(p, y, ((n * p->OH + oh) * p->OW + ow) * p->C + c, c, acc); /* int bias: exact either way */
+            store_scalar(p, y, ((n * p->OH + oh) * p->OW + ow) * p->C + c, c, acc); /* the int32 bias added after */
         }
 }
 
