@@ -208,9 +208,11 @@ static inline __attribute__((always_inline)) void block_vector(const qdw_plan *p
         for (int kh = 0; kh < KH; kh++) {
             const float *src = tap_rows[kh] + ow0 * SW * Cp + c;
             const float *wk = p->w + (long)kh * KW * Cp + c;
+            vf d[(U - 1) * MAX_KERNEL + MAX_KERNEL]; /* the row's (count − 1)·SW + KW columns, each loaded once */
+            for (int j = 0; j < (count - 1) * SW + KW; j++) d[j] = VLOAD(src + j * Cp);
             for (int kw = 0; kw < KW; kw++) {
                 const vf wv = VLOAD(wk + kw * Cp);
-                for (int u = 0; u < count; u++) acc[u] = VFMA(VLOAD(src + (u * SW + kw) * Cp), wv, acc[u]);
+                for (int u = 0; u < count; u++) acc[u] = VFMA(d[u * SW + kw], wv, acc[u]);
             }
         }
         for (int u = 0; u < count; u++) store_vector(&e, y, out_at + u * C + c, c, acc[u]);
