@@ -29,7 +29,7 @@
  * Layout: the weights as float32 [KH][KW][Cp], bias (int32) and scale (float32) as [Cp] (Cp: C rounded up to the
  * vector width, zeros past C); a ring row is [(OW − 1)·SW + KW][Cp] floats; a scalar loop takes the channels past
  * the last whole vector. Threads over runs of output rows, each with its ring (the plan's, allocated with it by
- * qdepthwise.py: ~40-100 KB at MobileNetV2's layers). Returns 0, or 2 (oneDNN's "invalid arguments") when an operand
+ * qdepthwise.py: ~40-110 KB at MobileNetV2's layers). Returns 0, or 2 (oneDNN's "invalid arguments") when an operand
  * is not bound: the segment names the layer. */
 #include <omp.h>
 #include <stdint.h>
