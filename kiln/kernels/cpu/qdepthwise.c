@@ -21,10 +21,11 @@
  * taps, not channels: vpmaddubsw's adjacent-byte pairs would be pairs of channels. So each input row is widened to
  * float32 once (a load-and-extend and a convert per vector of 8 bytes, 16 under AVX-512), into a ring of KH rows per
  * thread with its padding columns and rows written as z_x, and the taps run as the float kernel's (depthwise.c) do on
- * that ring, with no bounds test: a block of U output pixels per channel vector, U accumulators, each tap's weight
- * vector loaded once for the block. Widening in the tap loop instead (each input vector widened once per block and
- * tap row) ran 1.0-1.2x oneDNN's int8 layer; oneDNN's int8 depthwise itself ran 1.27-1.89x its float one on Zen 3
- * (bench/results/quant-cpu-2026-12-07.md).
+ * that ring, with no bounds test: a block of U output pixels per channel vector, U accumulators, each ring column and
+ * tap weight vector of a tap row loaded once for the block. Widening in the tap loop instead (each input vector
+ * widened once per block and tap row) ran 1.0-1.2x oneDNN's int8 layer, the ring 0.7-1.0x at stride 1 and 0.9-1.26x at
+ * stride 2 (bench/results/int8-mnv2-avx2-2026-12-07.md); oneDNN's int8 depthwise itself ran 1.27-1.89x its float one
+ * on Zen 3 (bench/results/quant-cpu-2026-12-07.md).
  *
  * Layout: the weights as float32 [KH][KW][Cp], bias (int32) and scale (float32) as [Cp] (Cp: C rounded up to the
  * vector width, zeros past C); a ring row is [(OW − 1)·SW + KW][Cp] floats; a scalar loop takes the channels past
@@ -192,7 +193,7 @@ static inline __attribute__((always_inline)) void store_vector(const epilogue *e
 }
 
 /* `count` (<= U) output pixels from ow0 of row (n, oh), channels [0, cv) a vector at a time, from the ring's tap
-   rows: U accumulators, each tap's weight vector loaded once for the block */
+   rows: `count` accumulators; per tap row its (count − 1)·SW + KW columns and each tap's weight loaded once */
 static inline __attribute__((always_inline)) void block_vector(const qdw_plan *p, void *y,
                                                                const float *const *tap_rows, long n, long oh, long ow0,
                                                                long cv, const int KH, const int KW, const int SW,
@@ -271,7 +272,7 @@ static void widen_row(const qdw_plan *p, const uint8_t *x, ring *g, long n, long
     const long C = p->C, Cp = p->Cp;
     float *dst = g->rows + slot * g->Wb * Cp;
     const int inside_row = ih >= 0 && ih < p->H;
-    const uint8_t *src = x + (n * p->H + ih) * p->W * C;
+    const uint8_t *src = inside_row ? x + (n * p->H + ih) * p->W * C : x;
     for (long j = 0; j < g->Wb; j++) {
         const long iw = j - p->PL;
         float *d = dst + j * Cp;

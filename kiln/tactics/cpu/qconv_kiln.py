@@ -117,7 +117,7 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
     def sized(size: tuple[int, ...]) -> SizedPlan:  # a segment's view at other sizes: the plan's row fields
         return SizedPlan(((size[0], o, size[2], size[3]),), first.row_fields(rows_of(size)))
 
-    plan_rule = PlanRule(sized, ("kiln_i8", c, o, first.wanted_threads))
+    plan_rule = PlanRule(sized, ("kiln_i8 1x1", c, o, first.wanted_threads))  # NCHW sizes, not QGemm's rows
 
     def launch(ctx, x, *_inputs, **_attributes):
         x = x.contiguous(memory_format=_CL)  # [N, C, H, W], NHWC in memory: rows [N·H·W, C]
