@@ -191,6 +191,12 @@ class I8Gemm:
             raise MemoryError(f"{self.what}: the rows' padded copy could not be allocated")
         return y
 
+    def run_into(self, x_address: int, y_address: int) -> None:
+        """The layer from the rows at x_address (the built [M, K] and dtype, row-major) into y_address's [M, N]: no
+        checks, no tensors made (a 1x1 convolution's launch on its NHWC memory, kiln/tactics/cpu/qconv_kiln.py)."""
+        if load().kiln_i8_run(ctypes.addressof(self._plan), x_address, y_address):
+            raise MemoryError(f"{self.what}: the rows' padded copy could not be allocated")
+
     def bind(self, src: int, dst: int, residual: int | None = None) -> _Bound:
         """The layer's call on memory objects of its own (a segment's planned addresses; 0: pointed at per run)."""
         if residual is not None:

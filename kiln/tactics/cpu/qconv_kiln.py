@@ -120,12 +120,16 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
     plan_rule = PlanRule(sized, ("kiln_i8 1x1", c, o, first.wanted_threads))  # NCHW sizes, not QGemm's rows
 
     def launch(ctx, x, *_inputs, **_attributes):
+        if x.dtype != p.x_dtype:
+            raise ValueError(f"a 1x1 int8 convolution of {p.x_dtype} rows, given {x.dtype}")
         x = x.contiguous(memory_format=_CL)  # [N, C, H, W], NHWC in memory: rows [N·H·W, C]
         with lock:
             layer = _built(layers, tuple(x.shape), build, p.tuned)
         nb, _, hb, wb = x.shape
-        y = layer(x.permute(0, 2, 3, 1).reshape(nb * hb * wb, c))  # [N·H·W, O]
-        return y.reshape(nb, hb, wb, o).permute(0, 3, 1, 2)  # [N, O, H, W] channels-last
+        # [N, O, H, W] channels-last: the GEMM's [N·H·W, O] rows
+        y = torch.empty_strided((nb, o, hb, wb), (hb * wb * o, 1, wb * o, o), dtype=layer.out_dtype)
+        layer.run_into(x.data_ptr(), y.data_ptr())
+        return y
 
     @resizable
 
