@@ -306,6 +306,14 @@ static void output_row(const qdw_plan *p, const uint8_t *x, void *y, ring *g, lo
     row_pixels(p, y, tap_rows, n, oh);
 }
 
+/* get_handle for a plan whose x and y hold the addresses themselves: the layer's own per-call path
+   (qdepthwise.py QDepthwiseConv.__call__), with no memory object to point at each call's tensors */
+int kiln_qdepthwise_address(void *memory, void **handle)
+{
+    *handle = memory;
+    return 0;
+}
+
 int kiln_qdepthwise_lanes(void *object, void *stream, int nargs, const void *args)
 {
     (void)object; (void)stream; (void)nargs; (void)args;

@@ -135,6 +135,7 @@ class QDepthwiseConv(plan_member.PlanKernel):
         y_dtype, y_scale, y_zero = (torch.float32, 1.0, 0) if y is None else y
         # each thread's ring of KH input rows widened to float32, [(OW − 1)·SW + KW][Cp] a row (qdepthwise.c)
         self.ring_floats = kh * ((ow - 1) * sw + kw) * cp
+        self._direct: _Plan | None = None  # __call__'s plan on raw addresses, made on first use
         self.fields = dict(w=self._w.data_ptr(), bias=self._bias.data_ptr(), bias_float=self._bias_float.data_ptr(),
                            scale=self._scale.data_ptr(), float_bias=int(float_bias),
                            N=n, C=c, Cp=cp, H=h, W=wd, OH=oh, OW=ow, KH=kh, KW=kw, SH=sh, SW=sw, PT=pt, PL=pl,
@@ -144,14 +145,25 @@ class QDepthwiseConv(plan_member.PlanKernel):
         self._own_calls()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, C, H, W] channels-last of the built size and dtype -> a new channels-last y."""
+        """x [N, C, H, W] channels-last of the built size and dtype -> a new channels-last y. Its own plan reads the
+        tensors' addresses as they are (kiln_qdepthwise_address): no memory object to rebind a call, the launch the
+        tuner times as cheap as oneDNN's."""
         if tuple(x.shape) != self.input_size or x.dtype != self.x_dtype or \
                 not x.is_contiguous(memory_format=torch.channels_last):
             raise ValueError(f"{self.what}: given {x.dtype} {list(x.shape)} (channels-last {self.x_dtype} of the "
                              "built size)")
         n, c, h, w = self.output_size
         y = torch.empty_strided(self.output_size, (c * h * w, 1, w * c, c), dtype=self.out_dtype)
-        self.run_into(x.data_ptr(), y.data_ptr())
+        with self._lock:
+            if self._direct is None:
+                threads = torch.get_num_threads() if n * c * h * w >= PARALLEL_ELEMENTS else 1
+                self._direct_rings = torch.empty(threads * self.ring_floats, dtype=torch.float32)
+                address = ctypes.cast(self.library.kiln_qdepthwise_address, ctypes.c_void_p).value
+                self._direct = _Plan(get_handle=address, x=0, y=0, threads=threads,
+                                     rings=self._direct_rings.data_ptr(), ring_floats=self.ring_floats, **self.fields)
+            self._direct.x, self._direct.y = x.data_ptr(), y.data_ptr()
+            if self.library.kiln_qdepthwise(ctypes.addressof(self._direct), None, 0, None):
+                raise onednn.OneDNNError(f"{self.what}: an operand's address is 0")
         return y
 
 
