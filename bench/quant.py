@@ -3,6 +3,7 @@
     python bench/quant.py                         # ResNet-50, MobileNetV2 (batch 1), BERT-base, MiniLM-L6, BERT-tiny (seq 128)
     python bench/quant.py --models mobilenet_v2 --rounds 3 --no-write
     python bench/quant.py --models bert_base --batch 8     # every model at batch 8
+    python bench/quant.py --models mobilenet_v2 --threads 1 --clock thread --avx2   # every peer capped to AVX2
 
 Per model (kiln.zoo; MobileNetV2 and MiniLM-L6 have their real weights, ResNet-50 and the BERTs random ones):
 
@@ -42,6 +43,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+if "--avx2" in sys.argv:  # every peer on an AVX2-only CPU (bench/zoo_avx2.py's caps), set before any library loads
+    import cpuid_avx2  # noqa: E402
+
+    cpuid_avx2.enable()
+    os.environ["KILN_CPU_ISA"] = "avx2"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from cpu import commit, cpu_busy  # noqa: E402  bench/cpu.py
 
@@ -233,7 +239,9 @@ def run_model(name: str, args) -> Row:
         if layers:
             ran = [v["precision"] for v in layers.values()]
             row.notes.append(f"{peer}: {len(ran)} quantized layers, " + ", ".join(
-                f"{ran.count(p)} {p}" for p in sorted(set(ran))))
+                f"{ran.count(p)} {p}" for p in sorted(set(ran))) + "".join(
+                f"; {name}: {v['precision']} on {v['tactic']} ({v['why']})" for name, v in layers.items()
+                if v["precision"] != "int8"))
     sessions = {"onnxruntime fp32": session(exported.path, args.threads),
                 "onnxruntime int8": session(qdq, args.threads)}
     runs = {**{p: (lambda f, e=e: first_output(e.run(f))) for p, e in engines.items()},
@@ -346,7 +354,18 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--layers", type=int, default=40, help="per-layer kernel table: calls per layer (0: none)")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--avx2", action="store_true", help="kiln (KILN_CPU_ISA=avx2) and every library "
+                        "(onnxruntime's MLAS by bench/cpuid_avx2.py's cpuid mask) capped to AVX2")
+    parser.add_argument("--without", default="", help="tactics left out of every kiln build (comma-separated "
+                        "names): the engines as they were before a tactic came")
     args = parser.parse_args(argv)
+    for name in [t for t in args.without.split(",") if t]:
+        from kiln.tactics import registry
+
+        registry.load_device("cpu")
+        if registry.get(name) is None:
+            parser.error(f"--without {name}: no such tactic")
+        registry.unregister(name)
     if args.clock == "thread" and args.threads != 1:
         parser.error("--clock thread counts the calling thread only: give --threads 1 (the other threads' work "
                      "would not be counted)")

@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=1, help="bench/quant.py's batch (1)")
     parser.add_argument("--peers", default="kiln int8,kiln int8 (ORT QDQ)")
     parser.add_argument("--calibrator", default="entropy")
+    parser.add_argument("--avx2", action="store_true", help="bench/quant.py's: every library capped to AVX2 (read "
+                        "from sys.argv when bench/quant.py is imported)")
     parser.add_argument("--gpu-log", help="a quant_gpu.log of GPU engine rows taken with --profile: print their "
                                           "per-layer gaps vs kiln fp16 and exit")
     args = parser.parse_args(argv)

@@ -426,7 +426,8 @@ def _measured_costs(kernels: dict[str, float], speed: int8_speed.SpeedModel, nam
     return {"int8": speed.int8[name], "fp32": speed.fp32[name], "w8a16": kernels["w8a16"] * scale}
 
 
-INT8_TACTICS = ("cpu.qconv.onednn", "cpu.qgemm.onednn", "cpu.qgemm.kiln_i8")  # the int8 kernels of the CPU's layers
+# the int8 kernels of the CPU's layers (oneDNN's; kiln's i8gemm.c for GEMMs and 1x1 convolutions, qdepthwise.c)
+INT8_TACTICS = ("cpu.qconv.onednn", "cpu.qgemm.onednn", "cpu.qgemm.kiln_i8", "cpu.qconv.kiln_i8", "cpu.qconv.kiln_dw")
 
 
 def _cpu_without_dot_products() -> str:

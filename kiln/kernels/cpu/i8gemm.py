@@ -1,6 +1,7 @@
-"""kiln::QGemm in kiln's C on AVX2 without VNNI (i8gemm.c): 8-bit rows x [M, K] times an int8 weight [N, K], exact
-int32 sums (vpmaddubsw + vpmaddwd), the zero point, bias, scale, activation (Relu/Clip; Gelu/GeluTanh by gemm.c's
-vector forms) and requantization fused on the sums.
+"""kiln::QGemm and 1x1 kiln::QConv in kiln's C on AVX2 without VNNI (i8gemm.c): 8-bit rows x [M, K] times an int8
+weight [N, K], exact int32 sums (vpmaddubsw + vpmaddwd), the zero point, bias, scale, activation (Relu/Clip;
+Gelu/GeluTanh by gemm.c's vector forms) and requantization fused on the sums (a 1x1 convolution: its NHWC rows,
+kiln/tactics/cpu/qconv_kiln.py).
 
 Why: on a Zen 3 without VNNI oneDNN's int8 matmul ran MiniLM's QDQ GEMMs 1.09-1.5x slower than onnxruntime's MLAS
 (bench/results/qdq-avx2-2026-12-07.md). This kernel runs them at 92-95% of the core's u8s8 ceiling, 1.1-1.2x faster
@@ -189,6 +190,12 @@ class I8Gemm:
         if load().kiln_i8_run(ctypes.addressof(self._plan), x.data_ptr(), y.data_ptr()):
             raise MemoryError(f"{self.what}: the rows' padded copy could not be allocated")
         return y
+
+    def run_into(self, x_address: int, y_address: int) -> None:
+        """The layer from the rows at x_address (the built [M, K] and dtype, row-major) into y_address's [M, N]: no
+        checks, no tensors made (a 1x1 convolution's launch on its NHWC memory, kiln/tactics/cpu/qconv_kiln.py)."""
+        if load().kiln_i8_run(ctypes.addressof(self._plan), x_address, y_address):
+            raise MemoryError(f"{self.what}: the rows' padded copy could not be allocated")
 
     def bind(self, src: int, dst: int, residual: int | None = None) -> _Bound:
         """The layer's call on memory objects of its own (a segment's planned addresses; 0: pointed at per run)."""

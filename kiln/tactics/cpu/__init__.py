@@ -9,6 +9,8 @@
     gemm_packed.py kiln's own packed GEMM (kiln/kernels/cpu/gemm.c), runnable inside native segments
     quantized.py   kiln::QConv / QGemm on oneDNN's int8 primitives (kiln/ops/quantized.py)
     qgemm_kiln.py  kiln::QGemm on kiln's AVX2 int8 GEMM (kiln/kernels/cpu/i8gemm.c), timed against oneDNN's
+    qconv_kiln.py  kiln::QConv 1x1 as that GEMM on its NHWC rows, depthwise in kiln's C (qdepthwise.c), timed
+                   against oneDNN's int8 convolution
     qdq.py         per-tensor Q/DQ and the 8-bit ops between quantized layers: QAdd, MaxPool
     w8a16.py       kiln::QConv of a float input quantized to 16 bits: two int8 convolutions on its bytes
     native_member.py  a kiln C kernel as a layer's launch, runnable inside native segments (prepared_native)
@@ -35,6 +37,7 @@ import kiln.tactics.cpu.transformer  # noqa: F401
 import kiln.tactics.cpu.attention  # noqa: F401
 import kiln.tactics.cpu.quantized  # noqa: F401
 import kiln.tactics.cpu.qgemm_kiln  # noqa: F401
+import kiln.tactics.cpu.qconv_kiln  # noqa: F401
 import kiln.tactics.cpu.qdq  # noqa: F401
 import kiln.tactics.cpu.w8a16  # noqa: F401
 import kiln.tactics.cpu.broadcast  # noqa: F401

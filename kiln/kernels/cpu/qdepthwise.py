@@ -1,0 +1,190 @@
+"""kiln::QConv depthwise in kiln's C (qdepthwise.c): a KxK layer with one filter per channel on 8-bit NHWC
+activations, its zero point, int32 bias, scale, Relu/Clip and requantization in one pass, a native-segment member.
+
+Why: on AVX2 without VNNI oneDNN's int8 depthwise convolutions ran 1.27-1.89x its float ones (Zen 3,
+bench/results/quant-cpu-2026-12-07.md): an int8 MobileNetV2 paid for its depthwise layers more than an fp32 one.
+qdepthwise.c widens the bytes to float32 and runs the float kernel's FMAs on them, exact (every partial sum an integer
+below 2^24), on a quarter of the float layer's input bytes. Which kernel a layer runs is the autotuner's pick between
+this, oneDNN's int8 convolution and the float layer (kiln/tactics/cpu/qconv_kiln.py cpu.qconv.kiln_dw), timed on the
+machine (bench/results/int8-mnv2-avx2-2026-12-07.md).
+
+Built by native_loop.build with the machine's C compiler (AVX-512 where the CPU has it and KILN_CPU_ISA does not cap
+it, else AVX2; plain C without either); `load()` is None without a compiler.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from kiln.kernels.cpu import native_loop, onednn, onednn_int8, onednn_primitives, plan_member
+
+SOURCE = Path(__file__).with_name("qdepthwise.c").read_text()
+ACTIVATIONS = {"": 0, "Relu": 1, "Clip": 4}  # qdepthwise.c's ACT_* (i8gemm.c's numbering)
+OUTPUTS = {torch.float32: 0, torch.uint8: 1, torch.int8: 2}  # OUT_*
+SOURCES = (torch.uint8, torch.int8)
+MAX_KERNEL = 8  # taps a side: 64 taps x 255 x 128 < 2^24 keeps the float sums exact
+INT32_MAX = 2**31 - 1
+FLOAT_EXACT = 2**24  # float32 holds every integer below it
+PARALLEL_ELEMENTS = 1 << 14  # below this many outputs one thread (depthwise.py's)
+
+
+class _Plan(ctypes.Structure):  # qdw_plan in qdepthwise.c
+    _fields_ = [("get_handle", ctypes.c_void_p), ("x", ctypes.c_void_p), ("y", ctypes.c_void_p),
+                ("w", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("bias_float", ctypes.c_void_p),
+                ("scale", ctypes.c_void_p),
+                *((name, ctypes.c_long) for name in ("N", "C", "Cp", "H", "W", "OH", "OW")),
+                *((name, ctypes.c_int) for name in ("KH", "KW", "SH", "SW", "PT", "PL")),
+                ("float_bias", ctypes.c_int), ("x_signed", ctypes.c_int), ("x_zero", ctypes.c_float),
+                ("activation", ctypes.c_int), ("alpha", ctypes.c_float), ("beta", ctypes.c_float),
+                ("out", ctypes.c_int), ("y_scale", ctypes.c_float), ("y_zero", ctypes.c_int),
+                ("threads", ctypes.c_int), ("rings", ctypes.c_void_p), ("ring_floats", ctypes.c_long)]
+
+
+_LIBRARY = native_loop.KernelLibrary("qdepthwise", SOURCE, ["kiln_qdepthwise", "kiln_qdepthwise_lanes"],
+                                    requires=(onednn.available, "libdnnl.so.3 cannot be loaded (the kernel's operands "
+                                                                "are oneDNN memory objects)"))
+load, available, reason = _LIBRARY.load, _LIBRARY.available, _LIBRARY.reason  # the library, built on first use
+
+
+def lanes() -> int:
+    """The vector width the library was built for (16: AVX-512, 8: AVX2, 1: plain C)."""
+    library = load()
+    if library is None:
+        raise onednn.OneDNNError(f"kiln's int8 depthwise kernel is not built: {reason()}")
+    return int(library.kiln_qdepthwise_lanes(None, None, 0, None))
+
+
+def refusal(weight_shape: tuple[int, ...], input_size: tuple[int, ...], groups: int, pads: list[int],
+            strides: list[int], dilations: list[int]) -> str | None:
+    """Why qdepthwise.c cannot run this convolution, or None."""
+    if len(input_size) != 4 or len(weight_shape) != 4:
+        return "only 2-D convolutions (4-D input and weight)"
+    c = int(input_size[1])
+    if not (groups == c and weight_shape[0] == c and weight_shape[1] == 1):
+        return (f"not depthwise: {groups} groups, weight {list(weight_shape)} on {c} channels "
+                "(needs C groups, [C, 1, K, K])")
+    if any(d != 1 for d in dilations):
+        return f"dilations {list(dilations)}"
+    if any(not 1 <= k <= MAX_KERNEL for k in weight_shape[2:]):
+        return f"kernel {list(weight_shape[2:])}: 1 to {MAX_KERNEL} taps a side (exact float sums)"
+    if any(p < 0 for p in pads) or any(not 1 <= s <= 8 for s in strides):
+        return f"pads {list(pads)}, strides {list(strides)} (strides 1 to 8)"
+    out = [(input_size[2 + i] + pads[i] + pads[2 + i] - weight_shape[2 + i]) // strides[i] + 1 for i in range(2)]
+    if min(out) < 1:
+        return f"an empty output {out}"
+    return None
+
+
+class QDepthwiseConv(plan_member.PlanKernel):
+    """y = requantize(act(x_scale·w_scale·(depthwise(x − z_x, w) + bias))), x [N, C, H, W] channels-last uint8/int8,
+    w int8 [C, 1, KH, KW] (symmetric), bias int32 at x_scale·w_scale or None; y: (dtype, scale, zero point) of an
+    8-bit output, None for float32. pads [top, left, bottom, right]. `bind(src, dst)` reads and writes NHWC."""
+
+    NO_RESIDUAL = "the int8 depthwise kernel adds no residual"
+
+    def __init__(self, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, input_size: tuple[int, ...],
+                 strides: list[int], pads: list[int], x_dtype: torch.dtype, x_scale: float, x_zero: int,
+                 y: tuple[torch.dtype, float, int] | None, activation: str = "", alpha: float = 0.0,
+                 beta: float = 0.0, dilations: list[int] | None = None):
+        library = load()
+        if library is None:
+            raise onednn.OneDNNError(f"kiln's int8 depthwise kernel is not built: {reason()}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation {activation!r}: the kernel applies {sorted(ACTIVATIONS)}")
+        if x_dtype not in SOURCES or w.dtype != torch.int8:
+            raise ValueError(f"the int8 depthwise kernel takes uint8/int8 sources and int8 weights, given {x_dtype}, "
+                             f"{w.dtype}")
+        n, c, h, wd = (int(d) for d in input_size)
+        why = refusal(tuple(w.shape), (n, c, h, wd), c, list(pads), list(strides), list(dilations or [1, 1]))
+        if why is not None:
+            raise ValueError(f"int8 depthwise kernel: {why}")
+        self.out_dtype = torch.float32 if y is None else y[0]
+        if self.out_dtype not in OUTPUTS:
+            raise ValueError(f"output {self.out_dtype}: float32, uint8, int8 only")
+        kh, kw = int(w.shape[2]), int(w.shape[3])
+        bias64 = torch.zeros(c, dtype=torch.int64) if bias is None else bias.detach().to(torch.int64).reshape(-1)
+        if bias64.numel() != c:
+            raise ValueError(f"a bias of {bias64.numel()} values for a layer of {c} channels")
+        taps = w.detach().to(torch.int64).reshape(c, kh * kw)
+        bias64 = bias64 - int(x_zero) * taps.sum(dim=1)  # the kernel sums x·w, a padding tap reading z_x
+        if int(bias64.abs().max()) + kh * kw * 255 * 128 > INT32_MAX:
+            raise ValueError("int8 depthwise kernel: the bias could carry the int32 sums past their range")
+        width = lanes()
+        cp = -(-c // width) * width
+        # [KH, KW, Cp]: a tap's weights for consecutive channels are one vector; zeros past C
+        self._w = torch.zeros(kh, kw, cp, dtype=torch.float32)
+        self._w[:, :, :c] = w.detach().to(torch.float32).reshape(c, kh, kw).permute(1, 2, 0)
+        self._bias = torch.zeros(cp, dtype=torch.int32)
+        self._bias[:c] = bias64.to(torch.int32)
+        self._bias_float = self._bias.to(torch.float32)
+        # the sums start at the bias where every partial sum stays an integer below 2^24 (exact in float32)
+        float_bias = int(bias64.abs().max()) + kh * kw * 255 * 128 < FLOAT_EXACT
+        self._scale = torch.zeros(cp, dtype=torch.float32)
+        self._scale[:c] = onednn_int8.combined_scales(x_scale, w_scale).expand(c).to(torch.float32)
+        pt, pl, pb, pr = (int(p) for p in pads)
+        sh, sw = (int(s) for s in strides)
+        oh, ow = (h + pt + pb - kh) // sh + 1, (wd + pl + pr - kw) // sw + 1
+        self.input_size, self.output_size = (n, c, h, wd), (n, c, oh, ow)
+        self.x_dtype = x_dtype
+        self.library = library
+        self.implementation = f"kiln qdepthwise.c ({width} lanes)"
+        self.what = f"int8 depthwise {kh}x{kw}/{sh} {list(self.input_size)} -> {list(self.output_size)}"
+        y_dtype, y_scale, y_zero = (torch.float32, 1.0, 0) if y is None else y
+        # each thread's ring of KH input rows widened to float32, [(OW − 1)·SW + KW][Cp] a row (qdepthwise.c)
+        self.ring_floats = kh * ((ow - 1) * sw + kw) * cp
+        self._direct: _Plan | None = None  # __call__'s plan on raw addresses, made on first use
+        self.fields = dict(w=self._w.data_ptr(), bias=self._bias.data_ptr(), bias_float=self._bias_float.data_ptr(),
+                           scale=self._scale.data_ptr(), float_bias=int(float_bias),
+                           N=n, C=c, Cp=cp, H=h, W=wd, OH=oh, OW=ow, KH=kh, KW=kw, SH=sh, SW=sw, PT=pt, PL=pl,
+                           x_signed=int(x_dtype == torch.int8), x_zero=float(x_zero),
+                           activation=ACTIVATIONS[activation], alpha=float(alpha), beta=float(beta),
+                           out=OUTPUTS[y_dtype], y_scale=float(y_scale), y_zero=int(y_zero))
+        self._own_calls()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, C, H, W] channels-last of the built size and dtype -> a new channels-last y. Its own plan reads the
+        tensors' addresses as they are (kiln_qdepthwise_address): no memory object to rebind a call, the launch the
+        tuner times as cheap as oneDNN's."""
+        if tuple(x.shape) != self.input_size or x.dtype != self.x_dtype or \
+                not x.is_contiguous(memory_format=torch.channels_last):
+            raise ValueError(f"{self.what}: given {x.dtype} {list(x.shape)} (channels-last {self.x_dtype} of the "
+                             "built size)")
+        n, c, h, w = self.output_size
+        y = torch.empty_strided(self.output_size, (c * h * w, 1, w * c, c), dtype=self.out_dtype)
+        with self._lock:
+            if self._direct is None:
+                threads = torch.get_num_threads() if n * c * h * w >= PARALLEL_ELEMENTS else 1
+                self._direct_rings = torch.empty(threads * self.ring_floats, dtype=torch.float32)
+                address = ctypes.cast(self.library.kiln_qdepthwise_address, ctypes.c_void_p).value
+                self._direct = _Plan(get_handle=address, x=0, y=0, threads=threads,
+                                     rings=self._direct_rings.data_ptr(), ring_floats=self.ring_floats, **self.fields)
+            self._direct.x, self._direct.y = x.data_ptr(), y.data_ptr()
+            if self.library.kiln_qdepthwise(ctypes.addressof(self._direct), None, 0, None):
+                raise onednn.OneDNNError(f"{self.what}: an operand's address is 0")
+        return y
+
+
+class _Bound(plan_member.PlanMember):
+    """A QDepthwiseConv's call for one segment (or its own per-call path): a parallel form over output rows on
+    OpenMP's count, and a serial one where the layer is small enough for the segment's chooser to time both
+    (onednn_primitives.thread_forms), as depthwise.py's."""
+
+    FUNCTION = "kiln_qdepthwise"
+
+    def __init__(self, layer: QDepthwiseConv, src: int, dst: int):
+        super().__init__(layer, src, dst)
+        n, c, oh, ow = layer.output_size
+        elements = n * c * oh * ow
+        forms = onednn_primitives.thread_forms(elements, elements * layer.fields["KH"] * layer.fields["KW"])
+        threads = torch.get_num_threads() if elements >= PARALLEL_ELEMENTS and forms[0] is None else 1
+        # a ring per thread, the serial form on the first (the two forms never run at once)
+        self._rings = torch.empty(threads * layer.ring_floats, dtype=torch.float32)
+        base = dict(self.plan_base(), rings=self._rings.data_ptr(), ring_floats=layer.ring_floats)
+        self._plans(_Plan(**base, threads=threads, **layer.fields),
+                    _Plan(**base, threads=1, **layer.fields) if threads > 1 and len(forms) > 1 else None)
+
+
+QDepthwiseConv.MEMBER = _Bound
