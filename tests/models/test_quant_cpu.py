@@ -20,13 +20,14 @@ from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, 
 import kiln
 from kiln import zoo
 from kiln.builder import autotune
+from kiln.builder.calibration import INT8_TACTICS
 from tests.calibration import FeedsReader
 from kiln.cli import main
 from kiln.kernels.cpu import onednn
 from kiln.kernels.cpu.cpu_features import has_int8_dot_product
 
 pytestmark = pytest.mark.skipif(not onednn.available(), reason="libdnnl.so.3 is not loadable here")
-INT8 = ("cpu.qconv.onednn", "cpu.qgemm.onednn")
+INT8 = INT8_TACTICS  # every int8 kernel tactic (oneDNN's and kiln's own)
 
 
 @pytest.fixture(autouse=True)
