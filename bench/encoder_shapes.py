@@ -85,7 +85,8 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    exported = zoo.export(args.model, dynamic=True)
+    # an example batch of 1 would have torch.export specialise the batch dim to 1: export at 2 or more
+    exported = zoo.export(args.model, batch=max(2, zoo.get(args.model).batch), dynamic=True)
     t0 = time.perf_counter()
     engine = kiln.build(str(exported.path))
     build_s = time.perf_counter() - t0
