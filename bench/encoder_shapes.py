@@ -8,11 +8,12 @@ vs torch eager on the CPU, side by side in one process (issue 10's small-shape g
 
 The engine is built as a new user builds it (`kiln.build(path)`, symbolic dims tuned at their
 defaults); every runtime gets the same feeds (random ids, an attention mask of ones unless --padding)
-and the same thread count; a decoder takes input_ids only (the inputs are the export's). Timed in interleaved rounds of blocks (kiln, onnxruntime, torch eager,
-kiln, ...: a shared machine's drift lands on all alike); per round the median of a block, and per
-shape the median over rounds and each round's kiln / onnxruntime ratio. The load average before and
-after is printed with the table. `--clock thread` times the calling thread's CPU time (at 1 thread every runtime
-runs there: what each costs on a machine others load, without the time it waits). Results are appended to bench/results/encoder-shapes-cpu-<date>.md.
+and the same thread count; a decoder takes input_ids only (the inputs are the export's). Timed in
+interleaved rounds of blocks (kiln, onnxruntime, torch eager, kiln, ...: a shared machine's drift lands
+on all alike); per round the median of a block, and per shape the median over rounds and each round's
+kiln / onnxruntime ratio. The load average before and after is printed with the table. `--clock thread`
+times the calling thread's CPU time (at 1 thread every runtime runs there: what each costs on a machine
+others load, without the time it waits). Results are appended to bench/results/encoder-shapes-cpu-<date>.md.
 """
 
 from __future__ import annotations
