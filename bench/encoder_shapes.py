@@ -79,6 +79,9 @@ def main() -> None:
     ap.add_argument("--kiln-root", default=None, help="import kiln from this checkout instead")
     ap.add_argument("--label", default="", help="a word for the table's title (before/after)")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--engine", default="", help="time this saved engine instead of building one")
+    ap.add_argument("--save-engine", default="", help="save the engine built here (a later --engine A/B: both "
+                    "sides' tactics fixed, the build's tuning out of the comparison)")
     args = ap.parse_args()
 
     kiln, zoo = _import_kiln(args.kiln_root)
@@ -89,8 +92,10 @@ def main() -> None:
     # an example batch of 1 would have torch.export specialise the batch dim to 1: export at 2 or more
     exported = zoo.export(args.model, batch=max(2, zoo.get(args.model).batch), dynamic=True)
     t0 = time.perf_counter()
-    engine = kiln.build(str(exported.path))
+    engine = kiln.load(args.engine) if args.engine else kiln.build(str(exported.path))
     build_s = time.perf_counter() - t0
+    if args.save_engine:
+        engine.save(args.save_engine)
     context = engine.create_execution_context()
     options = ort.SessionOptions()
     options.intra_op_num_threads, options.inter_op_num_threads = args.threads, 1
@@ -136,7 +141,8 @@ def main() -> None:
     names = list(rows[0][1]) if rows else []
     lines = [f"## {args.model} at several shapes{' (' + args.label + ')' if args.label else ''}: "
              f"{_cpu_name()}, {args.threads} thread(s), kiln commit {_commit(root)}, {datetime.date.today()}",
-             f"built with kiln.build(path) in {build_s:.1f} s; masks {'padded' if args.padding else 'of ones'}; "
+             (f"loaded {args.engine}" if args.engine else "built with kiln.build(path)") + f" in {build_s:.1f} s"
+             + f"; masks {'padded' if args.padding else 'of ones'}; "
              f"{args.rounds} interleaved rounds of {args.block_s} s blocks, {args.clock} clock; load average "
              f"{load_before[0]:.1f} before, {load_after[0]:.1f} after (the machine has {os.cpu_count()} cores)", "",
              "| shape | " + " | ".join(f"{n} ms" for n in names) + " | kiln / onnxruntime (median) | per round | "
