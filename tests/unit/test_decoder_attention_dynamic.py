@@ -187,3 +187,19 @@ def test_warm_up_binds_its_hosts_after_the_loads_background_jobs(llama, monkeypa
     context.warm_up()
     assert events[:2] == ["jobs waited for", "hosts bound, jobs done: True"], events
     assert context.warmed_up.bound >= 1
+
+
+@pytest.mark.parametrize("name", ["gpt2_tiny", "phi3_tiny"])
+def test_dynamic_gpt2_and_phi3_are_one_native_segment_equal_to_onnxruntime(name):
+    """GPT-2 and Phi-3 exported with symbolic batch x sequence: each attention takes its head merge (out_perm and
+    out_merge_heads), GPT-2's o-projection reads it through a constant view (its flatten re-targeted at [0, 0, H·D]),
+    and the decoder is one native segment, equal to onnxruntime at fresh random shapes. Fails before (gpt2_tiny and
+    phi3_tiny 3 segments: the merges ran as torch Reshape/Transpose steps between them)."""
+    exported = zoo.export(name, batch=2, seq=8, dynamic=True)
+    engine = kiln.build(str(exported.path), profiles=[{"input_ids": "1x1,2x8,4x16"}])
+    for step in (s for s in engine.program.spec.steps if s.op_type == "Attention"):
+        assert step.attributes.get("out_merge_heads") == 1 and list(step.attributes["out_perm"]) == [0, 2, 1, 3]
+    context = engine.create_execution_context()
+    rng = np.random.default_rng(_seed())
+    _check_against_onnxruntime(context, str(exported.path), rng, [*_random_shapes(rng, 3), (4, 16)])
+    assert len(context.program.segments) == 1, [len(s.members) for s in context.program.segments]

@@ -52,6 +52,32 @@ def test_gemm_between_flatten_and_unflatten_runs_nd_and_takes_its_epilogue(sourc
     assert_same_as_onnxruntime(proto, {"x": randn(*x_shape), "r": randn(b, s, n)})
 
 
+def test_gemm_after_a_symbolic_head_merge_reads_it_through_a_constant_view():
+    # GPT-2 exported with symbolic batch x sequence: Reshape(o [B, S, H, D], [-1, H·D]) -> Gemm -> Reshape(·,
+    # Concat(Shape(o)[0], Shape(o)[1], N)). The flatten becomes Reshape(o, [0, 0, H·D]) (allowzero=0: B and S
+    # copied, a constant target a native segment takes as a view) and the unflatten goes. Fails before (the
+    # computed target left both Reshapes as torch steps around the layer).
+    k, n = 8, 16
+    nodes = [
+        helper.make_node("Shape", ["o"], ["so"]),
+        helper.make_node("Slice", ["so", "s0", "s2"], ["bs"]),
+        helper.make_node("Concat", ["bs", "n"], ["unflat"], axis=0),
+        helper.make_node("Reshape", ["o", "flat"], ["x2"], allowzero=1),
+        helper.make_node("Gemm", ["x2", "w", "c"], ["y2"]),
+        helper.make_node("Reshape", ["y2", "unflat"], ["y"], allowzero=1),
+    ]
+    inits = [("s0", np.array([0], np.int64)), ("s2", np.array([2], np.int64)), ("n", np.array([n], np.int64)),
+             ("flat", np.array([-1, k], np.int64)), ("w", randn(k, n)), ("c", randn(n))]
+    proto = make_model(nodes, [value("o", ["B", "S", 2, k // 2])], [value("y", ["B", "S", n])], inits)
+    model, report, ops = optimized(proto)
+    assert report.fired["fuse_gemm"] == 1
+    assert ops == {"Reshape": 1, "kiln::FusedGemm": 1}, ops
+    flatten = next(node for node in model.graph if node.op_type == "Reshape")
+    assert list(flatten.inputs[1].const_value.numpy()) == [0, 0, k] and flatten.attributes["allowzero"].value == 0
+    for b, s in ((1, 1), (3, 7)):
+        assert_same_as_onnxruntime(proto, {"o": randn(b, s, 2, k // 2)})
+
+
 # ---------------------------------------------------------------- attention
 
 

@@ -602,6 +602,18 @@ def reshape_to_two_computed_dims():
     return model(nodes, [value("x", ["N", "M", 4])], [value("y", ["N", "M", 4])], inits)
 
 
+def reshape_swapping_two_symbolic_dims():
+    """Reshape(x [N, 4, M, 8], [M, -1, N, 8]): every dim is one of x's, but N and M trade places (no identity)."""
+    inits = [("s0", np.array([0], np.int64)), ("s1", np.array([1], np.int64)), ("s2", np.array([2], np.int64)),
+             ("s3", np.array([3], np.int64)), ("minus_one", np.array([-1], np.int64)),
+             ("eight", np.array([8], np.int64))]
+    nodes = [node("Shape", ["x"], ["sx"]), node("Slice", ["sx", "s0", "s1"], ["n"]),
+             node("Slice", ["sx", "s2", "s3"], ["m"]),
+             node("Concat", ["m", "minus_one", "n", "eight"], ["target"], axis=0),
+             node("Reshape", ["x", "target"], ["y"], allowzero=1)]
+    return model(nodes, [value("x", ["N", 4, "M", 8])], [value("y", ["M", None, "N", 8])], inits)
+
+
 def channels_last_run_through_a_softmax():
     """NCHW -> NHWC, a Softmax (not one of the ops the flattening knows), back: the run stays 4-D."""
     return model([node("Transpose", ["x"], ["p"], perm=[0, 2, 3, 1]), node("Softmax", ["p"], ["s"], axis=-1),
@@ -626,6 +638,8 @@ CASES = {
     "zero_initial_states/not_zeros": Case("drop_zero_initial_states", lstm_whose_initial_state_is_not_zeros, None),
     "reshape_target/two_computed_dims": Case("constant_reshape_target", reshape_to_two_computed_dims,
                                              "more than one dim of unknown size"),
+    "symbolic_same_shape_reshape/dims_swapped": Case("remove_symbolic_same_shape_reshape",
+                                                     reshape_swapping_two_symbolic_dims, None),
     "channels_last_run/softmax": Case("flatten_channels_last_runs", channels_last_run_through_a_softmax,
                                       "not an op over the last axis", before=["fuse_relayout"]),
     "squeeze_excite/mean_is_an_output": Case("fuse_squeeze_excite", squeeze_excite_whose_mean_is_an_output,

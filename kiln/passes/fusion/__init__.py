@@ -40,7 +40,8 @@ from kiln.passes.fusion.skip_layernorm import fuse_skip_layer_norm
 from kiln.passes.fusion.softmax import fuse_softmax
 from kiln.passes.fusion.split_slices import split_as_slices
 from kiln.passes.fusion.squeeze_excite import fuse_squeeze_excite
-from kiln.passes.fusion.symbolic_shapes import constant_reshape_target, drop_zero_initial_states
+from kiln.passes.fusion.symbolic_shapes import (constant_reshape_target, drop_zero_initial_states,
+                                               remove_symbolic_same_shape_reshape)
 from kiln.passes.fusion.swiglu import fuse_split_swiglu, fuse_swiglu
 
 RULES = [
@@ -71,6 +72,8 @@ RULES = [
     ("fuse_split_swiglu", fuse_split_swiglu),  # a gate|up GEMM the model merged itself (Phi-3), then chunked
     ("merge_parallel_gemms", merge_parallel_gemms),
     ("fuse_rotary", fuse_rotary),
+    # before fuse_attention: a symbolic export's Reshape that keeps its shape hides the head merge's Transpose
+    ("remove_symbolic_same_shape_reshape", remove_symbolic_same_shape_reshape),
     ("fuse_attention", fuse_attention),
     ("absorb_attention_reshapes", absorb_attention_reshapes),
     ("fuse_packed_rotary", fuse_packed_rotary),  # after the head reshapes: q and k are Rotary(.., num_heads)
@@ -101,7 +104,8 @@ RULES = [
 # Rules only a build for the CPU asks for (PassOptions): their fused op has a CPU kernel, and on CUDA the
 # unfused layers are what was measured.
 CPU_RULES = {"fuse_squeeze_excite", "fuse_conv_final_activation", "conv1d_as_conv2d", "conv1d_mean_as_global_pool",
-             "drop_zero_initial_states", "constant_reshape_target", "split_as_slices", "fuse_relayout",
+             "drop_zero_initial_states", "constant_reshape_target", "remove_symbolic_same_shape_reshape",
+             "split_as_slices", "fuse_relayout",
              "flatten_channels_last_runs", "fold_wide_quantize_into_layer", "fuse_int8_dequantize_into_elementwise",
              "fuse_int8_quantize_into_elementwise", "fuse_int8_layer_norm_quantize",
              "fuse_int8_dequantize_into_layer_norm_quantize", "fuse_padding_positions"}

@@ -13,6 +13,13 @@ Reshape(x, [M, K]) -> Gemm -> Reshape(·, [B, S, N]). linear works on any leadin
 
 and the input Reshape disappears too when x is already [B, S, K]. With the output Reshape
 gone the epilogue (GELU, residual Add) sits right after the layer and is absorbed.
+
+At a symbolic batch x sequence (GPT-2 exported for serving) the attention output's head merge and the flatten
+are one Reshape of o [B, S, H, D] to [-1, H·D], and the unflatten's target is computed. The flatten is re-targeted
+at [0, 0, H·D] (allowzero=0: B and S copied from o, a view), so the layer reads [B, S, H·D] and the attention
+takes the merge (kiln/passes/fusion/attention_layout.py) instead of two torch steps between native segments:
+
+    Reshape(Gemm(Reshape(o [B, S, H, D], [-1, H·D])), [B, S, N]) = linear(Reshape(o, [0, 0, H·D]))
 """
 
 from __future__ import annotations
@@ -80,13 +87,16 @@ class _Lift:
     unflatten: ir.Node  # the output Reshape the layer absorbs
     flatten: ir.Node | None = None  # when set: re-target this flatten at `shape` (source is its output)
     shape: list[int] | None = None
+    dims: list | None = None  # the re-targeted flatten's output dims, where `shape` copies some (0, allowzero=0)
 
     def apply(self) -> ir.Value:
         """The layer's input, after re-targeting the flatten when that is needed (changes the graph)."""
         if self.flatten is not None:
             target = new_initializer(self.flatten.graph, f"{self.flatten.name}_shape", np.array(self.shape, np.int64))
             self.flatten.replace_input_with(1, target)
-            self.source.shape = ir.Shape(self.shape)
+            if self.dims is not None:
+                self.flatten.attributes["allowzero"] = ir.AttrInt64("allowzero", 0)
+            self.source.shape = ir.Shape(self.dims if self.dims is not None else self.shape)
         return self.source
 
 
@@ -104,11 +114,21 @@ def _lift_reshapes(node: ir.Node, k: int, n: int) -> _Lift | None:
     if source is not None and source.shape is not None and len(source.shape) == len(target) \
             and source.shape[-1] == k and dims_equal(list(source.shape)[:-1], list(target)[:-1]):
         return _Lift(source, unflatten)  # x was [B, S, K] before the flatten: read it directly
-    static = [d for d in target if isinstance(d, int)]
-    if flatten is None or only_user(x) is not node or len(static) != len(target):
+    if flatten is None or only_user(x) is not node:
         return None
-    # Re-target the flatten at [B, S, K] (same element order: only the leading dims regroup).
-    return _Lift(x, unflatten, flatten, [*static[:-1], k])
+    static = [d for d in target if isinstance(d, int)]
+    if len(static) == len(target):
+        # Re-target the flatten at [B, S, K] (same element order: only the leading dims regroup).
+        return _Lift(x, unflatten, flatten, [*static[:-1], k])
+    # A symbolic [B, S] the flatten's source begins with, its trailing dims K in all: [0, 0, K] copies B and S.
+    lead = len(target) - 1
+    if source is None or source.shape is None or len(source.shape) <= lead \
+            or not dims_equal(list(source.shape)[:lead], list(target)[:lead]):
+        return None
+    rest = list(source.shape)[lead:]
+    if not all(isinstance(d, int) for d in rest) or int(np.prod(rest)) != k:
+        return None
+    return _Lift(x, unflatten, flatten, [0] * lead + [k], [*list(target)[:lead], k])
 
 
 def fuse_gemm(node: ir.Node, report: PassReport) -> bool:

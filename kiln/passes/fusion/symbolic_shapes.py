@@ -13,6 +13,13 @@ native segment splits around the layer. Two rules:
     LSTM(.., initial_h = zeros, ..)           ->  LSTM(.., initial_h absent, ..)      the spec: absent = zeros
     Reshape(t, <shape arithmetic over t>)     ->  Reshape(t, [96, 0, 256])           0: t's dim (allowzero=0)
 
+A third removes a Reshape that keeps its input's shape, which a static export folds away and a symbolic one
+cannot: Phi-3 exported with symbolic batch x sequence reshapes its attention output o [B, H, S, D] to
+Concat(Shape(ids)[0], -1, Shape(ids)[1], D) before the head merge. The Reshape hid the Transpose behind it from
+fuse_attention, and the merge (Reshape, Transpose, Reshape) ran as three torch steps between native segments:
+
+    Reshape(x, [d0, .., -1, .., dn])          ->  x       every dk x's own dim, by size or symbol; -1 at most once
+
 Only CPU builds ask for them (fusion.CPU_RULES), next to fuse_relayout.
 """
 
@@ -21,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from kiln.passes._rewrite import PassReport, attr, const, is_op, new_initializer, producer
+from kiln.passes._rewrite import PassReport, attr, bypass, const, is_op, new_initializer, producer
 
 RULE_STATES = "drop_zero_initial_states"
 RULE_RESHAPE = "constant_reshape_target"
@@ -163,3 +170,18 @@ def constant_reshape_target(node: ir.Node, report: PassReport) -> bool:
     out.shape = ir.Shape([d if isinstance(d, int) and d > 0 else (d if isinstance(d, str) else None)
                           for d in target])
     return True
+
+
+def remove_symbolic_same_shape_reshape(node: ir.Node, report: PassReport) -> bool:
+    # Reshape(x [B, H, S, D], Concat(Shape(ids)[0], -1, Shape(ids)[1], D)) -> x: every target dim is x's own
+    if not is_op(node, "Reshape"):
+        return False
+    target = _shape_values(node.inputs[1])
+    dims = symbolic_shape(node.inputs[0])
+    if target is None or dims is None or len(target) != len(dims):
+        return False
+    copy = None if attr(node, "allowzero", 0) else 0  # allowzero=0: a 0 copies x's dim
+    other = [t for t, d in zip(target, dims) if t != copy and not (t is not None and t != -1 and t == d)]
+    if other not in ([], [-1]):  # one -1 among x's own dims is x's dim there: its size over the others' product
+        return False
+    return bypass(node, node.inputs[0])
