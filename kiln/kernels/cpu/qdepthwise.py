@@ -19,13 +19,13 @@ from pathlib import Path
 
 import torch
 
-from kiln.kernels.cpu import native_loop, onednn, onednn_int8, onednn_primitives, plan_member
+from kiln.kernels.cpu import depthwise, native_loop, onednn, onednn_int8, onednn_primitives, plan_member
 
 SOURCE = Path(__file__).with_name("qdepthwise.c").read_text()
 ACTIVATIONS = {"": 0, "Relu": 1, "Clip": 4}  # qdepthwise.c's ACT_* (i8gemm.c's numbering)
 OUTPUTS = {torch.float32: 0, torch.uint8: 1, torch.int8: 2}  # OUT_*
 SOURCES = (torch.uint8, torch.int8)
-MAX_KERNEL = 8  # taps a side: 64 taps x 255 x 128 < 2^24 keeps the float sums exact
+MAX_KERNEL = depthwise.MAX_KERNEL  # 8 taps a side: 64 taps x 255 x 128 < 2^24 keeps the float sums exact
 INT32_MAX = 2**31 - 1
 FLOAT_EXACT = 2**24  # float32 holds every integer below it
 PARALLEL_ELEMENTS = 1 << 14  # below this many outputs one thread (depthwise.py's)
@@ -59,23 +59,11 @@ def lanes() -> int:
 
 def refusal(weight_shape: tuple[int, ...], input_size: tuple[int, ...], groups: int, pads: list[int],
             strides: list[int], dilations: list[int]) -> str | None:
-    """Why qdepthwise.c cannot run this convolution, or None."""
-    if len(input_size) != 4 or len(weight_shape) != 4:
-        return "only 2-D convolutions (4-D input and weight)"
-    c = int(input_size[1])
-    if not (groups == c and weight_shape[0] == c and weight_shape[1] == 1):
-        return (f"not depthwise: {groups} groups, weight {list(weight_shape)} on {c} channels "
-                "(needs C groups, [C, 1, K, K])")
-    if any(d != 1 for d in dilations):
-        return f"dilations {list(dilations)}"
-    if any(not 1 <= k <= MAX_KERNEL for k in weight_shape[2:]):
-        return f"kernel {list(weight_shape[2:])}: 1 to {MAX_KERNEL} taps a side (exact float sums)"
-    if any(p < 0 for p in pads) or any(not 1 <= s <= 8 for s in strides):
-        return f"pads {list(pads)}, strides {list(strides)} (strides 1 to 8)"
-    out = [(input_size[2 + i] + pads[i] + pads[2 + i] - weight_shape[2 + i]) // strides[i] + 1 for i in range(2)]
-    if min(out) < 1:
-        return f"an empty output {out}"
-    return None
+    """Why qdepthwise.c cannot run this convolution, or None: the float kernel's conditions (depthwise.c, the same
+    MAX_KERNEL taps a side, which also keep these float sums exact) and strides up to 8."""
+    if any(s > 8 for s in strides):
+        return f"strides {list(strides)} (1 to 8)"
+    return depthwise.refusal(weight_shape, input_size, groups, pads, strides, dilations)
 
 
 class QDepthwiseConv(plan_member.PlanKernel):
