@@ -26,6 +26,7 @@ from kiln.passes.fold import fold_constants
 from kiln.passes.fusion.qdq_propagate import RULE_UNSIGNED, use_unsigned_activations
 from kiln.passes.noop import remove_noops
 from kiln.passes.remove_padding import REMOVE_PADDING, remove_padding
+from kiln.passes.uniform_gather import fill_uniform_gathers
 
 
 @dataclass
@@ -75,6 +76,9 @@ def cleanup(model: ir.Model, report: PassReport, check=lambda model, stage: None
     # Identity, inference Dropout, Reshape/Transpose/Cast chains that cancel.
     remove_noops(model, report)
     check(model, "remove_noops")
+    # A GatherElements from data of one value (RoBERTa's token types at symbolic shapes): a fill of its indices' shape.
+    fill_uniform_gathers(model, report)
+    check(model, "fill_uniform_gathers")
     # An Expand whose readers broadcast anyway (BERT's token-type ids at batch > 1) copies for nothing.
     drop_broadcast_expands(model, report)
     check(model, "drop_broadcast_expands")

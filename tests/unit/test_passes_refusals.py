@@ -26,10 +26,11 @@ from kiln.frontend import onnx as onnx_frontend
 from kiln.passes import PassReport, fusion
 from kiln.passes._rewrite import new_initializer, run_rule
 from kiln.passes.batchnorm import fold_batchnorm
+from kiln.passes.uniform_gather import fill_uniform_gather
 from tests.unit.test_padding_positions import roberta_embeddings
 
 F, F16, I64, BOOL = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.INT64, TensorProto.BOOL
-RULES = dict(fusion.RULES) | {"fold_batchnorm": fold_batchnorm}
+RULES = dict(fusion.RULES) | {"fold_batchnorm": fold_batchnorm, "fill_uniform_gather": fill_uniform_gather}
 rng = np.random.default_rng(7)
 
 
@@ -744,6 +745,8 @@ CASES = {
                                                                 "other readers"),
     "padding_positions/exclusive_cumsum": Case("fuse_padding_positions", lambda: roberta_embeddings(exclusive=1),
                                                "an exclusive or reversed CumSum"),
+    "uniform_gather/two_values": Case("fill_uniform_gather", lambda: roberta_embeddings(uniform_types=False),
+                                      "holds 2 values"),
 }
 
 
