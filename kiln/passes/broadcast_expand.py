@@ -12,6 +12,9 @@ The same holds through an embedding lookup of the expanded indices, whose rows b
 
 BERT's token-type ids are a [1, S] buffer expanded to [B, S] before their lookup: a [B, S, H] copy of the same rows
 at every batch > 1 (at a new shape computed on the host), where the residual Add broadcasts the [1, S, H] rows.
+Dims of other names count where the reader's declared output has the other operand's shape: the broadcast of all
+operands equal to that operand's shape means each of them broadcasts into it (fill_uniform_gather's token types of a
+[1, Min(P, seq)] position slice, added to [batch, seq, H] rows).
 """
 
 from __future__ import annotations
@@ -41,13 +44,17 @@ def _lookup_dims(gather: ir.Node, indices: list) -> list:
 
 def _reader_refusal(reader: ir.Node, value: ir.Value) -> str | None:
     """Why `reader` needs `value` at its full shape, or None when one of its other operands already has a shape
-    `value`'s broadcasts into."""
+    `value`'s broadcasts into: by its dims, or by the reader's output having that operand's shape (BERT's
+    [1, Min(128, seq), H] token-type rows added to [batch, seq, H] give [batch, seq, H])."""
     full = list(value.shape)
     others = [v for v in reader.inputs if v is not None and v is not value]
     if len(others) != len(reader.inputs) - 1:
         return f"{reader.op_type} {reader.name!r} reads {value.name!r} more than once"
     if any(v.shape is not None and broadcasts_into(full, list(v.shape)) for v in others):
         return None
+    out = reader.outputs[0].shape
+    if out is not None and any(v.shape is not None and dims_equal(list(v.shape), list(out)) for v in others):
+        return None  # the reader's output, the broadcast of all its operands, has that operand's shape: so does `value`
     shape = "[" + ", ".join(str(d) for d in full) + "]"  # symbols by name: [batch, 1, seq, seq]
     return f"no other operand of {reader.op_type} {reader.name!r} has the shape {shape} or one it broadcasts into"
 

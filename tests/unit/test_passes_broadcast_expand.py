@@ -98,6 +98,24 @@ def test_an_expand_of_ids_read_by_a_lookup_whose_rows_broadcast_is_removed():
         np.testing.assert_array_equal(np.asarray(engine.run(feeds)["z"]), session.run(None, feeds)[0])
 
 
+def test_an_expand_to_dims_of_another_name_is_removed_where_the_output_has_the_other_operands_shape():
+    # Add(Expand(x [1, 1], Shape(w) = [1, m]), y [2, seq]) -> [2, seq] (declared): m is seq or 1 at run time, so
+    # [1, m] broadcasts into y's shape though the names differ (BERT's token-type rows [1, Min(128, seq), H]);
+    # refused before the reader's output was consulted
+    nodes = [helper.make_node("Shape", ["w"], ["target"]), helper.make_node("Expand", ["x", "target"], ["e"]),
+             helper.make_node("Add", ["e", "y"], ["z"])]
+    inputs = [helper.make_tensor_value_info("x", F, [1, 1]), helper.make_tensor_value_info("w", F, [1, "m"]),
+              helper.make_tensor_value_info("y", F, [2, "seq"])]
+    proto = make_model(nodes, inputs, [helper.make_tensor_value_info("z", F, [2, "seq"])])
+    _, report, ops = optimized(proto, level=1)
+    assert report.fired[RULE] == 1 and "Expand" not in ops, ops
+    rng = np.random.default_rng(8)
+    for m, seq in [(5, 5), (1, 5), (1, 1)]:
+        feeds = {"x": rng.standard_normal((1, 1)).astype(np.float32), "w": np.zeros((1, m), np.float32),
+                 "y": rng.standard_normal((2, seq)).astype(np.float32)}
+        assert_same_as_onnxruntime(proto, feeds, level=1, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("y_dims", [[4], [1, 4], [2, 1, 4], ["n", 4]])
 def test_refused_where_no_other_operand_has_the_expanded_shape(y_dims):
     # [1, 4] -> [3, 4] read by Add with y: the Add's output has the 3 rows only because of the Expand
@@ -138,7 +156,9 @@ def test_bert_base_drops_its_token_type_expand_and_matches_onnxruntime_at_fresh_
     exported = zoo.export("bert_base", dynamic=True)
     report = PassReport()
     optimize(onnx_frontend.load(str(exported.path)), report=report)
-    assert report.fired[RULE] == 1  # the token-type ids' Expand; the mask's index grid Expands feed Unsqueezes
+    # the token-type ids' Expand, then fill_uniform_gather's of the types it gathers (their lookup's [1, Min(512, seq),
+    # H] added to [batch, seq, H]); the mask's index grid Expands feed Unsqueezes
+    assert report.fired[RULE] == 2
     engine = kiln.build(str(exported.path), profiles=[{"input_ids": "1x1,2x32,4x64"}])
     session = ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(5)

@@ -175,9 +175,10 @@ def test_the_rewrite_packs_every_layer_after_the_embeddings(bert, bert_padded):
     removal = engine.plan.header["remove_padding"]
     assert removal == {"mask": "attention_mask", "bucket_input": "kiln_token_bucket", "layers": 14, "attentions": 2,
                        "attention": "packed", "packed": ["layer_norm"], "unpacked": ["layer_norm_4"],
-                       "plain_program": 26, "tuned_at": {"mask": [2, 16], "tokens": 16}}  # tests/unit/test_padding_free_programs.py
+                       "plain_program": 24, "tuned_at": {"mask": [2, 16], "tokens": 16}}  # tests/unit/test_padding_free_programs.py
     # (the plain program: 48 steps with the model's [B, 1, S, S] mask subgraph, 29 with the key mask, key_padding_mask,
-    # 26 since drop_broadcast_expand: the token-type ids' Expand and its shape arithmetic gone)
+    # 26 since drop_broadcast_expand: the token-type ids' Expand and its shape arithmetic gone, 24 since
+    # fill_uniform_gather: the token types' GatherElements of a zero buffer and their lookup folded to one row)
     # PackedAttention over the packed tokens (on the CPU kiln's varlen C kernel), the [B, 1, S, S] mask's subgraph gone
     ops = _ops(engine)
     assert ops.count("PackedAttention") == 2 and "Attention" not in ops and "Where" not in ops
@@ -296,13 +297,12 @@ def test_on_cuda_the_region_starts_at_the_embedding_lookups(bert):
     exported, _, session = bert
     graph = _optimized(str(exported.path), remove_padding=True)
     removal = graph.meta["kiln.remove_padding"]
-    # (the token-type rows: their lookup of the unexpanded ids, since drop_broadcast_expand removed the ids' Expand)
-    assert removal["packed"] == ["input_ids", "embedding_1", "embedding_2"] and removal["layers"] == 17
+    # (the token-type rows: one constant [1, 1, D] row since fill_uniform_gather, nothing to pack)
+    assert removal["packed"] == ["input_ids", "embedding_2"] and removal["layers"] == 17
     packs = {n.inputs[0].name: n for n in graph.graph if n.op_type == "PackTokens"}
     assert packs["embedding_2"].attributes["broadcast"].value == 1 and "broadcast" not in packs["input_ids"].attributes
     lookups = [n for n in graph.graph if n.op_type == "Gather" and n.inputs[1].name.endswith("_packed")]
-    assert len(lookups) == 1  # the word embeddings on the packed ids; the token-type rows are packed once looked up
-    assert packs["embedding_1"].attributes["broadcast"].value == 1  # ([1, S, D] since its ids' Expand was dropped)
+    assert len(lookups) == 1  # the word embeddings on the packed ids
     cpu = _optimized(str(exported.path), remove_padding=True, cpu_rules=True)
     assert cpu.meta["kiln.remove_padding"]["packed"] == ["layer_norm"]
     # numerically: that graph as an engine (each layer its torch form) against onnxruntime, packed (token buckets,
