@@ -93,8 +93,9 @@ def test_dynamic_roberta_is_one_native_segment_equal_to_onnxruntime():
         feeds = make_inputs(zoo.get("roberta_tiny"), batch=batch, seq=seq, seed=int(rng.integers(1 << 30)))
         got = context.run(feeds)
         for out, want in zip(session.get_outputs(), session.run(None, feeds)):
-            # fp32 GEMMs of another blocking and accumulation order over a tiny hidden size; O(1) LayerNorm outputs
-            np.testing.assert_allclose(np.asarray(got[out.name]), want, rtol=1e-4, atol=1e-4,
+            # fp32 GEMMs of another blocking and accumulation order, hidden size 64, O(1) LayerNorm outputs
+            # (differences of at most 1e-6 seen, 2026-12-07)
+            np.testing.assert_allclose(np.asarray(got[out.name]), want, rtol=1e-5, atol=1e-5,
                                        err_msg=f"{out.name} at {batch}x{seq}")
     steps = context.program.run_steps
     assert len(steps) == 1 and isinstance(steps[0].fn, Segment), [(type(s.fn).__name__, s.ctx.op_type) for s in steps]
