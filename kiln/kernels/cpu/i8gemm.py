@@ -204,25 +204,12 @@ class I8Gemm:
         return _Bound(self, src, dst)
 
 
-class _Bound(plan_member.MemoriesMember):
+class _Bound(plan_member.FieldsMember):
     """An I8Gemm's one call for a native segment: the plan reads its input's and output's addresses from their
     dnnl memory objects at each run (the segment points them at each call's tensors)."""
 
     def __init__(self, layer: I8Gemm, src: int, dst: int):
-        lib = onednn.load()
-        kernels = load()
-        self.what = layer.what
-        src_md = onednn_int8.memory_desc(list(layer.input_size), layer.x_dtype, onednn_int8.TAG_AB)
-        dst_md = onednn_int8.memory_desc(list(layer.output_size), layer.out_dtype, onednn_int8.TAG_AB)
-        self._mds = (src_md, dst_md)
-        self._memories = {"src": onednn._memory(src_md.value, src), "dst": onednn._memory(dst_md.value, dst)}
-        self._layer = layer  # its packed weight, offsets and scales
-        get_handle = ctypes.cast(lib.lib.dnnl_memory_get_data_handle, ctypes.c_void_p).value
-        # `plan`: what a segment's view at other sizes copies and rewrites by NativeStep.plan_at (row_fields)
-        self.plan = Plan(get_handle=get_handle, x=self._memories["src"].value, y=self._memories["dst"].value,
-                         **layer.fields)
-        function = ctypes.cast(kernels.kiln_i8_call, ctypes.c_void_p).value
-        self._calls = [(function, ctypes.addressof(self.plan), 0, 0)]
-
-    def calls(self) -> list[tuple[int | None, int, int, int]]:
-        return list(self._calls)
+        super().__init__(layer, src, dst,
+                         onednn_int8.memory_desc(list(layer.input_size), layer.x_dtype, onednn_int8.TAG_AB),
+                         onednn_int8.memory_desc(list(layer.output_size), layer.out_dtype, onednn_int8.TAG_AB),
+                         Plan, load().kiln_i8_call)

@@ -8,7 +8,8 @@ here it is once. A kernel's module keeps only what is its own: the plan's fields
 
 `MemoriesMember` is the same protocol's other half for members whose calls are several (a C pass and oneDNN
 primitives: w8a16.py's split and two convolutions, winograd.py's transforms around a GEMM, w16gemm.py's one pass):
-the roles' memory objects, rebinding them and running the calls alone.
+the roles' memory objects, rebinding them and running the calls alone; `FieldsMember` is its one-call form on a
+plan of the layer's fields (i8gemm.py, w16gemm.py).
 
 `PlanKernel` is the layer side (one layer at one input size): `bind(src, dst)` gives a `PlanMember`, and
 `run_into(x, y)` runs the layer on tensors through a member of its own (its per-call path, as onednn.py's
@@ -92,6 +93,27 @@ class MemoriesMember:
         status, failed = native_loop.run_calls(self.calls())
         if status:
             onednn._check(status, f"{self.what} (call {failed})")
+
+
+class FieldsMember(MemoriesMember):
+    """A layer's one call of the C function `function` on a `plan_type` plan of the layer's `fields`, whose x and y are
+    memory objects of descriptors `src_md` / `dst_md` of its own (i8gemm.py's and w16gemm.py's GEMMs): the segment
+    points them at each call's tensors. `plan` is what a segment's view at other sizes copies and rewrites
+    (native_member's row_fields)."""
+
+    def __init__(self, layer: Any, src: int, dst: int, src_md: Any, dst_md: Any, plan_type: type[ctypes.Structure],
+                 function: Any):
+        self.what = layer.what
+        self._mds = (src_md, dst_md)  # the memory objects' descriptors live as long as they do
+        self._memories = {"src": onednn._memory(src_md.value, src), "dst": onednn._memory(dst_md.value, dst)}
+        self._layer = layer  # owns what the plan points at (packed weight, offsets, scales)
+        get_handle = ctypes.cast(onednn.load().lib.dnnl_memory_get_data_handle, ctypes.c_void_p).value
+        self.plan = plan_type(get_handle=get_handle, x=self._memories["src"].value, y=self._memories["dst"].value,
+                              **layer.fields)
+        self._calls = [(ctypes.cast(function, ctypes.c_void_p).value, ctypes.addressof(self.plan), 0, 0)]
+
+    def calls(self) -> list[tuple[int | None, int, int, int]]:
+        return list(self._calls)
 
 
 class PlanKernel:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.kernels.cpu import native_loop, onednn, onednn_int8, plan_member
+from kiln.kernels.cpu import native_loop, onednn_int8, plan_member
 
 SOURCE = Path(__file__).with_name("w16gemm.c").read_text()
 RANGES = {torch.uint16: (0, 65535), torch.int16: (-32768, 32767)}  # ONNX's saturation bounds
@@ -143,27 +143,14 @@ class W16Gemm:
         return _Bound(self, src, dst)
 
 
-class _Bound(plan_member.MemoriesMember):
+class _Bound(plan_member.FieldsMember):
     """A W16Gemm's one call for a native segment: the plan reads its input's and output's addresses from their
     dnnl memory objects at each run (the segment points them at each call's tensors)."""
 
     def __init__(self, layer: W16Gemm, src: int, dst: int):
-        lib = onednn.load()
-        kernels = load()
-        self.what = layer.what
         tag = onednn_int8.TAG_ACDB
-        src_md = onednn_int8.memory_desc(list(layer.input_size), torch.float32, tag)
-        dst_md = onednn_int8.memory_desc(list(layer.output_size), layer.out_dtype, tag)
-        self._mds = (src_md, dst_md)
-        self._memories = {"src": onednn._memory(src_md.value, src), "dst": onednn._memory(dst_md.value, dst)}
-        self._layer = layer  # its packed weight, scales and bias
-        get_handle = ctypes.cast(lib.lib.dnnl_memory_get_data_handle, ctypes.c_void_p).value
-        self._plan = Plan(get_handle=get_handle, x=self._memories["src"].value, y=self._memories["dst"].value,
-                          **layer.fields)
-        function = ctypes.cast(kernels.kiln_w16_call, ctypes.c_void_p).value
-        self._calls = [(function, ctypes.addressof(self._plan), 0, 0)]
-
-    def calls(self) -> list[tuple[int | None, int, int, int]]:
-        return list(self._calls)
+        super().__init__(layer, src, dst, onednn_int8.memory_desc(list(layer.input_size), torch.float32, tag),
+                         onednn_int8.memory_desc(list(layer.output_size), layer.out_dtype, tag),
+                         Plan, load().kiln_w16_call)
 
 

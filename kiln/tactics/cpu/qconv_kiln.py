@@ -31,13 +31,13 @@ import torch
 
 from kiln.kernels.cpu import i8gemm, qdepthwise
 from kiln.plan.spec import StepSpec
+from kiln.tactics.cpu.qgemm_kiln import scales_refusal
 from kiln.tactics.cpu.quantized import (_built, _configure, _constants_refusal, _residual_refusal, conv_launch,
                                         qconv_parts)
 from kiln.tactics.registry import register
 from kiln.tactics.tactic import (InputMeta, NativeStep, PlanRule, SizedPlan, Tactic, conv_geometry, resizable,
                                  same_primitive)
 from kiln.tactics.tactic import attribute as _attr
-from kiln.tactics.tactic import tensor_input as _input
 
 _CL = torch.channels_last
 
@@ -64,16 +64,8 @@ def _operands_refusal(step: StepSpec, inputs: list[InputMeta], activations: dict
         return f"source {str(x.dtype).removeprefix('torch.')}: uint8/int8 only"
     if w.dtype != torch.int8 or len(w.shape) != 4 or len(x.shape) != 4:
         return "only 2-D convolutions (4-D input) of an int8 weight"
-    if len(inputs[1].shape) > 0 and inputs[1].shape != (1,):
-        return "a per-channel input scale"
-    y_scale = _input(inputs, 6)
-    if y_scale is not None:
-        y_zero = _input(inputs, 7)
-        if not y_scale.constant or y_zero is None or not y_zero.constant or y_zero.dtype not in i8gemm.SOURCES \
-                or y_scale.shape not in ((), (1,)):
-            return "the output is not quantized per tensor to uint8/int8 by constants of the engine"
-    elif int(_attr(step, "output_dtype", 1)) != 1:
-        return "a float output other than float32"
+    if (refusal := scales_refusal(step, inputs)) is not None:
+        return refusal
     if _attr(step, "activation", "") not in activations:
         return f"activation {_attr(step, 'activation', '')!r}: the kernel applies {sorted(activations)}"
     return None

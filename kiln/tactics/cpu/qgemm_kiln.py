@@ -31,6 +31,22 @@ from kiln.tactics.tactic import attribute as _attr
 from kiln.tactics.tactic import tensor_input as _input
 
 
+def scales_refusal(step: StepSpec, inputs: list[InputMeta]) -> str | None:
+    """Why i8gemm's epilogue cannot take a QGemm's or QConv's scales (a per-tensor input scale; an output quantized per
+    tensor to uint8/int8 by the engine's constants, or float32), or None."""
+    if len(inputs[1].shape) > 0 and inputs[1].shape != (1,):
+        return "a per-channel input scale"
+    y_scale = _input(inputs, 6)
+    if y_scale is not None:
+        y_zero = _input(inputs, 7)
+        if not y_scale.constant or y_zero is None or not y_zero.constant or y_zero.dtype not in i8gemm.SOURCES \
+                or y_scale.shape not in ((), (1,)):
+            return "the output is not quantized per tensor to uint8/int8 by constants of the engine"
+    elif int(_attr(step, "output_dtype", 1)) != 1:
+        return "a float output other than float32"
+    return None
+
+
 def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     if (refusal := _constants_refusal(inputs)) is not None:
         return refusal
@@ -43,16 +59,8 @@ def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
         return "the weight is not an int8 [N, K] matrix"
     if len(x.shape) < 2 or x.shape[-1] != w.shape[1]:
         return f"input {list(x.shape)} does not match the weight [N, K] {list(w.shape)}"
-    if len(inputs[1].shape) > 0 and inputs[1].shape != (1,):
-        return "a per-channel input scale"
-    y_scale = _input(inputs, 6)
-    if y_scale is not None:
-        y_zero = _input(inputs, 7)
-        if not y_scale.constant or y_zero is None or not y_zero.constant or y_zero.dtype not in i8gemm.SOURCES \
-                or y_scale.shape not in ((), (1,)):
-            return "the output is not quantized per tensor to uint8/int8 by constants of the engine"
-    elif int(_attr(step, "output_dtype", 1)) != 1:
-        return "a float output other than float32"
+    if (refusal := scales_refusal(step, inputs)) is not None:
+        return refusal
     if _attr(step, "activation", "") not in i8gemm.ACTIVATIONS:
         return f"activation {_attr(step, 'activation', '')!r}: i8gemm applies none, Relu, Clip, Gelu, GeluTanh"
     if not i8gemm.available():
