@@ -176,11 +176,11 @@ def test_sizes_off_every_traced_path_are_walked_and_a_walk_it_cannot_follow_is_n
     engine, _ = mlp
     context = engine.create_execution_context(pad_first_calls=False)
     rng = np.random.default_rng()
-    context.run(_x(rng, 4, 16))
-    segment = _segment(engine)
-    template = segment._grown or segment
-    rewrite = template._rewrite
+    context.run(_x(rng, 4, 16))  # the template grows to the largest sizes (its plan rewrite made at the next view)
     context.run(_x(rng, 3, 5))
+    segment = _segment(engine)
+    template = segment._grown or segment  # read after both calls: run first in a worker, (4, 16) made the grown
+    rewrite = template._rewrite  # template, whose rewrite only the call at (3, 5) made (a CI run, -n 2)
     key = next(reversed(segment.resized))
     assert rewrite._whole.paths > 0
     # a fresh trace whose every path is refused: views are still made (by the walk), none from a trace
