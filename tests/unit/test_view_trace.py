@@ -59,12 +59,18 @@ def _mlp(path, rng) -> None:
 def mlp(tmp_path_factory):
     import onnxruntime as ort
 
+    path = tmp_path_factory.mktemp("view_trace") / "mlp.onnx"
+    _mlp(path, np.random.default_rng(0))
+    return _mlp_engine(path), ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def _mlp_engine(path):
+    """The MLP's engine (its own segment: a test that changes the segment's state builds one of these instead of
+    taking the module's)."""
     import kiln
 
     from kiln.tactics import registry
 
-    path = tmp_path_factory.mktemp("view_trace") / "mlp.onnx"
-    _mlp(path, np.random.default_rng(0))
     # its GEMMs on kiln's (plan rules at every row count): a search under load that put one on oneDNN's inner
     # product left the segment with no plan rewrite (a CI run, 2 vCPUs), and these tests are about traced paths
     registry.load_device("cpu")
@@ -74,7 +80,7 @@ def mlp(tmp_path_factory):
         patch.setattr(first_calls, "_trace_job", lambda program, profiles: None)
         engine = kiln.build(str(path), profiles=[{"x": "1x1x64,2x8x64,4x16x64"}], tactics=allowed)
     _ahead_done()
-    return engine, ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return engine
 
 
 def _x(rng, batch, seq):
@@ -197,9 +203,11 @@ def test_sizes_off_every_traced_path_are_walked_and_a_walk_it_cannot_follow_is_n
     assert not rewrite._whole._forms.traceable
 
 
-def test_a_rewrite_with_traced_paths_dies_with_its_last_reference(mlp):
-    """Its ViewTrace does not hold it back (no cycle): a template let go frees its rewrite at once, collector off."""
-    engine, _ = mlp
+def test_a_rewrite_with_traced_paths_dies_with_its_last_reference(tmp_path):
+    """Its ViewTrace does not hold it back (no cycle): a template let go frees its rewrite at once, collector off.
+    On an engine of its own: the module's would be left without the rewrite its other tests read."""
+    _mlp(tmp_path / "mlp.onnx", np.random.default_rng(0))
+    engine = _mlp_engine(tmp_path / "mlp.onnx")
     context = engine.create_execution_context(pad_first_calls=False)
     rng = np.random.default_rng()
     for batch, seq in ((4, 16), (2, 3), (3, 5)):
@@ -312,7 +320,12 @@ def test_bert_tinys_views_with_a_reshape_alias_are_traced_and_are_the_walks(tiny
 def tiny_on_onednn():
     """bert_tiny as tiny_on_kiln_gemms (profile 1x1..2x32..4x48), its linear layers on oneDNN (cpu.gemm.onednn_direct,
     the only FusedGemm tactic left in the search: what bert_tiny's default build chose for 4 of them): each runs its
-    tuned 64 rows on an inner product, every other row count of this profile on kiln's GEMM (OtherRows)."""
+    tuned 64 rows on an inner product, every other row count of this profile on kiln's GEMM (OtherRows). Its
+    template is the build's (no test of the module grows it: test_a_grown_templates_... builds its own)."""
+    return _tiny_on_onednn()
+
+
+def _tiny_on_onednn():
     import onnxruntime as ort
 
     import kiln
@@ -442,13 +455,12 @@ def test_a_oneDNN_layers_kiln_gemm_plan_in_a_view_is_the_plan_its_layer_binds_th
     assert compared >= 8, f"{compared} plans compared"
 
 
-def test_a_grown_templates_kiln_gemm_rows_of_oneDNN_layers_are_plans_and_their_tuned_rows_arguments(tiny_on_onednn,
-                                                                                                  monkeypatch):
+def test_a_grown_templates_kiln_gemm_rows_of_oneDNN_layers_are_plans_and_their_tuned_rows_arguments(monkeypatch):
     """Grown to 4x48 (192 rows: the template runs the layers on kiln's GEMM, their plans by the same rule as
     cpu.gemm.kiln_packed's), a view at the tuned 64 rows runs their inner products (the plan rule refuses those rows:
     primitive_at's arguments, the other members' plans written), other views kiln GEMM plans; each run bit for bit
     the view bound member by member and within ORT_TOL of onnxruntime."""
-    engine, session = tiny_on_onednn
+    engine, session = _tiny_on_onednn()  # its own: it grows the template the module's engine keeps at the build's
     (segment,) = engine.program.segments
     context = engine.create_execution_context(pad_first_calls=False)
     rng = np.random.default_rng()
