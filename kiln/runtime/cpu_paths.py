@@ -79,13 +79,19 @@ class CpuPaths:
         arrays = []
         for name, (dtype, shape) in zip(names, signature):
             value = feeds.get(name)
-            if (type(value) is not np.ndarray or value.dtype != dtype or value.shape != shape
-                    or not value.flags.c_contiguous or not value.flags.writeable):
+            if type(value) is not np.ndarray or (value.dtype is not dtype and value.dtype != dtype) \
+                    or value.shape != shape:
+                return None
+            flags = value.flags  # (an object made per access)
+            if not (flags.c_contiguous and flags.writeable):
                 return None
             arrays.append(value)
         whole = self._whole_segment
         if whole is not None:  # the program is one native segment: numpy in, numpy out, no torch call
-            return dict(zip(self._output_names, whole.run(arrays)))
+            results = whole.run(arrays)
+            if len(results) == 1:  # (a tiny model's call: dict(zip(...)) was ~0.2 µs of ~5)
+                return {self._output_names[0]: results[0]}
+            return dict(zip(self._output_names, results))
         args = [torch.from_numpy(a) for a in arrays]
         with inference_mode():
             results = self.program.run(args)

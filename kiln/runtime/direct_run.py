@@ -93,6 +93,10 @@ class StaticRun:
     exits: tuple[tuple[tuple[int, ...], np.dtype, bool], ...]  # (the memory's shape, dtype, NHWC memory of NCHW)
     outputs: tuple[int, ...]  # each program output's exit
     keep: tuple[Any, ...]  # what the fixed addresses point into
+    # a segment of one form (Segment.bare_loop): the loop's bindings pointed straight at the run's inputs
+    # [(binding, input index)], exits [(binding, exit index)] and constants [(binding, address)]; None: run_at
+    bare: tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]] | None = None
+    one_exit: bool = False  # one row-major exit, the program's one output: returned as made
 
     @classmethod
     def of(cls, program: Program, signature: list[tuple[np.dtype, tuple[int, ...]]]) -> StaticRun | None:
@@ -137,17 +141,57 @@ class StaticRun:
             else:
                 return None
         outputs = tuple(segment.exits.index(s) for s in program.output_slots)
-        return cls(segment, bool(segment._staged), tuple(addresses), tuple(moving), tuple(exits), outputs, tuple(keep))
+        staged = bool(segment._staged)
+        empty = any(0 in tuple(size) for size in segment.entry_sizes) or any(0 in size for size, _, _ in exits)
+        return cls(segment, staged, tuple(addresses), tuple(moving), tuple(exits), outputs, tuple(keep),
+                   None if empty else _bare_bindings(segment.bare_loop(staged), dict(moving), addresses),
+                   len(exits) == 1 and outputs == (0,) and not exits[0][2])
 
     def run(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
         """The outputs of inputs `arrays` (in binding order, checked by the caller)."""
-        addresses = list(self.addresses)
-        for position, k in self.moving:
-            addresses[position] = address_of(arrays[k])
         made = [np.empty(size, dtype) for size, dtype, _ in self.exits]
-        self.segment.run_at(addresses, [address_of(e) for e in made], self.staged)
+        segment, bare = self.segment, self.bare
+        if bare is not None:  # the loop's bindings written here, one ctypes call (Segment.bare_loop); no array is
+            inputs, exits, constants = bare  # empty (StaticRun.of): each address through ctypes' view of its buffer
+            with segment._lock:
+                loop = segment._bare.get(self.staged) or segment.bare_loop(self.staged)
+                addresses = loop.addresses
+                for binding, k in inputs:
+                    addresses[binding] = _addressof(_BYTE.from_buffer(arrays[k]))
+                for binding, j in exits:
+                    addresses[binding] = _addressof(_BYTE.from_buffer(made[j]))
+                for binding, address in constants:
+                    addresses[binding] = address
+                segment.ran_planned = True
+                status = loop.run(*loop.args)
+            if status:
+                loop.raise_failed(status)
+        else:
+            addresses = list(self.addresses)
+            for position, k in self.moving:
+                addresses[position] = address_of(arrays[k])
+            segment.run_at(addresses, [address_of(e) for e in made], self.staged)
+        if self.one_exit:
+            return made
         exits = [e.transpose(0, 3, 1, 2) if nhwc else e for e, (_, _, nhwc) in zip(made, self.exits)]
         return [exits[j] for j in self.outputs]
+
+
+def _bare_bindings(loop: Any, inputs: dict[int, int], addresses: list[int]) -> tuple | None:
+    """StaticRun.bare: which of the loop's moving bindings (BareLoop.moving) take which input, exit or constant
+    (`inputs`: entry position -> input index; `addresses`: every entry's, the constants' fixed); None without a
+    bare loop (a segment with a form chooser, or no compiled loop)."""
+    if loop is None:
+        return None
+    from_inputs, from_exits, from_constants = [], [], []
+    for binding, (kind, position) in loop.moving:
+        if kind == "exit":
+            from_exits.append((binding, position))
+        elif position in inputs:
+            from_inputs.append((binding, inputs[position]))
+        else:
+            from_constants.append((binding, addresses[position]))
+    return tuple(from_inputs), tuple(from_exits), tuple(from_constants)
 
 
 def address_of(array: np.ndarray) -> int:
@@ -357,6 +401,7 @@ def _forget(runs: weakref.ref, signature: tuple, view: weakref.ref) -> None:
 _NUMPY_OF = {t: d for d, t in NUMPY_TO_TORCH.items()}
 _UNBOUND = object()  # DirectRuns._make: a shape plan or view not there
 _BYTE = ctypes.c_char  # address_of's view of an array's buffer
+_addressof = ctypes.addressof
 
 
 def torch_signature(arrays: list[np.ndarray]) -> tuple | None:

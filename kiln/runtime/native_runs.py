@@ -179,7 +179,11 @@ def segments(steps: list[BoundStep], output_slots: list[int], constants: dict[in
             produced[slot], strides[slot] = size, written
         read |= {slot for slot, _ in reads_of(step, native)}
     close()
-    start = {run[0]: (run, before) for run, before in runs if len(run) >= 2}
+    # a run of one member is a segment only where it is the program's whole work (every other step shape-only): the
+    # program is then one call of its loop, numpy in and out (kiln/runtime/direct_run.py); inside a larger program a
+    # segment of one layer would only add the segment's call to the layer's launch
+    whole = len(runs) == 1 and len(runs[0][0]) + len(runs[0][1]) + len(excluded) >= len(steps)
+    start = {run[0]: (run, before) for run, before in runs if len(run) >= 2 or whole}
     if not start:
         return steps, []
     # one arena for them all: the program runs its segments one at a time (kiln/runtime/native_arena.py)
