@@ -131,6 +131,7 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
         # with the environment's KILN_DIRECT_RUN=0
         self._direct = lane.direct_runs if self._checked is not None and self._token_mask is None \
             and os.environ.get("KILN_DIRECT_RUN", "1") != "0" else None
+        self._direct_keys: dict[tuple, tuple] = {}  # _run_checked: a numpy signature's torch_signature
         self._bucketed: dict[tuple, _BucketedRun] = {}  # bucketed runs: input signature -> what its shapes decide
         self._bound: dict[str, torch.Tensor] = {}  # set_tensor_address: caller-owned tensors by binding name
         self._io_graph: tuple[Any, dict[str, torch.Tensor]] | None = None  # execute()'s whole-call graph

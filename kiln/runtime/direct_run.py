@@ -60,6 +60,7 @@ class DirectRun:
     keep: tuple[Any, ...]  # what the fixed addresses point into
     view_key: tuple  # the segment's key of the view (its LRU)
     plan: list  # the program's shape plan it was made from (its LRU)
+    bare: tuple | None = None  # the view is the segment, of one form: StaticRun.bare's bindings; None: run_at
 
     def run(self, arrays: list[np.ndarray]) -> list[np.ndarray] | None:
         """The outputs, or None when the view was let go since the record was found (another thread bound other
@@ -67,11 +68,16 @@ class DirectRun:
         view = self.view()
         if view is None:
             return None
-        addresses = list(self.addresses)
-        for position, k in self.moving:
-            addresses[position] = address_of(arrays[k])
         exits = [np.empty(size, dtype) for size, dtype in self.exits]
-        view.run_at(addresses, [address_of(e) for e in exits])
+        if self.bare is not None:
+            _run_bare(view, False, self.bare, arrays, exits)
+        else:
+            addresses = list(self.addresses)
+            for position, k in self.moving:
+                addresses[position] = address_of(arrays[k])
+            view.run_at(addresses, [address_of(e) for e in exits])
+        if len(self.outputs) == 1:
+            return [exits[self.outputs[0]]]
         return [exits[j] for j in self.outputs]
 
 
@@ -150,22 +156,9 @@ class StaticRun:
     def run(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
         """The outputs of inputs `arrays` (in binding order, checked by the caller)."""
         made = [np.empty(size, dtype) for size, dtype, _ in self.exits]
-        segment, bare = self.segment, self.bare
-        if bare is not None:  # the loop's bindings written here, one ctypes call (Segment.bare_loop); no array is
-            inputs, exits, constants = bare  # empty (StaticRun.of): each address through ctypes' view of its buffer
-            with segment._lock:
-                loop = segment._bare.get(self.staged) or segment.bare_loop(self.staged)
-                addresses = loop.addresses
-                for binding, k in inputs:
-                    addresses[binding] = _addressof(_BYTE.from_buffer(arrays[k]))
-                for binding, j in exits:
-                    addresses[binding] = _addressof(_BYTE.from_buffer(made[j]))
-                for binding, address in constants:
-                    addresses[binding] = address
-                segment.ran_planned = True
-                status = loop.run(*loop.args)
-            if status:
-                loop.raise_failed(status)
+        segment = self.segment
+        if self.bare is not None:
+            _run_bare(segment, self.staged, self.bare, arrays, made)
         else:
             addresses = list(self.addresses)
             for position, k in self.moving:
@@ -175,6 +168,26 @@ class StaticRun:
             return made
         exits = [e.transpose(0, 3, 1, 2) if nhwc else e for e, (_, _, nhwc) in zip(made, self.exits)]
         return [exits[j] for j in self.outputs]
+
+
+def _run_bare(segment: Segment, staged: bool, bare: tuple, arrays: list[np.ndarray], made: list[np.ndarray]) -> None:
+    """One run of a one-form segment's loop (Segment.bare_loop) on `arrays` into `made`: the loop's bindings written
+    here (`bare`: _bare_bindings'), one ctypes call. No array is empty (the caller's record checked): each address
+    through ctypes' view of its buffer."""
+    inputs, exits, constants = bare
+    with segment._lock:
+        loop = segment._bare.get(staged) or segment.bare_loop(staged)
+        addresses = loop.addresses
+        for binding, k in inputs:
+            addresses[binding] = _addressof(_BYTE.from_buffer(arrays[k]))
+        for binding, j in exits:
+            addresses[binding] = _addressof(_BYTE.from_buffer(made[j]))
+        for binding, address in constants:
+            addresses[binding] = address
+        segment.ran_planned = True
+        status = loop.run(*loop.args)
+    if status:
+        loop.raise_failed(status)
 
 
 def _bare_bindings(loop: Any, inputs: dict[int, int], addresses: list[int]) -> tuple | None:
@@ -222,7 +235,7 @@ class DirectRuns:
     def of(cls, program: Program) -> DirectRuns | None:
         """The program's DirectRuns when, its shape values known, it is one native segment that reads its inputs
         and writes every output (else None)."""
-        if program.shape_plans is None or len(program.lean_steps) != 1:
+        if len(program.lean_steps) != 1:  # (no shape values at all: one layer over a symbolic batch)
             return None
         step = program.lean_steps[0]
         segment = step.fn
@@ -262,10 +275,12 @@ class DirectRuns:
         made (the program computes some shape values only by running, or the view cannot run directly): the caller's
         general path runs, and finds the plan and the view (or their absence) there."""
         program = self.program
-        if not program.plans_ahead or signature in self._refused or program.plan_evictions != self._plan_evictions:
+        if signature in self._refused or program.plan_evictions != self._plan_evictions:
             return None  # evictions: find() clears the records first
+        if program.shape_plans is not None and not program.plans_ahead:
+            return None
         with program._plans_lock:
-            known = signature in program.shape_plans
+            known = program.shape_plans is None or signature in program.shape_plans
         if not known:
             if program.shape_function.shapes_only:
                 # it reads only the inputs' sizes: the numpy arrays, no torch.from_numpy, no inference mode (the same
@@ -296,10 +311,11 @@ class DirectRuns:
         """Mark the signature used where the general path would: its shape plan and its view (least recent out).
         False when either is no longer there."""
         program, segment = self.program, self.segment
-        with program._plans_lock:
-            if program.shape_plans.get(signature) is not record.plan:
-                return False
-            program.shape_plans.move_to_end(signature)
+        if program.shape_plans is not None:
+            with program._plans_lock:
+                if program.shape_plans.get(signature) is not record.plan:
+                    return False
+                program.shape_plans.move_to_end(signature)
         view = record.view()
         if view is not segment:
             with segment._resize_lock:
@@ -342,10 +358,13 @@ class DirectRuns:
         """The signature's record; None where it cannot run directly; _UNBOUND where its shape plan or view is not
         (or no longer) there. `bind`: a view not there is bound (Segment._bind_sizes)."""
         program, segment = self.program, self.segment
-        with program._plans_lock:
-            plan = program.shape_plans.get(signature)
-        if plan is None:
-            return _UNBOUND
+        if program.shape_plans is None:  # a program without shape values: every signature's plan is empty
+            plan = _NO_PLAN
+        else:
+            with program._plans_lock:
+                plan = program.shape_plans.get(signature)
+            if plan is None:
+                return _UNBOUND
         if self._entries is None:
             return None
         table, fixed, constants, sizes = self._entries
@@ -385,7 +404,11 @@ class DirectRuns:
                 return None
             exits.append((tuple(size), numpy_dtype))
         held = weakref.ref(view, functools.partial(_forget, weakref.ref(self), signature))
-        return DirectRun(held, tuple(addresses), tuple(moving), tuple(exits), self._outputs, tuple(keep), key, plan)
+        empty = any(0 in size for size in key) or any(0 in size for size, _ in exits)
+        bare = _bare_bindings(segment.bare_loop(False), dict(moving), addresses) \
+            if view is segment and not empty else None
+        return DirectRun(held, tuple(addresses), tuple(moving), tuple(exits), self._outputs, tuple(keep), key, plan,
+                         bare)
 
 
 def _forget(runs: weakref.ref, signature: tuple, view: weakref.ref) -> None:
@@ -400,6 +423,7 @@ def _forget(runs: weakref.ref, signature: tuple, view: weakref.ref) -> None:
 
 _NUMPY_OF = {t: d for d, t in NUMPY_TO_TORCH.items()}
 _UNBOUND = object()  # DirectRuns._make: a shape plan or view not there
+_NO_PLAN: list = []  # the shape plan of every signature of a program without shape values
 _BYTE = ctypes.c_char  # address_of's view of an array's buffer
 _addressof = ctypes.addressof
 
