@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from kiln.runtime.native import Segment
+from kiln.runtime.native_batches import ON_VIEW, PENDING, direct_view, still_bound
 from kiln.runtime.program import Program
 from kiln.tactics.tactic import native_strides, row_major_strides
 
@@ -60,7 +61,8 @@ class DirectRun:
     keep: tuple[Any, ...]  # what the fixed addresses point into
     view_key: tuple  # the segment's key of the view (its LRU)
     plan: list  # the program's shape plan it was made from (its LRU)
-    bare: tuple | None = None  # the view is the segment, of one form: StaticRun.bare's bindings; None: run_at
+    bare: tuple | None = None  # the view is a Segment of one form: StaticRun.bare's bindings; None: run_at
+    batch_bound: bool = False  # the view is the exact bind of its batch (native_batches.py), not a _Resized
 
     def run(self, arrays: list[np.ndarray]) -> list[np.ndarray] | None:
         """The outputs, or None when the view was let go since the record was found (another thread bound other
@@ -317,6 +319,8 @@ class DirectRuns:
                     return False
                 program.shape_plans.move_to_end(signature)
         view = record.view()
+        if record.batch_bound:
+            return view is not None and still_bound(segment, record.view_key, view)
         if view is not segment:
             with segment._resize_lock:
                 if view is None or segment.resized.get(record.view_key) is not view:
@@ -386,10 +390,16 @@ class DirectRuns:
             addresses[position] = value.data_ptr()
             key[position] = tuple(value.shape)
         key = tuple(key)
+        batch = segment._batch_runs(key) if key != segment._planned_key else None
+        found = direct_view(batch) if batch is not None else ON_VIEW
+        if found is PENDING:
+            return _UNBOUND  # its calls still count, bind or time a trial (native_batches.call_batch): asked later
         if key == segment._planned_key:
             view = segment
-        elif segment._batch_runs(key) is not None:
+        elif found is None:
             return None  # another batch of its images: runs of the segment itself (Segment._run_batches), no view
+        elif found is not ON_VIEW:
+            view = found  # the batch's exact bind, kept
         else:
             with segment._resize_lock:
                 view = segment.resized.get(key, _UNBOUND)
@@ -405,10 +415,10 @@ class DirectRuns:
             exits.append((tuple(size), numpy_dtype))
         held = weakref.ref(view, functools.partial(_forget, weakref.ref(self), signature))
         empty = any(0 in size for size in key) or any(0 in size for size, _ in exits)
-        bare = _bare_bindings(segment.bare_loop(False), dict(moving), addresses) \
-            if view is segment and not empty else None
+        bare = _bare_bindings(view.bare_loop(False), dict(moving), addresses) \
+            if isinstance(view, Segment) and not empty else None
         return DirectRun(held, tuple(addresses), tuple(moving), tuple(exits), self._outputs, tuple(keep), key, plan,
-                         bare)
+                         bare, view is not segment and isinstance(view, Segment))
 
 
 def _forget(runs: weakref.ref, signature: tuple, view: weakref.ref) -> None:
