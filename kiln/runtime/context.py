@@ -115,6 +115,7 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
         # a fixed-shape program that is one native segment: numpy in, numpy out (direct_run.py StaticRun)
         self._whole_segment = StaticRun.of(self.program, self._static[1]) if self._static is not None else None
         self._output_names = engine.output_names
+        self._input_names = engine.input_names  # (Engine.input_names makes its list per call)
         # CPU engines with symbolic dims: the input signatures already checked, so a call of one of them
         # skips the checks (a BERT at 7 tokens runs in ~0.1 ms of C; the checks were as much again); the engine's,
         # shared by its contexts (Engine.checked_signatures: a signature's check is its own, whichever context ran it)

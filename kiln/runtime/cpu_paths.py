@@ -29,13 +29,13 @@ DIRECT_KEYS = 4096
 
 class CpuPaths:
     """run()'s direct paths on the CPU, a mixin of ExecutionContext: they read what its __init__ set (engine,
-    program, _static, _whole_segment, _output_names, _checked, _numpy_check, _direct, _first_calls) and fall back on
-    its general path's helpers."""
+    program, _static, _whole_segment, _output_names, _input_names, _checked, _numpy_check, _direct, _first_calls,
+    _direct_keys) and fall back on its general path's helpers."""
 
     def _run_checked(self, feeds: dict[str, Any]) -> dict[str, Any] | None:
         """A CPU engine fed numpy arrays (C-contiguous, writable, of numpy's own dtypes): checked once per
         signature (remembered), then straight to the program. Else None: the general path."""
-        names = self.engine.input_names
+        names = self._input_names
         key = _numpy_signature(names, feeds)
         if key is None:
             return None

@@ -1,6 +1,9 @@
 """Which steps of a program run as native segments (kiln/runtime/native.py): every run of two or more consecutive
 steps whose tactics offer a NativeStep and whose sizes and memory orders chain, with the steps met between members
-that do not depend on the run hoisted before it; each run replaced by one Segment step.
+that do not depend on the run hoisted before it; each run replaced by one Segment step. A run of one step is a
+segment only where it is the program's whole work (a model of one Gemm, one Conv, one Relu): the program is then one
+call of the compiled loop, numpy in and out (kiln/runtime/direct_run.py), ~3x faster a call than the layer's launch
+through Program.run's torch path (bench/results/tiny-models-zen4-2026-12-07b.md).
 """
 
 from __future__ import annotations
@@ -111,9 +114,9 @@ def segments(steps: list[BoundStep], output_slots: list[int], constants: dict[in
              not_members: set[int] | None = None, arena: SharedArena | None = None,
              reuse: list[Segment] | None = None, origins: list[Any] | None = None
              ) -> tuple[list[BoundStep], list[Segment]]:
-    """steps with each run of >= 2 native steps replaced by one Segment step. Steps that are not native
-    but met between a run's members (an exported attention mask's preparation, shape arithmetic) run
-    before the segment when they do not depend on it. `not_members`: indices of steps never made
+    """steps with each run of >= 2 native steps (or the one run of a program whose whole work it is) replaced by one
+    Segment step. Steps that are not native but met between a run's members (an exported attention mask's
+    preparation, shape arithmetic) run before the segment when they do not depend on it. `not_members`: indices of steps never made
     members (shape-only steps, which the program computes once per input-shape signature). `arena`: another
     program's arena to plan into, one that never runs at the same time as this one (the build's in-context stage
     runs its two programs in turn: kiln/builder/in_context.py); its lock is shared. A segment whose plan it cannot
