@@ -127,6 +127,8 @@ def _lone_activation_supports(step: StepSpec, inputs: list[InputMeta]) -> bool |
         return f"{len(inputs)} inputs: one"
     if inputs[0].shape is None or 0 in inputs[0].shape:
         return "an empty or unknown shape"
+    if len(inputs[0].shape) > 3:  # no segment member (a segment's 4-D values are NHWC): torch's, as before
+        return f"rank {len(inputs[0].shape)}: 3 at most"
     return True
 
 

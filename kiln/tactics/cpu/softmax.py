@@ -43,6 +43,8 @@ def _softmax_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     rank = len(x.shape)
     if rank == 0 or 0 in x.shape:
         return f"an empty or scalar input {list(x.shape)}"
+    if rank > 3:  # no segment member (a segment's 4-D values are NHWC; an attention's scores): torch's, as before
+        return f"rank {rank}: 3 at most"
     if _axis(step, rank) != rank - 1:
         return f"axis {_attr(step, 'axis', None)} of a rank-{rank} input: only the last axis"
     return True
