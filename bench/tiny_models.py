@@ -26,7 +26,7 @@ import pstats
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,6 @@ class TinyModel:
     feeds: list[dict[str, np.ndarray]]
     profiles: list[dict[str, str]] | None = None
     note: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _make(nodes: list, inputs: list, outputs: list, initializers: dict[str, np.ndarray]) -> bytes:
@@ -84,12 +83,14 @@ def tiny_models(seed: int = 0) -> dict[str, TinyModel]:
                                      {"shift": normal(32), "scale": normal(32)}),
                                [{"x": normal(1, 32)}], note="(x + shift) * scale, [1, 32]"),
         "mlp": TinyModel(_make([node("Gemm", ["x", "W1", "b1"], ["h"], transB=1), node("Relu", ["h"], ["r"]),
-                                node("Gemm", ["r", "W2", "b2"], ["z"], transB=1), node("Softmax", ["z"], ["y"], axis=-1)],
+                                node("Gemm", ["r", "W2", "b2"], ["z"], transB=1),
+                                node("Softmax", ["z"], ["y"], axis=-1)],
                                [_float("x", [8, 32])], [_float("y", [8, 4])],
                                {"W1": normal(64, 32), "b1": normal(64), "W2": normal(4, 64), "b2": normal(4)}),
                          [{"x": normal(8, 32)}], note="[8, 32] -> 64 Relu -> 4 Softmax"),
-        "conv": TinyModel(_make([node("Conv", ["x", "W", "b"], ["y"], pads=[1, 1, 1, 1])], [_float("x", [1, 3, 32, 32])],
-                                [_float("y", [1, 8, 32, 32])], {"W": normal(8, 3, 3, 3), "b": normal(8)}),
+        "conv": TinyModel(_make([node("Conv", ["x", "W", "b"], ["y"], pads=[1, 1, 1, 1])],
+                                [_float("x", [1, 3, 32, 32])], [_float("y", [1, 8, 32, 32])],
+                                {"W": normal(8, 3, 3, 3), "b": normal(8)}),
                           [{"x": normal(1, 3, 32, 32)}], note="one 3x3 Conv + bias, [1, 3, 32, 32] -> 8 channels"),
     }
     matmul = _make([node("MatMul", ["x", "W"], ["y"])], [_float("x", ["batch", 64])], [_float("y", ["batch", 16])],
@@ -202,8 +203,9 @@ def main() -> None:
 
     models = tiny_models()
     chosen = args.models.split(",") if args.models else list(models)
-    print(f"tiny models: {args.threads} thread(s), {args.clock} clock, {args.rounds} rounds, torch {torch.__version__}, "
-          f"onnxruntime {onnxruntime.__version__}, kiln {kiln.__version__}, load {os.getloadavg()[0]:.2f}")
+    print(f"tiny models: {args.threads} thread(s), {args.clock} clock, {args.rounds} rounds, "
+          f"torch {torch.__version__}, onnxruntime {onnxruntime.__version__}, kiln {kiln.__version__}, "
+          f"load {os.getloadavg()[0]:.2f}")
     print("| model | what | kiln's path | kiln µs | onnxruntime µs | kiln / ort | best round kiln / ort µs | load |")
     print("|---|---|---|---|---|---|---|---|")
     for name in chosen:

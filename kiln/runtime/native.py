@@ -13,9 +13,9 @@ and executes every layer. NCHW images are laid out NHWC by a reorder at the head
 A tactic offers a step to a segment by setting `launch.native` (NativeStep). Program groups
 every run of two or more such steps whose shapes chain (kiln/runtime/program.py, by native_runs.py) into one
 step (a run of one where that step is the program's whole work: a model of one layer then runs as one call of the
-loop, numpy in and out, kiln/runtime/direct_run.py): its inputs are the values the run reads from outside, its outputs the values read after
-it. Those are bound per call (an entry's address; an exit gets a fresh tensor), so nothing a
-caller holds is ever overwritten by a later run. A residual whose value dies at a convolution
+loop, numpy in and out, kiln/runtime/direct_run.py): its inputs are the values the run reads from outside, its
+outputs the values read after it. Those are bound per call (an entry's address; an exit gets a fresh tensor), so
+nothing a caller holds is ever overwritten by a later run. A residual whose value dies at a convolution
 and lives in the arena is accumulated in place (the primitive's sum post-op); a Reshape that
 moves no byte is an alias of its input's memory.
 

@@ -115,15 +115,15 @@ def segments(steps: list[BoundStep], output_slots: list[int], constants: dict[in
              reuse: list[Segment] | None = None, origins: list[Any] | None = None
              ) -> tuple[list[BoundStep], list[Segment]]:
     """steps with each run of >= 2 native steps (or the one run of a program whose whole work it is) replaced by one
-    Segment step. Steps that are not native but met between a run's members (an exported attention mask's
-    preparation, shape arithmetic) run before the segment when they do not depend on it. `not_members`: indices of steps never made
-    members (shape-only steps, which the program computes once per input-shape signature). `arena`: another
-    program's arena to plan into, one that never runs at the same time as this one (the build's in-context stage
-    runs its two programs in turn: kiln/builder/in_context.py); its lock is shared. A segment whose plan it cannot
-    hold gets memory of its own (Segment). `reuse`: that program's segments: a run of the same layers, at the same
-    places, on the same launches or launches alike (`origins`, per step: Program's; default the launch's identity)
-    is that segment (Segment.origin), not one bound anew (the in-context stage's rival program differs from the
-    chosen one in one signature's layers: its other segments, their bound calls and their scratch, exist once)."""
+    Segment step. Steps that are not native but met between a run's members (an exported attention mask's preparation,
+    shape arithmetic) run before the segment when they do not depend on it. `not_members`: indices of steps never made
+    members (shape-only steps, which the program computes once per input-shape signature). `arena`: another program's
+    arena to plan into, one that never runs at the same time as this one (the build's in-context stage runs its two
+    programs in turn: kiln/builder/in_context.py); its lock is shared. A segment whose plan it cannot hold gets memory
+    of its own (Segment). `reuse`: that program's segments: a run of the same layers, at the same places, on the same
+    launches or launches alike (`origins`, per step: Program's; default the launch's identity) is that segment
+    (Segment.origin), not one bound anew (the in-context stage's rival program differs from the chosen one in one
+    signature's layers: its other segments, their bound calls and their scratch, exist once)."""
     origin = list(origins) if origins is not None else [id(step.fn) for step in steps]
     steps = list(steps)  # a member may take its row-reading form (_reading_rows)
     last_read: dict[int, int] = {}
