@@ -115,6 +115,7 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
         # a fixed-shape program that is one native segment: numpy in, numpy out (direct_run.py StaticRun)
         self._whole_segment = StaticRun.of(self.program, self._static[1]) if self._static is not None else None
         self._output_names = engine.output_names
+        self._input_names = engine.input_names  # (Engine.input_names makes its list per call)
         # CPU engines with symbolic dims: the input signatures already checked, so a call of one of them
         # skips the checks (a BERT at 7 tokens runs in ~0.1 ms of C; the checks were as much again); the engine's,
         # shared by its contexts (Engine.checked_signatures: a signature's check is its own, whichever context ran it)
@@ -131,6 +132,7 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
         # with the environment's KILN_DIRECT_RUN=0
         self._direct = lane.direct_runs if self._checked is not None and self._token_mask is None \
             and os.environ.get("KILN_DIRECT_RUN", "1") != "0" else None
+        self._direct_keys: dict[tuple, tuple] = {}  # _run_checked: a numpy signature's torch_signature
         self._bucketed: dict[tuple, _BucketedRun] = {}  # bucketed runs: input signature -> what its shapes decide
         self._bound: dict[str, torch.Tensor] = {}  # set_tensor_address: caller-owned tensors by binding name
         self._io_graph: tuple[Any, dict[str, torch.Tensor]] | None = None  # execute()'s whole-call graph

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from kiln.runtime.native import Segment
+from kiln.runtime.native_batches import ON_VIEW, PENDING, direct_view, still_bound
 from kiln.runtime.program import Program
 from kiln.tactics.tactic import native_strides, row_major_strides
 
@@ -60,6 +61,8 @@ class DirectRun:
     keep: tuple[Any, ...]  # what the fixed addresses point into
     view_key: tuple  # the segment's key of the view (its LRU)
     plan: list  # the program's shape plan it was made from (its LRU)
+    bare: tuple | None = None  # the view is a Segment of one form: StaticRun.bare's bindings; None: run_at
+    batch_bound: bool = False  # the view is the exact bind of its batch (native_batches.py), not a _Resized
 
     def run(self, arrays: list[np.ndarray]) -> list[np.ndarray] | None:
         """The outputs, or None when the view was let go since the record was found (another thread bound other
@@ -67,11 +70,16 @@ class DirectRun:
         view = self.view()
         if view is None:
             return None
-        addresses = list(self.addresses)
-        for position, k in self.moving:
-            addresses[position] = address_of(arrays[k])
         exits = [np.empty(size, dtype) for size, dtype in self.exits]
-        view.run_at(addresses, [address_of(e) for e in exits])
+        if self.bare is not None:
+            _run_bare(view, False, self.bare, arrays, exits)
+        else:
+            addresses = list(self.addresses)
+            for position, k in self.moving:
+                addresses[position] = address_of(arrays[k])
+            view.run_at(addresses, [address_of(e) for e in exits])
+        if len(self.outputs) == 1:
+            return [exits[self.outputs[0]]]
         return [exits[j] for j in self.outputs]
 
 
@@ -93,6 +101,10 @@ class StaticRun:
     exits: tuple[tuple[tuple[int, ...], np.dtype, bool], ...]  # (the memory's shape, dtype, NHWC memory of NCHW)
     outputs: tuple[int, ...]  # each program output's exit
     keep: tuple[Any, ...]  # what the fixed addresses point into
+    # a segment of one form (Segment.bare_loop): the loop's bindings pointed straight at the run's inputs
+    # [(binding, input index)], exits [(binding, exit index)] and constants [(binding, address)]; None: run_at
+    bare: tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]] | None = None
+    one_exit: bool = False  # one row-major exit, the program's one output: returned as made
 
     @classmethod
     def of(cls, program: Program, signature: list[tuple[np.dtype, tuple[int, ...]]]) -> StaticRun | None:
@@ -137,17 +149,64 @@ class StaticRun:
             else:
                 return None
         outputs = tuple(segment.exits.index(s) for s in program.output_slots)
-        return cls(segment, bool(segment._staged), tuple(addresses), tuple(moving), tuple(exits), outputs, tuple(keep))
+        staged = bool(segment._staged)
+        empty = any(0 in tuple(size) for size in segment.entry_sizes) or any(0 in size for size, _, _ in exits)
+        return cls(segment, staged, tuple(addresses), tuple(moving), tuple(exits), outputs, tuple(keep),
+                   None if empty else _bare_bindings(segment.bare_loop(staged), dict(moving), addresses),
+                   len(exits) == 1 and outputs == (0,) and not exits[0][2])
 
     def run(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
         """The outputs of inputs `arrays` (in binding order, checked by the caller)."""
-        addresses = list(self.addresses)
-        for position, k in self.moving:
-            addresses[position] = address_of(arrays[k])
         made = [np.empty(size, dtype) for size, dtype, _ in self.exits]
-        self.segment.run_at(addresses, [address_of(e) for e in made], self.staged)
+        segment = self.segment
+        if self.bare is not None:
+            _run_bare(segment, self.staged, self.bare, arrays, made)
+        else:
+            addresses = list(self.addresses)
+            for position, k in self.moving:
+                addresses[position] = address_of(arrays[k])
+            segment.run_at(addresses, [address_of(e) for e in made], self.staged)
+        if self.one_exit:
+            return made
         exits = [e.transpose(0, 3, 1, 2) if nhwc else e for e, (_, _, nhwc) in zip(made, self.exits)]
         return [exits[j] for j in self.outputs]
+
+
+def _run_bare(segment: Segment, staged: bool, bare: tuple, arrays: list[np.ndarray], made: list[np.ndarray]) -> None:
+    """One run of a one-form segment's loop (Segment.bare_loop) on `arrays` into `made`: the loop's bindings written
+    here (`bare`: _bare_bindings'), one ctypes call. No array is empty (the caller's record checked): each address
+    through ctypes' view of its buffer."""
+    inputs, exits, constants = bare
+    with segment._lock:
+        loop = segment._bare.get(staged) or segment.bare_loop(staged)
+        addresses = loop.addresses
+        for binding, k in inputs:
+            addresses[binding] = _addressof(_BYTE.from_buffer(arrays[k]))
+        for binding, j in exits:
+            addresses[binding] = _addressof(_BYTE.from_buffer(made[j]))
+        for binding, address in constants:
+            addresses[binding] = address
+        segment.ran_planned = True
+        status = loop.run(*loop.args)
+    if status:
+        loop.raise_failed(status)
+
+
+def _bare_bindings(loop: Any, inputs: dict[int, int], addresses: list[int]) -> tuple | None:
+    """StaticRun.bare: which of the loop's moving bindings (BareLoop.moving) take which input, exit or constant
+    (`inputs`: entry position -> input index; `addresses`: every entry's, the constants' fixed); None without a
+    bare loop (a segment with a form chooser, or no compiled loop)."""
+    if loop is None:
+        return None
+    from_inputs, from_exits, from_constants = [], [], []
+    for binding, (kind, position) in loop.moving:
+        if kind == "exit":
+            from_exits.append((binding, position))
+        elif position in inputs:
+            from_inputs.append((binding, inputs[position]))
+        else:
+            from_constants.append((binding, addresses[position]))
+    return tuple(from_inputs), tuple(from_exits), tuple(from_constants)
 
 
 def address_of(array: np.ndarray) -> int:
@@ -178,7 +237,7 @@ class DirectRuns:
     def of(cls, program: Program) -> DirectRuns | None:
         """The program's DirectRuns when, its shape values known, it is one native segment that reads its inputs
         and writes every output (else None)."""
-        if program.shape_plans is None or len(program.lean_steps) != 1:
+        if len(program.lean_steps) != 1:  # (no shape values at all: one layer over a symbolic batch)
             return None
         step = program.lean_steps[0]
         segment = step.fn
@@ -218,10 +277,12 @@ class DirectRuns:
         made (the program computes some shape values only by running, or the view cannot run directly): the caller's
         general path runs, and finds the plan and the view (or their absence) there."""
         program = self.program
-        if not program.plans_ahead or signature in self._refused or program.plan_evictions != self._plan_evictions:
+        if signature in self._refused or program.plan_evictions != self._plan_evictions:
             return None  # evictions: find() clears the records first
+        if program.shape_plans is not None and not program.plans_ahead:
+            return None
         with program._plans_lock:
-            known = signature in program.shape_plans
+            known = program.shape_plans is None or signature in program.shape_plans
         if not known:
             if program.shape_function.shapes_only:
                 # it reads only the inputs' sizes: the numpy arrays, no torch.from_numpy, no inference mode (the same
@@ -252,11 +313,14 @@ class DirectRuns:
         """Mark the signature used where the general path would: its shape plan and its view (least recent out).
         False when either is no longer there."""
         program, segment = self.program, self.segment
-        with program._plans_lock:
-            if program.shape_plans.get(signature) is not record.plan:
-                return False
-            program.shape_plans.move_to_end(signature)
+        if program.shape_plans is not None:
+            with program._plans_lock:
+                if program.shape_plans.get(signature) is not record.plan:
+                    return False
+                program.shape_plans.move_to_end(signature)
         view = record.view()
+        if record.batch_bound:
+            return view is not None and still_bound(segment, record.view_key, view)
         if view is not segment:
             with segment._resize_lock:
                 if view is None or segment.resized.get(record.view_key) is not view:
@@ -298,10 +362,13 @@ class DirectRuns:
         """The signature's record; None where it cannot run directly; _UNBOUND where its shape plan or view is not
         (or no longer) there. `bind`: a view not there is bound (Segment._bind_sizes)."""
         program, segment = self.program, self.segment
-        with program._plans_lock:
-            plan = program.shape_plans.get(signature)
-        if plan is None:
-            return _UNBOUND
+        if program.shape_plans is None:  # a program without shape values: every signature's plan is empty
+            plan = _NO_PLAN
+        else:
+            with program._plans_lock:
+                plan = program.shape_plans.get(signature)
+            if plan is None:
+                return _UNBOUND
         if self._entries is None:
             return None
         table, fixed, constants, sizes = self._entries
@@ -323,10 +390,16 @@ class DirectRuns:
             addresses[position] = value.data_ptr()
             key[position] = tuple(value.shape)
         key = tuple(key)
+        batch = segment._batch_runs(key) if key != segment._planned_key else None
+        found = direct_view(batch) if batch is not None else ON_VIEW
+        if found is PENDING:
+            return _UNBOUND  # its calls still count, bind or time a trial (native_batches.call_batch): asked later
         if key == segment._planned_key:
             view = segment
-        elif segment._batch_runs(key) is not None:
+        elif found is None:
             return None  # another batch of its images: runs of the segment itself (Segment._run_batches), no view
+        elif found is not ON_VIEW:
+            view = found  # the batch's exact bind, kept
         else:
             with segment._resize_lock:
                 view = segment.resized.get(key, _UNBOUND)
@@ -341,7 +414,11 @@ class DirectRuns:
                 return None
             exits.append((tuple(size), numpy_dtype))
         held = weakref.ref(view, functools.partial(_forget, weakref.ref(self), signature))
-        return DirectRun(held, tuple(addresses), tuple(moving), tuple(exits), self._outputs, tuple(keep), key, plan)
+        empty = any(0 in size for size in key) or any(0 in size for size, _ in exits)
+        bare = _bare_bindings(view.bare_loop(False), dict(moving), addresses) \
+            if isinstance(view, Segment) and not empty else None
+        return DirectRun(held, tuple(addresses), tuple(moving), tuple(exits), self._outputs, tuple(keep), key, plan,
+                         bare, view is not segment and isinstance(view, Segment))
 
 
 def _forget(runs: weakref.ref, signature: tuple, view: weakref.ref) -> None:
@@ -356,7 +433,9 @@ def _forget(runs: weakref.ref, signature: tuple, view: weakref.ref) -> None:
 
 _NUMPY_OF = {t: d for d, t in NUMPY_TO_TORCH.items()}
 _UNBOUND = object()  # DirectRuns._make: a shape plan or view not there
+_NO_PLAN: list = []  # the shape plan of every signature of a program without shape values
 _BYTE = ctypes.c_char  # address_of's view of an array's buffer
+_addressof = ctypes.addressof
 
 
 def torch_signature(arrays: list[np.ndarray]) -> tuple | None:

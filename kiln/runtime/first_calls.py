@@ -197,9 +197,10 @@ class FirstCalls:
             record = direct.find(signature)
             if record is None:
                 return None
-            with self._lock:
-                if signature in self.bound:
-                    self.bound.move_to_end(signature)
+            try:  # (one C call under the GIL: no lock, ~0.2 µs of a tiny model's ~5 µs call)
+                self.bound.move_to_end(signature)
+            except KeyError:  # let go by another thread meanwhile
+                pass
             return record.run(arrays)
         sizes = self._sizes(signature)
         host = self._host(arrays, signature, sizes, paying=False)

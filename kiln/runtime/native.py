@@ -12,9 +12,10 @@ and executes every layer. NCHW images are laid out NHWC by a reorder at the head
 
 A tactic offers a step to a segment by setting `launch.native` (NativeStep). Program groups
 every run of two or more such steps whose shapes chain (kiln/runtime/program.py, by native_runs.py) into one
-step: its inputs are the values the run reads from outside, its outputs the values read after
-it. Those are bound per call (an entry's address; an exit gets a fresh tensor), so nothing a
-caller holds is ever overwritten by a later run. A residual whose value dies at a convolution
+step (a run of one where that step is the program's whole work: a model of one layer then runs as one call of the
+loop, numpy in and out, kiln/runtime/direct_run.py): its inputs are the values the run reads from outside, its
+outputs the values read after it. Those are bound per call (an entry's address; an exit gets a fresh tensor), so
+nothing a caller holds is ever overwritten by a later run. A residual whose value dies at a convolution
 and lives in the arena is accumulated in place (the primitive's sum post-op); a Reshape that
 moves no byte is an alias of its input's memory.
 
@@ -252,6 +253,7 @@ class Segment:
         loop = native_loop.load()
         self._set_handle = lib.lib.dnnl_memory_set_data_handle
         self._c = None
+        self._bare: dict[bool, BareLoop] = {}  # bare_loop's, by staged
         if loop is not None and self._calls:
             self._c = {k: self._c_loop(loop, bindings, calls) for k, (bindings, calls, _) in
                        self._variants.items()}
@@ -480,11 +482,13 @@ class Segment:
 
         with self._lock:
             self._c = {key: clocked(c, self._variants[key][2]) for key, c in plain.items()}
+            self._bare = {}  # (bare_loop's made again on the timed loop, and on the plain one after)
         try:
             yield found
         finally:
             with self._lock:
                 self._c = plain
+                self._bare = {}
 
     def _staging(self, k: int, v: torch.Tensor) -> torch.Tensor:
         """Entry k copied into its own buffer in the segment's layout (made on first use)."""
@@ -773,6 +777,42 @@ class Segment:
         segment lays them out at its loop's head): kiln/runtime/direct_run.py's."""
         with self._lock:
             self._run(entry_addresses, exit_addresses, staged)
+
+    def bare_loop(self, staged: bool) -> BareLoop | None:
+        """The compiled loop of a segment of one form (no form chooser) as one ctypes call on arguments made once:
+        a caller holding the lock writes the moving bindings' addresses into `addresses` and calls `run(*args)`
+        (kiln/runtime/direct_run.py StaticRun: a tiny model's call, where run_at's layers, its sources dict and
+        _run_loop's unpacking were ~0.8 µs of a ~6 µs call). None with a chooser or without the compiled loop. timed()
+        swaps the loop's function while it times and empties `_bare`: a run takes `_bare`'s, else asks here."""
+        if self.chooser is not None or self._c is None:
+            return None
+        c = self._c[staged, PARALLEL]
+        found = self._bare.get(staged)
+        if found is None or found.c is not c:
+            run, functions, set_handle, nbind, memories, addresses, moving, count, objects, nargs, args, failed = c
+            found = self._bare[staged] = BareLoop(c, run, (functions, set_handle, self._stream, nbind, memories,
+                                                          addresses, count, objects, nargs, args, ctypes.byref(failed)),
+                                                  addresses, tuple(moving), failed, self._variants[staged, PARALLEL][2])
+        return found
+
+
+@dataclass(frozen=True)
+class BareLoop:
+    """Segment.bare_loop's call: `run(*args)` runs every layer on the addresses in `addresses` (its bindings';
+    `moving`: [(binding, ("entry" | "exit", position))] those a run points), `failed` the failing layer's index in
+    `names` after a nonzero status (raise_failed)."""
+
+    c: tuple  # the segment's compiled loop it was made from (Segment._c_loop)
+    run: Any
+    args: tuple
+    addresses: Any  # ctypes array of the bindings' addresses
+    moving: tuple[tuple[int, tuple[str, int]], ...]
+    failed: Any  # ctypes.c_int
+    names: list[str]
+
+    def raise_failed(self, status: int) -> None:
+        where = self.names[self.failed.value] if self.failed.value >= 0 else "binding an input or output"
+        onednn._check(status, f"layer {where!r} of a native segment")
 
 
 @dataclass

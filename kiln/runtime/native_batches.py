@@ -321,6 +321,37 @@ def call_batch(segment: Any, key: tuple, values: tuple, plan: BatchPlan) -> Any:
     return out
 
 
+PENDING = object()  # direct_view: the batch's calls still decide something (call_batch's to make)
+ON_VIEW = object()  # direct_view: the segment's view at the batch
+
+
+def direct_view(plan: BatchPlan) -> Any:
+    """What a direct run of a one-segment program (kiln/runtime/direct_run.py) runs a batch of `plan` on, once
+    call_batch has nothing left to count, bind or time there: the exact bind its trial kept (state "bound": that
+    Segment), or, for a view plan whose runs were kept (its bind failed or lost the trial, or binds are off),
+    ON_VIEW: the segment's view at the batch, which call_batch would run. None where call_batch runs the planned
+    segment several times (no one segment to call); PENDING while the plan's calls still count towards the bind or
+    its trial times them: asked again later."""
+    state, bound = plan.state, plan.bound
+    if state == "bound" and bound is not None:
+        return bound
+    if plan.view is None:
+        return None
+    if state in ("runs kept", "failed") or (state in ("runs", "evicted") and not binds_enabled()):
+        return ON_VIEW
+    return PENDING
+
+
+def still_bound(segment: Any, key: tuple, bound: Any) -> bool:
+    """Whether `bound` is still the kept exact bind of the segment's batch `key` (state "bound"); if so it is marked
+    used, as call_batch marks it (the segment's bound batches let the least recently used go)."""
+    plan = segment._batch_plans.get(key)
+    if plan is None or plan.bound is not bound or plan.state != "bound":
+        return False
+    plan.used = next(_TICKS)
+    return True
+
+
 def _trial_clock() -> Any:
     """The calling thread's CPU time where the run is on it alone (OpenMP's count 1: a loaded machine's preemption
     left out, which swings wall-clock times 2-10x on 2 shared cores), else the wall clock (the layers' other

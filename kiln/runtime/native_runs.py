@@ -1,6 +1,9 @@
 """Which steps of a program run as native segments (kiln/runtime/native.py): every run of two or more consecutive
 steps whose tactics offer a NativeStep and whose sizes and memory orders chain, with the steps met between members
-that do not depend on the run hoisted before it; each run replaced by one Segment step.
+that do not depend on the run hoisted before it; each run replaced by one Segment step. A run of one step is a
+segment only where it is the program's whole work (a model of one Gemm, one Conv, one Relu): the program is then one
+call of the compiled loop, numpy in and out (kiln/runtime/direct_run.py), ~3x faster a call than the layer's launch
+through Program.run's torch path (bench/results/tiny-models-zen4-2026-12-07b.md).
 """
 
 from __future__ import annotations
@@ -111,16 +114,16 @@ def segments(steps: list[BoundStep], output_slots: list[int], constants: dict[in
              not_members: set[int] | None = None, arena: SharedArena | None = None,
              reuse: list[Segment] | None = None, origins: list[Any] | None = None
              ) -> tuple[list[BoundStep], list[Segment]]:
-    """steps with each run of >= 2 native steps replaced by one Segment step. Steps that are not native
-    but met between a run's members (an exported attention mask's preparation, shape arithmetic) run
-    before the segment when they do not depend on it. `not_members`: indices of steps never made
-    members (shape-only steps, which the program computes once per input-shape signature). `arena`: another
-    program's arena to plan into, one that never runs at the same time as this one (the build's in-context stage
-    runs its two programs in turn: kiln/builder/in_context.py); its lock is shared. A segment whose plan it cannot
-    hold gets memory of its own (Segment). `reuse`: that program's segments: a run of the same layers, at the same
-    places, on the same launches or launches alike (`origins`, per step: Program's; default the launch's identity)
-    is that segment (Segment.origin), not one bound anew (the in-context stage's rival program differs from the
-    chosen one in one signature's layers: its other segments, their bound calls and their scratch, exist once)."""
+    """steps with each run of >= 2 native steps (or the one run of a program whose whole work it is) replaced by one
+    Segment step. Steps that are not native but met between a run's members (an exported attention mask's preparation,
+    shape arithmetic) run before the segment when they do not depend on it. `not_members`: indices of steps never made
+    members (shape-only steps, which the program computes once per input-shape signature). `arena`: another program's
+    arena to plan into, one that never runs at the same time as this one (the build's in-context stage runs its two
+    programs in turn: kiln/builder/in_context.py); its lock is shared. A segment whose plan it cannot hold gets memory
+    of its own (Segment). `reuse`: that program's segments: a run of the same layers, at the same places, on the same
+    launches or launches alike (`origins`, per step: Program's; default the launch's identity) is that segment
+    (Segment.origin), not one bound anew (the in-context stage's rival program differs from the chosen one in one
+    signature's layers: its other segments, their bound calls and their scratch, exist once)."""
     origin = list(origins) if origins is not None else [id(step.fn) for step in steps]
     steps = list(steps)  # a member may take its row-reading form (_reading_rows)
     last_read: dict[int, int] = {}
@@ -179,7 +182,11 @@ def segments(steps: list[BoundStep], output_slots: list[int], constants: dict[in
             produced[slot], strides[slot] = size, written
         read |= {slot for slot, _ in reads_of(step, native)}
     close()
-    start = {run[0]: (run, before) for run, before in runs if len(run) >= 2}
+    # a run of one member is a segment only where it is the program's whole work (every other step shape-only): the
+    # program is then one call of its loop, numpy in and out (kiln/runtime/direct_run.py); inside a larger program a
+    # segment of one layer would only add the segment's call to the layer's launch
+    whole = len(runs) == 1 and len(runs[0][0]) + len(runs[0][1]) + len(excluded) >= len(steps)
+    start = {run[0]: (run, before) for run, before in runs if len(run) >= 2 or whole}
     if not start:
         return steps, []
     # one arena for them all: the program runs its segments one at a time (kiln/runtime/native_arena.py)

@@ -32,10 +32,11 @@ from kiln.ops._util import broadcast_sizes
 
 # one compilation unit: attention.c uses transformer.c's helpers
 SOURCE = "\n".join(Path(__file__).with_name(name).read_text()
-                   for name in ("transformer.c", "attention.c", "elementwise.c", "tokens.c"))
+                   for name in ("transformer.c", "attention.c", "elementwise.c", "tokens.c", "softmax.c"))
 _FUNCTIONS = ("kiln_layer_norm", "kiln_layer_norm_quantize", "kiln_add", "kiln_gather_rows", "kiln_attention", "kiln_broadcast", "kiln_gather_nd",
               "kiln_rotary", "kiln_elementwise", "kiln_concat", "kiln_token_index", "kiln_pack_rows",
-              "kiln_unpack_rows", "kiln_quantize", "kiln_embedding_concat", "kiln_padding_positions")
+              "kiln_unpack_rows", "kiln_quantize", "kiln_embedding_concat", "kiln_padding_positions",
+              "kiln_softmax")
 
 _HANDLE_MD: Any = None  # the memory descriptor every operand's memory object is made with (only its address matters)
 

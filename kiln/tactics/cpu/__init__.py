@@ -20,7 +20,9 @@
     recurrent.py   ONNX RNN, GRU, LSTM as kiln's C loop (kiln/kernels/cpu/recurrent.c, lstm.c): input
                    projection + one loop over time
     rotary.py      ... and for kiln::Rotary (a decoder's rotary embedding, packed q|k|v included)
-    elementwise.py kiln::Elementwise programs and Concat in kiln's C, native-segment members
+    elementwise.py kiln::Elementwise programs and Concat in kiln's C, native-segment members; a lone Relu,
+                   Sigmoid or Tanh as a one-line program
+    softmax.py     Softmax over the last axis in kiln's C, a native-segment member
     tokens.py      a padding-free encoder's TokenIndex, PackTokens, UnpackTokens and PackedAttention (varlen)
     relayout.py    kiln::Relayout (a Reshape/Transpose chain) as one strided copy in kiln's C, a segment member
     squeeze_excite.py  kiln::SqueezeExcite (EfficientNet/MobileNetV3/RegNetY blocks) in kiln's C, a segment member
@@ -42,6 +44,7 @@ import kiln.tactics.cpu.qdq  # noqa: F401
 import kiln.tactics.cpu.w8a16  # noqa: F401
 import kiln.tactics.cpu.broadcast  # noqa: F401
 import kiln.tactics.cpu.elementwise  # noqa: F401
+import kiln.tactics.cpu.softmax  # noqa: F401
 import kiln.tactics.cpu.rotary  # noqa: F401
 import kiln.tactics.cpu.squeeze_excite  # noqa: F401
 import kiln.tactics.cpu.recurrent  # noqa: F401

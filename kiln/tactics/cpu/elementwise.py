@@ -112,6 +112,44 @@ register(Tactic(
 ))
 
 
+# ---- a lone activation ---------------------------------------------------------------------------------
+
+# Activations the elementwise fusion leaves alone (it fuses chains of two ops or more): a model of one Relu, a scorer's
+# Sigmoid after a Gemm it could not take. Their default is a torch call outside any native segment; as a
+# one-line program in kiln's C a model of that one layer is one call of its loop (kiln/runtime/native_runs.py)
+LONE_ACTIVATIONS = ("Relu", "Sigmoid", "Tanh")
+
+
+def _lone_activation_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    if (why := _computed_float_inputs(inputs, 1)) is not None:
+        return why
+    if len(inputs) != 1:
+        return f"{len(inputs)} inputs: one"
+    if inputs[0].shape is None or 0 in inputs[0].shape:
+        return "an empty or unknown shape"
+    if len(inputs[0].shape) > 3:  # no segment member (a segment's 4-D values are NHWC): torch's, as before
+        return f"rank {len(inputs[0].shape)}: 3 at most"
+    return True
+
+
+def _lone_activation_prepare(step: StepSpec, constants: list[Any], device: torch.device):
+    code = [f"{step.op_type} i0"]
+
+    def reads(sizes: dict[int, tuple[int, ...]]) -> dict[int, torch.dtype]:
+        return {0: _F32}
+
+    return prepared_native(step, reads, lambda sizes: kernels.Elementwise(code, sizes, {}), max_rank=3)
+
+
+for _op in LONE_ACTIVATIONS:
+    register(Tactic(
+        name=f"cpu.{_op.lower()}.native", op_type=_op, domain="", device="cpu", dtypes=(_F32,),
+        supports=_lone_activation_supports, configure=sizes_config, prepare=_lone_activation_prepare,
+        available=transformer_kernels.available, native=True,
+        description=f"a lone {_op} as a one-line elementwise program in kiln's C, a native-segment member",
+    ))
+
+
 # ---- Concat ------------------------------------------------------------------------------------------
 
 def _concat_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
