@@ -176,9 +176,10 @@ class DirectRuns:
 
     @classmethod
     def of(cls, program: Program) -> DirectRuns | None:
-        """The program's DirectRuns when, its shape values known, it is one native segment that reads its inputs
-        and writes every output (else None)."""
-        if program.shape_plans is None or len(program.lean_steps) != 1:
+        """The program's DirectRuns when, its shape values known (or it has none: a segment that reads only its
+        inputs and constants, the dynamic RoBERTa's), it is one native segment that reads its inputs and writes every
+        output (else None)."""
+        if len(program.lean_steps) != 1:
             return None
         step = program.lean_steps[0]
         segment = step.fn
@@ -218,11 +219,14 @@ class DirectRuns:
         made (the program computes some shape values only by running, or the view cannot run directly): the caller's
         general path runs, and finds the plan and the view (or their absence) there."""
         program = self.program
-        if not program.plans_ahead or signature in self._refused or program.plan_evictions != self._plan_evictions:
+        planned = program.shape_plans is not None  # else no shape values: the view alone is bound
+        if (planned and not program.plans_ahead) or signature in self._refused \
+                or program.plan_evictions != self._plan_evictions:
             return None  # evictions: find() clears the records first
-        with program._plans_lock:
-            known = signature in program.shape_plans
-        if not known:
+        if planned:
+            with program._plans_lock:
+                known = signature in program.shape_plans
+        if planned and not known:
             if program.shape_function.shapes_only:
                 # it reads only the inputs' sizes: the numpy arrays, no torch.from_numpy, no inference mode (the same
                 # values, as ordinary tensors where the general path's are inference tensors: it reads both alike,
@@ -252,10 +256,11 @@ class DirectRuns:
         """Mark the signature used where the general path would: its shape plan and its view (least recent out).
         False when either is no longer there."""
         program, segment = self.program, self.segment
-        with program._plans_lock:
-            if program.shape_plans.get(signature) is not record.plan:
-                return False
-            program.shape_plans.move_to_end(signature)
+        if program.shape_plans is not None:
+            with program._plans_lock:
+                if program.shape_plans.get(signature) is not record.plan:
+                    return False
+                program.shape_plans.move_to_end(signature)
         view = record.view()
         if view is not segment:
             with segment._resize_lock:
@@ -298,10 +303,13 @@ class DirectRuns:
         """The signature's record; None where it cannot run directly; _UNBOUND where its shape plan or view is not
         (or no longer) there. `bind`: a view not there is bound (Segment._bind_sizes)."""
         program, segment = self.program, self.segment
-        with program._plans_lock:
-            plan = program.shape_plans.get(signature)
-        if plan is None:
-            return _UNBOUND
+        if program.shape_plans is None:
+            plan = _NO_PLAN  # no shape values: the entries are the inputs and constants
+        else:
+            with program._plans_lock:
+                plan = program.shape_plans.get(signature)
+            if plan is None:
+                return _UNBOUND
         if self._entries is None:
             return None
         table, fixed, constants, sizes = self._entries
@@ -356,6 +364,7 @@ def _forget(runs: weakref.ref, signature: tuple, view: weakref.ref) -> None:
 
 _NUMPY_OF = {t: d for d, t in NUMPY_TO_TORCH.items()}
 _UNBOUND = object()  # DirectRuns._make: a shape plan or view not there
+_NO_PLAN: list = []  # DirectRun.plan of a program without shape values (read by nothing)
 _BYTE = ctypes.c_char  # address_of's view of an array's buffer
 
 
@@ -369,3 +378,14 @@ def torch_signature(arrays: list[np.ndarray]) -> tuple | None:
             return None
         key.append((a.shape, dtype))
     return tuple(key)
+
+
+def program_signature(key: tuple) -> tuple | None:
+    """torch_signature of numpy inputs from their (dtype, shape) each (bindings._numpy_signature's key), or None."""
+    found = []
+    for dtype, shape in key:
+        torch_dtype = NUMPY_TO_TORCH.get(dtype)
+        if torch_dtype is None:
+            return None
+        found.append((shape, torch_dtype))
+    return tuple(found)
