@@ -9,6 +9,11 @@ for one signature, found once: the view bound at its sizes, the addresses of its
 constants) and the exits' numpy forms; a run writes the inputs' addresses, makes the exits with numpy and calls the
 loop.
 
+A program of dynamic shapes with no shape values at all (the dynamic RoBERTa, its positions computed inside the
+segment: Program.shape_plans None) is one native segment from the start: its records are the view at the inputs'
+sizes alone, nothing held per shape but the view. Before, its numpy calls ran the general path (~36 µs around a
+~86 µs loop at 2 x 16, against ~12 once direct: bench/results/dynamic-call-zen4-2026-12-07b.md).
+
 A program of fixed input shapes that is one native segment runs the same way from its first call (StaticRun: the
 context's _run_static path, kiln/runtime/cpu_paths.py), its constant entries (an encoder's position ids) at fixed
 addresses.
