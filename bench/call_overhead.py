@@ -4,7 +4,7 @@ from engine.run down to the compiled loop, beside onnxruntime's run and the loop
     python bench/call_overhead.py                                   # the four models, 1 thread, thread CPU time
     python bench/call_overhead.py --models resnet_tiny,relu16 --rounds 21 --engines /tmp/engines --profile
     python bench/call_overhead.py --models roberta_tiny_dynamic,bert_tiny_dynamic --rounds 9 --engines /tmp/engines
-    python bench/call_overhead.py --models gpt2_dynamic --shape 4x64 --rounds 5 --min-block 2 --engines /tmp/engines
+    python bench/call_overhead.py --models gpt2_dynamic --shape 4x64 --rounds 9 --min-block 2 --top --engines DIR
 
 Models: resnet_tiny, regnet_tiny, roberta_tiny (the zoo's exports at their input shapes) and relu16 (one Relu on a
 fixed [1, 16] float32: the path with nothing to compute). A zoo name with "_dynamic" is exported with symbolic
@@ -280,6 +280,8 @@ def measure(model: str, args: argparse.Namespace) -> None:
         if err > 1e-4:
             raise SystemExit(f"{model}: output {name!r} is {err:.2e} of its max off onnxruntime's")
     rungs, segment = rungs_of(engine, feeds)
+    if args.top:  # engine.run and onnxruntime alone (a large model: more rounds in the time)
+        rungs, segment = rungs[:1], None
     rungs.append(Rung("onnxruntime run", lambda: session.run(None, feeds)))
     clock = CLOCKS[args.clock]
     blocks = {}
@@ -430,6 +432,7 @@ def main() -> None:
     parser.add_argument("--shape", type=lambda s: tuple(int(d) for d in s.split("x")), default=(2, 16),
                         help="a dynamic model's batch x sequence (default 2x16)")
     parser.add_argument("--engines", type=Path, default=None, help="build once into DIR, load from it after")
+    parser.add_argument("--top", action="store_true", help="time engine.run and onnxruntime's run only")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--profile-calls", type=int, default=2000)
     parser.add_argument("--profile-rows", type=int, default=20)
