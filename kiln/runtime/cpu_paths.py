@@ -14,7 +14,7 @@ import torch
 
 from kiln.ir import dtypes
 from kiln.runtime.bindings import _numpy_signature, _to_user
-from kiln.runtime.direct_run import program_signature, torch_signature
+from kiln.runtime.direct_run import program_signature
 
 # torch.inference_mode() as its C guard alone: the Python wrapper (a class instance, a scripting check, then the same
 # guard) is ~1.5 us of a ~10 us engine call on the empty model, measured interleaved (10.36 -> 8.98 us a call,

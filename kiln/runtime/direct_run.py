@@ -11,8 +11,8 @@ loop.
 
 A program of dynamic shapes with no shape values at all (the dynamic RoBERTa, its positions computed inside the
 segment: Program.shape_plans None) is one native segment from the start: its records are the view at the inputs'
-sizes alone, nothing held per shape but the view. Before, its numpy calls ran the general path (~36 µs around a
-~86 µs loop at 2 x 16, against ~12 once direct: bench/results/dynamic-call-zen4-2026-12-07b.md).
+sizes alone, nothing held per shape but the view. Before, its numpy calls ran the general path (~31 µs around a
+~85 µs loop at 2 x 16, against ~10 once direct: bench/results/dynamic-call-zen4-2026-12-07b.md).
 
 A program of fixed input shapes that is one native segment runs the same way from its first call (StaticRun: the
 context's _run_static path, kiln/runtime/cpu_paths.py), its constant entries (an encoder's position ids) at fixed
