@@ -3,9 +3,15 @@ from engine.run down to the compiled loop, beside onnxruntime's run and the loop
 
     python bench/call_overhead.py                                   # the four models, 1 thread, thread CPU time
     python bench/call_overhead.py --models resnet_tiny,relu16 --rounds 21 --engines /tmp/engines --profile
+    python bench/call_overhead.py --models roberta_tiny_dynamic,bert_tiny_dynamic --rounds 9 --engines /tmp/engines
+    python bench/call_overhead.py --models gpt2_dynamic --shape 4x64 --rounds 9 --min-block 2 --top --engines DIR
 
 Models: resnet_tiny, regnet_tiny, roberta_tiny (the zoo's exports at their input shapes) and relu16 (one Relu on a
-fixed [1, 16] float32: the path with nothing to compute). Each is built at the thread count (or loaded from
+fixed [1, 16] float32: the path with nothing to compute). A zoo name with "_dynamic" is exported with symbolic
+batch x sequence and fed --shape (the zoo's random inputs at that batch x sequence; default 2x16): built over the
+profile input_ids 1x1, 2x16, 8x64, except gpt2 (GPT-2 small), built with kiln's default profile as
+bench/results/zoo-cpu-zen4-2026-12-07.md built it (batch 1..64, sequence 1..1024, tuned at 1x128).
+Each is built at the thread count (or loaded from
 --engines DIR, built and saved there the first time), checked against onnxruntime, then every rung of its call path
 runs in interleaved rounds (rung 1, rung 2, ..., onnxruntime, rung 1, ...): a block of calls per rung per round,
 timed as one by the clock (the calling thread's CPU time by default: time waiting for a core on a shared machine is
@@ -50,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 MODELS = ("resnet_tiny", "regnet_tiny", "roberta_tiny", "relu16")
 DYNAMIC = "_dynamic"  # a zoo model's name with it: exported with dynamic batch x sequence, built over DYNAMIC_PROFILE
 DYNAMIC_PROFILE = {"input_ids": "1x1,2x16,8x64"}
+DEFAULT_PROFILE = ("gpt2",)  # dynamic zoo models built at kiln's default profile (as bench/zoo.py's runs build them)
 SETTLE_S = 0.02  # slept before each block: onnxruntime's workers spin on after its block (2 threads)
 CLOCKS = {"thread": time.thread_time_ns, "process": time.process_time_ns, "wall": time.perf_counter_ns}
 
@@ -73,21 +80,27 @@ def _relu16() -> tuple[bytes, dict[str, np.ndarray]]:
     return model.SerializeToString(), {"x": x}
 
 
-def model_and_feeds(model: str) -> tuple[Any, dict[str, np.ndarray]]:
-    """(what kiln.build and onnxruntime take, the feeds as C-contiguous numpy arrays)."""
+def model_and_feeds(model: str, shape: tuple[int, int] = (2, 16)) -> tuple[Any, dict[str, np.ndarray]]:
+    """(what kiln.build and onnxruntime take, the feeds as C-contiguous numpy arrays); a dynamic model's at `shape`
+    (batch, sequence)."""
     if model == "relu16":
         return _relu16()
     from kiln import zoo
+    from kiln.zoo.models import make_inputs
 
-    dynamic = model.endswith(DYNAMIC)  # exported with dynamic batch x sequence, fed the zoo's [2, 16]
-    exported = zoo.export(model.removesuffix(DYNAMIC), **({"batch": 2, "seq": 16, "dynamic": True} if dynamic else {}))
-    return str(exported.path), {k: np.ascontiguousarray(v) for k, v in exported.inputs().items()}
+    dynamic = model.endswith(DYNAMIC)  # exported with dynamic batch x sequence (at 2 x 16), fed `shape`
+    name = model.removesuffix(DYNAMIC)
+    exported = zoo.export(name, **({"batch": 2, "seq": 16, "dynamic": True} if dynamic else {}))
+    feeds = make_inputs(zoo.get(name), batch=shape[0], seq=shape[1], seed=0) if dynamic and shape != (2, 16) \
+        else exported.inputs()
+    return str(exported.path), {k: np.ascontiguousarray(v) for k, v in feeds.items()}
 
 
 def engine_of(model: str, source: Any, folder: Path | None, threads: int):
     import kiln
 
-    options = {"profiles": [DYNAMIC_PROFILE]} if model.endswith(DYNAMIC) else {}
+    dynamic = model.endswith(DYNAMIC) and model.removesuffix(DYNAMIC) not in DEFAULT_PROFILE
+    options = {"profiles": [DYNAMIC_PROFILE]} if dynamic else {}
     if folder is None:
         return kiln.build(source, **options)
     path = folder / f"{model}-{threads}t.kiln"
@@ -140,6 +153,8 @@ def rungs_of(engine: Any, feeds: dict[str, np.ndarray]) -> tuple[list[Rung], Any
     from kiln.runtime.native import Segment
 
     engine.run(feeds)  # this thread's context, bound at these shapes
+    engine.run(feeds)  # (a dynamic shape's first repeat measures what binding it cost: then its repeats' path)
+    takes_signature = _takes_signature()
     context = engine._threads.context
     rungs = [Rung("engine.run", lambda: engine.run(feeds)), Rung("context.run", lambda: context.run(feeds)),
              Rung("context._run", lambda: context._run(feeds))]
@@ -166,7 +181,8 @@ def rungs_of(engine: Any, feeds: dict[str, np.ndarray]) -> tuple[list[Rung], Any
         return rungs, segment
     direct = context._direct
     if direct is not None:  # numpy feeds of a checked signature: one call of the segment's loop (direct_run.py)
-        record = direct.find(torch_signature(arrays))
+        signature = torch_signature(arrays)
+        record = direct.find(signature)
         view = record.view()
         addresses = list(record.addresses)
         for position, k in record.moving:
@@ -175,7 +191,8 @@ def rungs_of(engine: Any, feeds: dict[str, np.ndarray]) -> tuple[list[Rung], Any
         exit_addresses = [e.ctypes.data for e in exits]
         segment = view if view is direct.segment else None
         rungs += [Rung("_run_checked", lambda: context._run_checked(feeds)),
-                  Rung("_run_direct", lambda: context._run_direct(arrays)),
+                  Rung("_run_direct", lambda: context._run_direct(arrays, signature) if takes_signature
+                       else context._run_direct(arrays)),  # (before 2026-12-07b: the signature found there)
                   Rung("DirectRun.run", lambda: record.run(arrays)),
                   Rung("view.run_at (exits made once)", lambda exits=exits: view.run_at(addresses, exit_addresses))]
         if segment is not None:
@@ -226,6 +243,15 @@ def rungs_of(engine: Any, feeds: dict[str, np.ndarray]) -> tuple[list[Rung], Any
     return rungs, segment
 
 
+def _takes_signature() -> bool:
+    """Whether the checkout's CpuPaths._run_direct takes the program's signature (found once per numpy signature)."""
+    import inspect
+
+    from kiln.runtime.cpu_paths import CpuPaths
+
+    return "signature" in inspect.signature(CpuPaths._run_direct).parameters
+
+
 def layer_times(segment: Any, run: Callable[[], Any], calls: int) -> float:
     """The median over `calls` runs of the segment's per-run sum of layer times (µs, the thread's CPU clock)."""
     sums = []
@@ -241,7 +267,7 @@ def layer_times(segment: Any, run: Callable[[], Any], calls: int) -> float:
 def measure(model: str, args: argparse.Namespace) -> None:
     import onnxruntime as ort
 
-    source, feeds = model_and_feeds(model)
+    source, feeds = model_and_feeds(model, args.shape)
     engine = engine_of(model, source, args.engines, args.threads)
     options = ort.SessionOptions()
     options.intra_op_num_threads, options.inter_op_num_threads = args.threads, 1
@@ -254,17 +280,20 @@ def measure(model: str, args: argparse.Namespace) -> None:
         if err > 1e-4:
             raise SystemExit(f"{model}: output {name!r} is {err:.2e} of its max off onnxruntime's")
     rungs, segment = rungs_of(engine, feeds)
+    if args.top:  # engine.run and onnxruntime alone (a large model: more rounds in the time)
+        rungs, segment = rungs[:1], None
     rungs.append(Rung("onnxruntime run", lambda: session.run(None, feeds)))
     clock = CLOCKS[args.clock]
     blocks = {}
     for rung in rungs:  # calls per block: about block_ms of this rung
-        for _ in range(20):
+        for _ in range(min(20, args.min_block)):
             rung.call()
         t0 = time.perf_counter_ns()
-        for _ in range(50):
+        sized = 50 if args.min_block >= 20 else 2
+        for _ in range(sized):
             rung.call()
-        per_call = (time.perf_counter_ns() - t0) / 50
-        blocks[rung.name] = max(20, int(args.block_ms * 1e6 / max(per_call, 1.0)))
+        per_call = (time.perf_counter_ns() - t0) / sized
+        blocks[rung.name] = max(args.min_block, int(args.block_ms * 1e6 / max(per_call, 1.0)))
     times: dict[str, list[float]] = {r.name: [] for r in rungs}
     loads = []
     for r in range(args.rounds):
@@ -272,17 +301,19 @@ def measure(model: str, args: argparse.Namespace) -> None:
         for rung in rungs[r % len(rungs):] + rungs[:r % len(rungs)]:  # each round starts one rung later
             n, call = blocks[rung.name], rung.call
             time.sleep(SETTLE_S)
-            for _ in range(5):
+            for _ in range(min(5, args.min_block)):
                 call()
             t0 = clock()
             for _ in range(n):
                 call()
             times[rung.name].append((clock() - t0) / n / 1e3)
-    layers = layer_times(segment, rungs[0].call, 400) if segment is not None else None
+    layers = layer_times(segment, rungs[0].call, args.layer_calls) if segment is not None and args.layer_calls \
+        else None
     median = {name: statistics.median(v) for name, v in times.items()}
     ort_us = median["onnxruntime run"]
     bottom = [r.name for r in rungs if r.name != "onnxruntime run"][-1]
-    print(f"\n{model}: {args.threads} thread(s), {args.clock} clock, {args.rounds} rounds, load "
+    shape = f" at {args.shape[0]}x{args.shape[1]}" if model.endswith(DYNAMIC) else ""
+    print(f"\n{model}{shape}: {args.threads} thread(s), {args.clock} clock, {args.rounds} rounds, load "
           f"{min(loads):.2f}-{max(loads):.2f}")
     print("| rung | µs a call | rounds min-max | above the rung below | / onnxruntime |")
     print("|---|---|---|---|---|")
@@ -396,7 +427,12 @@ def main() -> None:
     parser.add_argument("--clock", choices=tuple(CLOCKS), default="thread")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--block-ms", type=float, default=20.0)
+    parser.add_argument("--min-block", type=int, default=20, help="calls a block takes at least")
+    parser.add_argument("--layer-calls", type=int, default=400, help="runs the layers' times are taken over (0: none)")
+    parser.add_argument("--shape", type=lambda s: tuple(int(d) for d in s.split("x")), default=(2, 16),
+                        help="a dynamic model's batch x sequence (default 2x16)")
     parser.add_argument("--engines", type=Path, default=None, help="build once into DIR, load from it after")
+    parser.add_argument("--top", action="store_true", help="time engine.run and onnxruntime's run only")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--profile-calls", type=int, default=2000)
     parser.add_argument("--profile-rows", type=int, default=20)

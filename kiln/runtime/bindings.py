@@ -92,11 +92,11 @@ def _numpy_signature(names: list[str], feeds: dict[str, Any]) -> tuple | None:
     key = []
     for name in names:
         a = feeds.get(name)
-        if type(a) is not np.ndarray or a.dtype not in _NUMPY_OWN:
-            return None  # bfloat16 and float8 arrays (ml_dtypes' types) take the general path's conversion
-        flags = a.flags  # (an object made per access)
-        if not (flags.c_contiguous and flags.writeable):
+        if type(a) is not np.ndarray:
             return None
+        flags = a.flags  # (a new flags object at each read of a.flags)
+        if not flags.c_contiguous or not flags.writeable or a.dtype not in _NUMPY_OWN:
+            return None  # bfloat16 and float8 arrays (ml_dtypes' types) take the general path's conversion
         key.append((a.dtype, a.shape))
     return tuple(key)
 

@@ -20,7 +20,7 @@ from kiln.kernels.cpu import omp_governor
 from kiln.ir import dtypes
 from kiln.runtime.bindings import NumpyCheck, _check_value, _numpy_signature, _tensor_signature, _to_user
 from kiln.runtime.buckets import BATCH_STEPS, PACKING, graph_rows, packed_rows, packing_rule, plan_buckets
-from kiln.runtime.cpu_paths import CpuPaths, _static_signature
+from kiln.runtime.cpu_paths import CheckedSignature, CpuPaths, _static_signature
 from kiln.runtime.cuda_graphs import MAX_GRAPHS, MEMORY_BUDGET, GraphRunner
 from kiln.runtime.direct_run import StaticRun
 from kiln.runtime.graph_paths import GraphPaths, _cuda_static_signature
@@ -119,7 +119,7 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
         # CPU engines with symbolic dims: the input signatures already checked, so a call of one of them
         # skips the checks (a BERT at 7 tokens runs in ~0.1 ms of C; the checks were as much again); the engine's,
         # shared by its contexts (Engine.checked_signatures: a signature's check is its own, whichever context ran it)
-        self._checked: dict[tuple, int] | None = engine.checked_signatures if self._static is None \
+        self._checked: dict[tuple, CheckedSignature] | None = engine.checked_signatures if self._static is None \
             and self.runner is None and not engine.internal_dtype and self.buckets is None else None
         self._numpy_check = NumpyCheck.of(engine.inputs, engine.profiles) if self._checked is not None else None
         self._cuda_static = _cuda_static_signature(engine) if self.runner is not None and self.runner.use_graphs \
@@ -132,7 +132,6 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
         # with the environment's KILN_DIRECT_RUN=0
         self._direct = lane.direct_runs if self._checked is not None and self._token_mask is None \
             and os.environ.get("KILN_DIRECT_RUN", "1") != "0" else None
-        self._direct_keys: dict[tuple, tuple] = {}  # _run_checked: a numpy signature's torch_signature
         self._bucketed: dict[tuple, _BucketedRun] = {}  # bucketed runs: input signature -> what its shapes decide
         self._bound: dict[str, torch.Tensor] = {}  # set_tensor_address: caller-owned tensors by binding name
         self._io_graph: tuple[Any, dict[str, torch.Tensor]] | None = None  # execute()'s whole-call graph
@@ -282,12 +281,14 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
         if self.engine.profiles:
             self.profile = self._select_profile(feeds)
 
-    def _remember_checked(self, key: tuple) -> None:
+    def _remember_checked(self, key: tuple) -> CheckedSignature:
         """A numpy signature `key` as checked, for every CPU context of the engine (Engine.checked_signatures), at
         the profile of this context's last check (CHECKED_SIGNATURES at most: a signature past them is checked at each
-        call)."""
+        call). Its CheckedSignature, remembered or not."""
+        checked = CheckedSignature.of(key, self.profile)
         if len(self._checked) < CHECKED_SIGNATURES:
-            self._checked[key] = self.profile
+            self._checked[key] = checked
+        return checked
 
     def _select_profile(self, feeds: dict[str, Any]) -> int:
         """The first optimization profile holding every input's shape, or an error naming them all."""

@@ -6,6 +6,7 @@ then straight to the program or to one call of its segment's compiled loop (kiln
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -13,7 +14,7 @@ import torch
 
 from kiln.ir import dtypes
 from kiln.runtime.bindings import _numpy_signature, _to_user
-from kiln.runtime.direct_run import torch_signature
+from kiln.runtime.direct_run import program_signature
 
 # torch.inference_mode() as its C guard alone: the Python wrapper (a class instance, a scripting check, then the same
 # guard) is ~1.5 us of a ~10 us engine call on the empty model, measured interleaved (10.36 -> 8.98 us a call,
@@ -22,15 +23,25 @@ from kiln.runtime.direct_run import torch_signature
 _GUARD = getattr(torch._C, "_InferenceMode", None)
 inference_mode = functools.partial(_GUARD, True) if _GUARD is not None else torch.inference_mode
 
-# numpy signatures whose check and program signature a context keeps (_run_checked: a direct run's repeat looks its
-# signature up once, not in the checked signatures and again in torch_signature: ~1 µs of a ~6 µs tiny model's call)
-DIRECT_KEYS = 4096
+
+@dataclass(frozen=True)
+class CheckedSignature:
+    """A numpy input signature checked once (Engine.checked_signatures, by _numpy_signature's key): the profile it
+    selects, and the program's signature of those inputs (program.input_signature's, for the direct runs' look-ups:
+    found once, not per call; None where an input's dtype has no torch twin)."""
+
+    profile: int
+    program_signature: tuple | None
+
+    @classmethod
+    def of(cls, key: tuple, profile: int) -> CheckedSignature:
+        return cls(profile, program_signature(key))
 
 
 class CpuPaths:
     """run()'s direct paths on the CPU, a mixin of ExecutionContext: they read what its __init__ set (engine,
-    program, _static, _whole_segment, _output_names, _input_names, _checked, _numpy_check, _direct, _first_calls,
-    _direct_keys) and fall back on its general path's helpers."""
+    program, _static, _whole_segment, _input_names, _output_names, _checked, _numpy_check, _direct, _first_calls) and
+    fall back on its general path's helpers."""
 
     def _run_checked(self, feeds: dict[str, Any]) -> dict[str, Any] | None:
         """A CPU engine fed numpy arrays (C-contiguous, writable, of numpy's own dtypes): checked once per
@@ -39,15 +50,8 @@ class CpuPaths:
         key = _numpy_signature(names, feeds)
         if key is None:
             return None
-        known = self._direct_keys.get(key)  # run directly before: (its profile, the program's signature of it)
-        if known is not None:
-            self.profile = known[0]
-            results = self._run_direct([feeds[n] for n in names], known[1])
-            if results is not None:
-                return {self._output_names[0]: results[0]} if len(results) == 1 \
-                    else dict(zip(self._output_names, results))
-        profile = self._checked.get(key)
-        if profile is None:  # a new signature: checked here (errors as the general path raises them), then run
+        checked = self._checked.get(key)
+        if checked is None:  # a new signature: checked here (errors as the general path raises them), then run
             # as a checked one (the general path's conversions give the same tensors for these); from the signature
             # alone where it passes (NumpyCheck), else by _check, which raises what is wrong
             profile = self._numpy_check(key) if self._numpy_check is not None else None
@@ -55,28 +59,22 @@ class CpuPaths:
                 self._check(feeds)
                 profile = self.profile
             self.profile = profile
-            self._remember_checked(key)
-        self.profile = profile
-        if self._direct is not None and known is None:
-            arrays = [feeds[n] for n in names]
-            signature = torch_signature(arrays)
-            results = self._run_direct(arrays, signature) if signature is not None else None
+            checked = self._remember_checked(key)
+        self.profile = checked.profile
+        if self._direct is not None and checked.program_signature is not None:
+            results = self._run_direct([feeds[n] for n in names], checked.program_signature)
             if results is not None:
-                if len(self._direct_keys) >= DIRECT_KEYS:
-                    self._direct_keys.clear()
-                self._direct_keys[key] = (profile, signature)  # (a signature's check is the same at every call)
-                return dict(zip(self._output_names, results))
+                return {self._output_names[0]: results[0]} if len(results) == 1 \
+                    else dict(zip(self._output_names, results))
         args = [torch.from_numpy(feeds[n]) for n in names]
         with inference_mode():
             results = self._run_program(args, self._packed_rows(args, self._host_tokens(feeds)))
         return {b.name: _to_user(v, False) for b, v in zip(self.engine.outputs, results)}
 
-    def _run_direct(self, arrays: list[np.ndarray], signature: tuple | None = None) -> list[np.ndarray] | None:
+    def _run_direct(self, arrays: list[np.ndarray], signature: tuple) -> list[np.ndarray] | None:
         """Checked numpy inputs of a bound shape (or, padding first calls, of a new one a bound shape hosts) as one
-        call of the segment's compiled loop (kiln/runtime/direct_run.py); None: the general path. `signature`: their
-        torch_signature, where the caller has it."""
-        if signature is None and (signature := torch_signature(arrays)) is None:
-            return None
+        call of the segment's compiled loop (kiln/runtime/direct_run.py); None: the general path. `signature`: the
+        program's signature of `arrays` (CheckedSignature's)."""
         if self._first_calls is not None:
             return self._first_calls.run_direct(arrays, signature, self._direct)
         record = self._direct.find(signature)

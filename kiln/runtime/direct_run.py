@@ -9,6 +9,11 @@ for one signature, found once: the view bound at its sizes, the addresses of its
 constants) and the exits' numpy forms; a run writes the inputs' addresses, makes the exits with numpy and calls the
 loop.
 
+A program of dynamic shapes with no shape values at all (the dynamic RoBERTa, its positions computed inside the
+segment; a single layer over a symbolic batch: Program.shape_plans None) is one native segment from the start: its
+records are the view at the inputs' sizes alone, nothing held per shape but the view. Before, its numpy calls ran the
+general path (~31 µs around a ~85 µs loop at 2 x 16, against ~10 once direct: bench/results/dynamic-call-zen4-2026-12-07b.md).
+
 A program of fixed input shapes that is one native segment runs the same way from its first call (StaticRun: the
 context's _run_static path, kiln/runtime/cpu_paths.py), its constant entries (an encoder's position ids) at fixed
 addresses.
@@ -448,3 +453,14 @@ def torch_signature(arrays: list[np.ndarray]) -> tuple | None:
             return None
         key.append((a.shape, dtype))
     return tuple(key)
+
+
+def program_signature(key: tuple) -> tuple | None:
+    """torch_signature of numpy inputs from their (dtype, shape) each (bindings._numpy_signature's key), or None."""
+    found = []
+    for dtype, shape in key:
+        torch_dtype = NUMPY_TO_TORCH.get(dtype)
+        if torch_dtype is None:
+            return None
+        found.append((shape, torch_dtype))
+    return tuple(found)

@@ -23,6 +23,7 @@ from kiln.plan.spec import Binding, EnginePlan, Profile
 from kiln.runtime import views_ahead
 from kiln.runtime.bindings import _to_runtime
 from kiln.runtime.buckets import plan_buckets
+from kiln.runtime.cpu_paths import CheckedSignature
 from kiln.runtime.context import ExecutionContext, WarmUp  # noqa: F401  (WarmUp re-exported: kiln.serve imports it)
 from kiln.runtime.direct_run import DirectRuns
 from kiln.runtime.first_calls import FirstCalls, primitives_ahead
@@ -113,7 +114,7 @@ class Engine:
         # signature alone (bindings.NumpyCheck), so every context of the engine skips it once one has made it (a
         # second context's first call at a shape the first ran checked it again: ~12-15 µs of bert_tiny's ~55 over
         # its repeat, bench/results/first-shape-2026-12-06.md); ExecutionContext._checked
-        self.checked_signatures: dict[tuple, int] = {}
+        self.checked_signatures: dict[tuple, CheckedSignature] = {}
         if self.device.type == "cpu":
             # libgomp's spin count found here (~0.1 s, once a process: omp_governor._check), not in the first call
             omp_governor.governor().locate()
