@@ -63,6 +63,9 @@ SUM_CASES = [  # (rows, K, N, source dtype, zero point)
     (4, 1536, 70, torch.uint8, 0),
     (3, 64, 32, torch.int8, -128),
     (11, 130, 64, torch.uint8, 1),  # K even but not a multiple of 4
+    (23, 24, 16, torch.uint8, 9),  # a 2-vector panel: 6-row tiles, 23 = 3 x 6 + 5
+    (13, 144, 24, torch.int8, 3),  # a 3-vector panel: 4-row tiles, 13 = 3 x 4 + 1
+    (9, 40, 40, torch.uint8, 200),  # a whole panel, then a 1-vector one (6-row tiles)
 ]
 
 
@@ -173,6 +176,9 @@ OUTPUT_CASES = [  # (input shape, N, quantized output, source, output dtype)
     ((2, 7, 40), 45, False, torch.uint8, None),  # float output, a channel tail
     ((1, 40), 70, True, torch.int8, torch.uint8),
     ((17, 384), 96, True, torch.int8, torch.int8),
+    ((5, 7, 32), 16, True, torch.uint8, torch.uint8),  # MobileNetV2's 16-channel projection: one 2-vector panel
+    ((3, 11, 96), 24, True, torch.uint8, torch.int8),  # its 24-channel ones: 3 vectors, 16 + 8 channels a row
+    ((2, 9, 24), 44, False, torch.uint8, None),  # float output on a 2-vector panel with a tail
 ]
 
 
