@@ -79,6 +79,9 @@ typedef struct {
     float y_scale;
     long y_zero;
     int threads;
+    int bounded;            /* every |scale_q·t| < 2^30 (requantize.py): an 8-bit output rounds with no float */
+    int clamp_words;        /* clamp, and Relu/Clip clamp the packed words to [lo_word, hi_word] where the 8-bit */
+    int lo_word, hi_word;   /* saturation does not (a monotone map commutes with a clamp) */
 } i8_plan;
 
 int kiln_i8_panel(void) { return NR; }
@@ -141,14 +144,16 @@ typedef struct {
 } i8_loop;
 
 #if defined(__AVX2__)
-/* The k loop of an R x NR tile alone (R constant; the epilogue kept out, as w16gemm.c found GCC spills the
-   accumulators otherwise): rows a + r·astride, the panel w, K4 groups of 4 k; the int32 sums to out [R][NR]. */
+/* The k loop of an R x V·8 tile alone (R, V constant; the epilogue kept out, as w16gemm.c found GCC spills the
+   accumulators otherwise): rows a + r·astride, the panel w, K4 groups of 4 k; t = offset + the int32 sums to out
+   [R][NR] (the accumulators start at the offsets: no add in the epilogue). */
 #define DEFINE_KERNEL(R, V)                                                                                        \
     static __attribute__((noinline)) void kernel_##R##_##V(const uint8_t *a, long astride, const int8_t *w,      \
-                                                           long K4, int32_t *out) {                               \
+                                                           long K4, const int32_t *offset, int32_t *out) {        \
         __m256i acc[R][V];                                                                                         \
         _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)                                                       \
-            _Pragma("GCC unroll 4") for (int v = 0; v < V; v++) acc[r][v] = _mm256_setzero_si256();               \
+            _Pragma("GCC unroll 4") for (int v = 0; v < V; v++)                                                   \
+                acc[r][v] = _mm256_loadu_si256((const __m256i *)(offset + v * LANES));                            \
         const __m256i ones = _mm256_set1_epi16(1);                                                                 \
         for (long q = 0; q < K4; q++) {                                                                            \
             const __m256i *wq = (const __m256i *)(w + q * NR * 4);                                                 \
@@ -172,7 +177,7 @@ DEFINE_KERNEL(6, 2) DEFINE_KERNEL(5, 2) DEFINE_KERNEL(4, 2) DEFINE_KERNEL(3, 2) 
 DEFINE_KERNEL(6, 1) DEFINE_KERNEL(5, 1) DEFINE_KERNEL(4, 1) DEFINE_KERNEL(3, 1) DEFINE_KERNEL(2, 1) DEFINE_KERNEL(1, 1)
 
 #define TILE_ROWS 6  /* the tallest tile */
-typedef void (*kernel_fn)(const uint8_t *, long, const int8_t *, long, int32_t *);
+typedef void (*kernel_fn)(const uint8_t *, long, const int8_t *, long, const int32_t *, int32_t *);
 static const int MR_OF[NV + 1] = {0, 6, 6, 4, MR};  /* rows of a tile by the panel's vectors */
 static const kernel_fn KERNELS[NV + 1][TILE_ROWS + 1] = {
     {0},
@@ -224,11 +229,18 @@ static inline __attribute__((always_inline)) void store_real(const i8_plan *p, v
 static inline __attribute__((always_inline)) __m256i quantize_q(const i8_plan *p, __m256i t, __m256 scale_q)
 {
     __m256 q = _mm256_mul_ps(_mm256_cvtepi32_ps(t), scale_q);
+    if (p->bounded) return _mm256_cvtps_epi32(q);  /* the activation on the words (store_q) */
     if (p->activation == ACT_CLIP)
         return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(q, _mm256_set1_ps(p->alpha_q)),
                                                 _mm256_set1_ps(p->beta_q)));
     if (p->activation == ACT_RELU) q = _mm256_max_ps(q, _mm256_setzero_ps());
     return _mm256_cvtps_epi32(_mm256_min_ps(q, _mm256_set1_ps(1e9f)));
+}
+
+static inline __attribute__((always_inline)) __m256i clamp_words(const i8_plan *p, __m256i words)
+{
+    return _mm256_min_epi16(_mm256_max_epi16(words, _mm256_set1_epi16((short)p->lo_word)),
+                            _mm256_set1_epi16((short)p->hi_word));
 }
 
 /* the count (<= NR) quantized values q of row m, channels [n0, n0 + count), with the zero point, to 8 bits: packs
@@ -241,8 +253,12 @@ static inline __attribute__((always_inline)) void store_q(const i8_plan *p, void
     const __m256i zero = _mm256_set1_epi16((short)p->y_zero);
     const int is_unsigned = p->out == OUT_U8;
     if (count == NR) {
-        const __m256i w01 = _mm256_adds_epi16(_mm256_packs_epi32(q[0], q[1]), zero);
-        const __m256i w23 = _mm256_adds_epi16(_mm256_packs_epi32(q[2], q[3]), zero);
+        __m256i w01 = _mm256_adds_epi16(_mm256_packs_epi32(q[0], q[1]), zero);
+        __m256i w23 = _mm256_adds_epi16(_mm256_packs_epi32(q[2], q[3]), zero);
+        if (p->bounded && p->clamp_words) {
+            w01 = clamp_words(p, w01);
+            w23 = clamp_words(p, w23);
+        }
         const __m256i bytes = is_unsigned ? _mm256_packus_epi16(w01, w23) : _mm256_packs_epi16(w01, w23);
         _mm256_storeu_si256((__m256i *)dst,
                             _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
@@ -250,7 +266,8 @@ static inline __attribute__((always_inline)) void store_q(const i8_plan *p, void
     }
     for (int v = 0; v * LANES < count; v += 2) {
         const long left = count - v * LANES;
-        const __m256i words = _mm256_adds_epi16(_mm256_packs_epi32(q[v], left > LANES ? q[v + 1] : q[v]), zero);
+        __m256i words = _mm256_adds_epi16(_mm256_packs_epi32(q[v], left > LANES ? q[v + 1] : q[v]), zero);
+        if (p->bounded && p->clamp_words) words = clamp_words(p, words);
         const __m256i bytes = is_unsigned ? _mm256_packus_epi16(words, words) : _mm256_packs_epi16(words, words);
         const __m128i ordered = _mm256_castsi256_si128(
             _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 0, 4, 1, 5)));  /* q[v], q[v + 1] */
@@ -275,10 +292,8 @@ static void panel_item(void *ctx, long panel)
     const int8_t *w = p->w + panel * K4 * NR * 4;
     int32_t sums[TILE_ROWS * NR] __attribute__((aligned(32)));
     float real[TILE_ROWS * NR] __attribute__((aligned(32))); /* a tile's r for ACT_GEMM's activation pass */
-    __m256i offset[NV];
     __m256 scale[NV], scale_q[NV];
     for (int v = 0; v < NV; v++) {
-        offset[v] = _mm256_loadu_si256((const __m256i *)(p->offset + n0 + v * LANES));
         scale[v] = _mm256_loadu_ps(p->scale + n0 + v * LANES);
         scale_q[v] = _mm256_loadu_ps(p->scale_q + n0 + v * LANES);
     }
@@ -286,14 +301,13 @@ static void panel_item(void *ctx, long panel)
     const int bytes_q = (p->out == OUT_U8 || p->out == OUT_S8) && !outside;  /* act_q(scale_q·t) */
     for (long m0 = 0; m0 < p->M; m0 += mr) {
         const long rows = p->M - m0 < mr ? p->M - m0 : mr;
-        KERNELS[V][rows](l->a + m0 * l->astride, l->astride, w, K4, sums);
+        KERNELS[V][rows](l->a + m0 * l->astride, l->astride, w, K4, p->offset + n0, sums);
         if (p->out == OUT_S32) {  /* t itself */
             for (long r = 0; r < rows; r++)
                 for (int v = 0; v < V; v++) {
                     const long n = n0 + v * LANES, left = p->N - n < LANES ? p->N - n : LANES;
                     int32_t t[LANES];
-                    _mm256_storeu_si256((__m256i *)t, _mm256_add_epi32(
-                        _mm256_load_si256((const __m256i *)(sums + (r * NV + v) * LANES)), offset[v]));
+                    memcpy(t, sums + (r * NV + v) * LANES, sizeof t);
                     memcpy((int32_t *)l->y + (m0 + r) * p->N + n, t, sizeof(int32_t) * left);
                 }
             continue;
@@ -302,8 +316,8 @@ static void panel_item(void *ctx, long panel)
             for (long r = 0; r < rows; r++) {
                 __m256i q[NV];
                 for (int v = 0; v < V; v++)
-                    q[v] = quantize_q(p, _mm256_add_epi32(
-                        _mm256_load_si256((const __m256i *)(sums + (r * NV + v) * LANES)), offset[v]), scale_q[v]);
+                    q[v] = quantize_q(p, _mm256_load_si256((const __m256i *)(sums + (r * NV + v) * LANES)),
+                                      scale_q[v]);
                 store_q(p, l->y, m0 + r, n0, q, count);
             }
             continue;
@@ -311,8 +325,7 @@ static void panel_item(void *ctx, long panel)
         if (outside) {  /* r of the whole tile, then gemm.c's activation over it in one call */
             for (long r = 0; r < rows; r++)
                 for (int v = 0; v < V; v++) {
-                    const __m256i t = _mm256_add_epi32(
-                        _mm256_load_si256((const __m256i *)(sums + (r * NV + v) * LANES)), offset[v]);
+                    const __m256i t = _mm256_load_si256((const __m256i *)(sums + (r * NV + v) * LANES));
                     _mm256_store_ps(real + (r * NV + v) * LANES, _mm256_mul_ps(_mm256_cvtepi32_ps(t), scale[v]));
                 }
             if (V == NV) kiln_gemm_activate(real, (int)(rows * NR), p->gemm_activation, p->alpha, p->beta);
@@ -325,8 +338,7 @@ static void panel_item(void *ctx, long panel)
                 __m256 rv;
                 if (outside) rv = _mm256_load_ps(real + (r * NV + v) * LANES);
                 else {
-                    const __m256i t = _mm256_add_epi32(
-                        _mm256_load_si256((const __m256i *)(sums + (r * NV + v) * LANES)), offset[v]);
+                    const __m256i t = _mm256_load_si256((const __m256i *)(sums + (r * NV + v) * LANES));
                     rv = clamp_activate(p, _mm256_mul_ps(_mm256_cvtepi32_ps(t), scale[v]));
                 }
                 const long n = n0 + v * LANES;

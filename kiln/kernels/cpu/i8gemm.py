@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.kernels.cpu import gemm_native, native_loop, onednn, onednn_int8, plan_member
+from kiln.kernels.cpu import gemm_native, native_loop, onednn, onednn_int8, plan_member, requantize
 
 SOURCE = Path(__file__).with_name("i8gemm.c").read_text()
 ACTIVATIONS = {"": 0, "Relu": 1, "Clip": 4, "Gelu": 8, "GeluTanh": 8}  # i8gemm.c's ACT_* (8: gemm.c's, by its code)
@@ -43,7 +43,8 @@ class Plan(ctypes.Structure):  # i8_plan in i8gemm.c
                 ("activation", ctypes.c_int), ("gemm_activation", ctypes.c_int), ("alpha", ctypes.c_float),
                 ("beta", ctypes.c_float), ("alpha_q", ctypes.c_float), ("beta_q", ctypes.c_float),
                 ("out", ctypes.c_int), ("y_scale", ctypes.c_float), ("y_zero", ctypes.c_long),
-                ("threads", ctypes.c_int)]
+                ("threads", ctypes.c_int),
+                *((name, ctypes.c_int) for name in ("bounded", "clamp_words", "lo_word", "hi_word"))]
 
 
 def _setup(lib: ctypes.CDLL) -> None:
@@ -163,7 +164,10 @@ class I8Gemm:
                            gemm_activation=gemm_native.ACTIVATIONS[activation] if ACTIVATIONS[activation] == OUTSIDE
                            else 0, alpha=float(alpha), beta=float(beta),
                            alpha_q=float(alpha) / float(y_scale), beta_q=float(beta) / float(y_scale),
-                           out=OUTPUTS[y_dtype], y_scale=float(y_scale), y_zero=int(y_zero))
+                           out=OUTPUTS[y_dtype], y_scale=float(y_scale), y_zero=int(y_zero),
+                           **requantize.word_fields(self._scale_q[:n], 255 * w.to(torch.int64).abs().sum(dim=1)
+                                                    + offset.abs(), y_dtype, int(y_zero), activation, float(alpha),
+                                                    float(beta), float(y_scale)))
         self._at(int(rows))
 
     def row_fields(self, rows: int) -> dict[str, int]:
