@@ -134,3 +134,30 @@ def test_the_1x1_kernel_on_nhwc_rows_is_onnxruntimes_qlinearconv(shape, o, relu6
                          *(("Clip", 0.0, 6.0) if relu6 else ("", 0.0, 0.0)))
     got = gemm(torch.from_numpy(x).permute(0, 2, 3, 1).reshape(rows, c))  # [N·H·W, O]
     _assert_equal_but_ties(got.numpy(), want.transpose(0, 2, 3, 1).reshape(rows, o))
+
+
+@pytest.mark.parametrize("y_dtype, y_zero", [(torch.uint8, 0), (torch.uint8, 11), (torch.int8, -7)])
+@pytest.mark.parametrize("activation, alpha, beta, y_scale", [
+    ("Clip", 0.0, 6.0, 6.0 / 255),  # ReLU6 into [0, 6]: the saturation is the clamp (ON_WORDS)
+    ("Clip", -0.5, 2.0, 0.03),  # bounds inside the range: the words clamped (ON_WORDS_CLAMPED)
+    ("Relu", 0.0, 0.0, 0.05),
+    ("", 0.0, 0.0, 0.05),
+])
+@pytest.mark.parametrize("stride", [1, 2])
+def test_the_depthwise_activation_on_packed_words_is_the_float_one(stride, activation, alpha, beta, y_scale, y_dtype,
+                                                                   y_zero):
+    """qdepthwise.c's AVX2 epilogue with Relu/Clip on the rounded int16 words (the plan bounded: the default here)
+    against the same layer with them on the floats (bounded cleared): equal on every value (requantize.py: a
+    monotone map commutes with a clamp). Natively (AVX-512) both take the floats."""
+    rng = case_rng(f"dw words {stride} {activation} {alpha} {beta} {y_scale} {y_dtype} {y_zero}")
+    shape = (1, 48, 11, 10)
+    x, x_zero, w, w_scale, bias, _ = _inputs(rng, shape, (48, 1, 3, 3), 128, np.uint8)
+    layers = [qdepthwise.QDepthwiseConv(torch.from_numpy(w), torch.from_numpy(w_scale), torch.from_numpy(bias), shape,
+                                        [stride, stride], [1, 1, 1, 1], torch.uint8, X_SCALE, x_zero,
+                                        (y_dtype, y_scale, y_zero), activation, alpha, beta) for _ in range(2)]
+    assert layers[0].fields["bounded"] == 1
+    layers[1].fields["bounded"] = 0  # read when its plan is made, on the first call
+    xt = torch.from_numpy(x).contiguous(memory_format=torch.channels_last)
+    words, floats = (layer(xt) for layer in layers)
+    assert torch.equal(words, floats)
+    assert int(words.max()) > int(words.min())

@@ -60,6 +60,9 @@ typedef struct {
     float alpha_q, beta_q;        /* the same over y_scale */
     int out;                      /* OUT_* */
     int y_zero;
+    int bounded;                  /* every |scale_q·t| < 2^30 (requantize.py): AVX2 rounds q with no float clamp */
+    int clamp_words;              /* and clamps the packed words to [lo_word, hi_word] for Relu/Clip where the */
+    int lo_word, hi_word;         /* 8-bit saturation does not (a monotone map commutes with a clamp) */
     int threads;                  /* 1: no parallel region */
     int16_t *rings;               /* [threads][ring_elements]: each thread's ring (qdepthwise.py's, per plan) */
     long ring_elements;           /* KH·M·Cp·2 */
@@ -169,12 +172,16 @@ typedef struct {
     vf alpha, beta, alpha_q, beta_q;
     int y_zero;
     int activation, out;
+    int lo_word, hi_word;
 } epilogue;
+
+/* how an 8-bit output applies Relu/Clip: on the floats (and clamped to convert), or on the packed words */
+enum { ON_FLOATS = 0, ON_WORDS = 1, ON_WORDS_CLAMPED = 2 };
 
 static inline __attribute__((always_inline)) epilogue epilogue_of(const qdw_plan *p)
 {
     epilogue e = {p->scale, p->scale_q, VSET(p->alpha), VSET(p->beta), VSET(p->alpha_q), VSET(p->beta_q),
-                  p->y_zero, p->activation, p->out};
+                  p->y_zero, p->activation, p->out, p->lo_word, p->hi_word};
     return e;
 }
 
@@ -187,10 +194,12 @@ static inline __attribute__((always_inline)) void store_float(const epilogue *e,
     VSTORE(y, r);
 }
 
-/* 8-bit out: round(act_q(scale_q·t)) as int32 lanes, within int32 (the zero point added by the caller) */
-static inline __attribute__((always_inline)) vi quantized(const epilogue *e, long c, vi t)
+/* 8-bit out: round(act_q(scale_q·t)) as int32 lanes, within int32 (the zero point added by the caller); ON_WORDS:
+   round(scale_q·t), the activation left to the words */
+static inline __attribute__((always_inline)) vi quantized(const epilogue *e, long c, vi t, const int mode)
 {
     vf q = VMUL(TO_FLOAT(t), VLOAD(e->scale_q + c));
+    if (mode != ON_FLOATS) return TO_INT(q);
     if (e->activation == ACT_CLIP) q = VMIN(VMAX(q, e->alpha_q), e->beta_q);
     else q = VMIN(VMAX(q, e->activation == ACT_RELU ? VZERO() : VSET(-1e9f)), VSET(1e9f));
     return TO_INT(q);
@@ -198,40 +207,48 @@ static inline __attribute__((always_inline)) vi quantized(const epilogue *e, lon
 
 #if LANES == 16
 /* one vector's sums t to y at `at` (elements) */
-static inline __attribute__((always_inline)) void store_vector(const epilogue *e, void *y, long at, long c, vi t)
+static inline __attribute__((always_inline)) void store_vector(const epilogue *e, void *y, long at, long c, vi t,
+                                                               const int mode)
 {
+    (void)mode; /* AVX-512: on the floats */
     if (e->out == OUT_F32) { store_float(e, (float *)y + at, c, t); return; }
-    STORE_BYTES((uint8_t *)y + at, IADD(quantized(e, c, t), ISET(e->y_zero)), e->out == OUT_U8); /* saturating */
+    STORE_BYTES((uint8_t *)y + at, IADD(quantized(e, c, t, ON_FLOATS), ISET(e->y_zero)), e->out == OUT_U8);
 }
-#define store_pair(e, y, at, c, t0, t1) (store_vector(e, y, at, c, t0), store_vector(e, y, (at) + LANES, (c) + LANES, t1))
+#define store_pair(e, y, at, c, t0, t1, mode)                                                                        \
+    (store_vector(e, y, at, c, t0, mode), store_vector(e, y, (at) + LANES, (c) + LANES, t1, mode))
 #else
 /* int32 lanes of two vectors to 16 bytes: int16 saturated, the zero point added (saturating), 8-bit saturated; the
    packs work within 128-bit lanes, so the dwords come out as (a 0-3, b 0-3 | a 4-7, b 4-7) and one permute orders
    them */
-static inline __attribute__((always_inline)) __m128i bytes16(const epilogue *e, __m256i a, __m256i b)
+static inline __attribute__((always_inline)) __m128i bytes16(const epilogue *e, __m256i a, __m256i b, const int mode)
 {
-    const __m256i words = _mm256_adds_epi16(_mm256_packs_epi32(a, b), _mm256_set1_epi16((short)e->y_zero));
+    __m256i words = _mm256_adds_epi16(_mm256_packs_epi32(a, b), _mm256_set1_epi16((short)e->y_zero));
+    if (mode == ON_WORDS_CLAMPED)
+        words = _mm256_min_epi16(_mm256_max_epi16(words, _mm256_set1_epi16((short)e->lo_word)),
+                                 _mm256_set1_epi16((short)e->hi_word));
     const __m256i bytes = e->out == OUT_U8 ? _mm256_packus_epi16(words, words) : _mm256_packs_epi16(words, words);
     return _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 0, 4, 1, 5)));
 }
 
-static inline __attribute__((always_inline)) void store_vector(const epilogue *e, void *y, long at, long c, vi t)
+static inline __attribute__((always_inline)) void store_vector(const epilogue *e, void *y, long at, long c, vi t,
+                                                               const int mode)
 {
     if (e->out == OUT_F32) { store_float(e, (float *)y + at, c, t); return; }
-    const __m256i q = quantized(e, c, t);
-    _mm_storel_epi64((__m128i *)((uint8_t *)y + at), bytes16(e, q, q));
+    const __m256i q = quantized(e, c, t, mode);
+    _mm_storel_epi64((__m128i *)((uint8_t *)y + at), bytes16(e, q, q, mode));
 }
 
 /* two neighbouring channel vectors of one pixel: one pack and one 16-byte store for both */
 static inline __attribute__((always_inline)) void store_pair(const epilogue *e, void *y, long at, long c, vi t0,
-                                                             vi t1)
+                                                             vi t1, const int mode)
 {
     if (e->out == OUT_F32) {
         store_float(e, (float *)y + at, c, t0);
         store_float(e, (float *)y + at + LANES, c + LANES, t1);
         return;
     }
-    _mm_storeu_si128((__m128i *)((uint8_t *)y + at), bytes16(e, quantized(e, c, t0), quantized(e, c + LANES, t1)));
+    _mm_storeu_si128((__m128i *)((uint8_t *)y + at),
+                     bytes16(e, quantized(e, c, t0, mode), quantized(e, c + LANES, t1, mode), mode));
 }
 #endif
 
@@ -250,7 +267,8 @@ static inline __attribute__((always_inline)) vi madd_add(vi acc, vi a, vi b)
 static inline __attribute__((always_inline)) void block_channels(const qdw_plan *p, const epilogue *e, void *y,
                                                                  const int16_t *const *tap_rows, long out_at, long ow0,
                                                                  long c, const int NV, const int KH, const int KP,
-                                                                 const long PX, const long PP, const int count)
+                                                                 const long PX, const long PP, const int count,
+                                                                 const int mode)
 {
     const long C = p->C, Cp = p->Cp;
     vi acc[2][U];
@@ -270,55 +288,75 @@ static inline __attribute__((always_inline)) void block_channels(const qdw_plan 
         }
     }
     for (int u = 0; u < count; u++) {
-        if (NV == 2) store_pair(e, y, out_at + u * C + c, c, acc[0][u], acc[1][u]);
-        else store_vector(e, y, out_at + u * C + c, c, acc[0][u]);
+        if (NV == 2) store_pair(e, y, out_at + u * C + c, c, acc[0][u], acc[1][u], mode);
+        else store_vector(e, y, out_at + u * C + c, c, acc[0][u], mode);
     }
 }
 
 static inline __attribute__((always_inline)) void block_vector(const qdw_plan *p, void *y,
                                                                const int16_t *const *tap_rows, long n, long oh,
                                                                long ow0, long cv, const int KH, const int KP,
-                                                               const long PX, const long PP, const int count)
+                                                               const long PX, const long PP, const int count,
+                                                               const int mode)
 {
     const long out_at = ((n * p->OH + oh) * p->OW + ow0) * p->C;
     const epilogue e = epilogue_of(p);
     long c = 0;
     for (; c + 2 * LANES <= cv; c += 2 * LANES)
-        block_channels(p, &e, y, tap_rows, out_at, ow0, c, 2, KH, KP, PX, PP, count);
-    if (c < cv) block_channels(p, &e, y, tap_rows, out_at, ow0, c, 1, KH, KP, PX, PP, count);
+        block_channels(p, &e, y, tap_rows, out_at, ow0, c, 2, KH, KP, PX, PP, count, mode);
+    if (c < cv) block_channels(p, &e, y, tap_rows, out_at, ow0, c, 1, KH, KP, PX, PP, count, mode);
 }
 
-/* 3x3 at strides 1 and 2 (MobileNetV2's, EfficientNet's) with the taps known to the compiler (the loops unrolled),
-   and their last OW mod U pixels; any other layer through the same code with its geometry read at run time.
-   Stride 1: G = 1, pairs a pixel apart 1, tap pairs 2; stride 2: G = 2, 1 and 1 */
-#define BLOCK_3x3(SW, PX, PP, COUNT)                                                                                 \
-    static void block_3x3_s##SW##_##COUNT(const qdw_plan *p, void *y, const int16_t *const *tap_rows, long n,       \
-                                          long oh, long ow0, long cv)                                                 \
+/* the epilogue a layer runs (AVX2: on the words where the plan is bounded) */
+static inline int mode_of(const qdw_plan *p)
+{
+    if (LANES != 8 || !p->bounded || p->out == OUT_F32) return ON_FLOATS;
+    return p->clamp_words ? ON_WORDS_CLAMPED : ON_WORDS;
+}
+
+/* 3x3 at strides 1 and 2 (MobileNetV2's, EfficientNet's) with the taps and the epilogue known to the compiler (the
+   loops unrolled), and their last OW mod U pixels; any other layer through the same code with its geometry read at
+   run time. Stride 1: G = 1, pairs a pixel apart 1, tap pairs 2; stride 2: G = 2, 1 and 1 */
+#define BLOCK_3x3(MODE, SW, PX, PP, COUNT)                                                                           \
+    static void block_3x3_##MODE##_s##SW##_##COUNT(const qdw_plan *p, void *y, const int16_t *const *tap_rows,      \
+                                                   long n, long oh, long ow0, long cv)                                \
     {                                                                                                                 \
-        block_vector(p, y, tap_rows, n, oh, ow0, cv, 3, 2, PX, PP, COUNT);                                            \
+        block_vector(p, y, tap_rows, n, oh, ow0, cv, 3, 2, PX, PP, COUNT, MODE);                                      \
     }
-BLOCK_3x3(1, 1, 2, 4) BLOCK_3x3(1, 1, 2, 3) BLOCK_3x3(1, 1, 2, 2) BLOCK_3x3(1, 1, 2, 1)
-BLOCK_3x3(2, 1, 1, 4) BLOCK_3x3(2, 1, 1, 3) BLOCK_3x3(2, 1, 1, 2) BLOCK_3x3(2, 1, 1, 1)
+#define BLOCKS_OF(MODE)                                                                                              \
+    BLOCK_3x3(MODE, 1, 1, 2, 4) BLOCK_3x3(MODE, 1, 1, 2, 3) BLOCK_3x3(MODE, 1, 1, 2, 2) BLOCK_3x3(MODE, 1, 1, 2, 1) \
+    BLOCK_3x3(MODE, 2, 1, 1, 4) BLOCK_3x3(MODE, 2, 1, 1, 3) BLOCK_3x3(MODE, 2, 1, 1, 2) BLOCK_3x3(MODE, 2, 1, 1, 1)
+BLOCKS_OF(ON_FLOATS)
+#if LANES == 8
+BLOCKS_OF(ON_WORDS)
+BLOCKS_OF(ON_WORDS_CLAMPED)
+#endif
 
 typedef void (*block_fn)(const qdw_plan *, void *, const int16_t *const *, long, long, long, long);
-static const block_fn BLOCKS_3x3[2][U] = {
-    {block_3x3_s1_1, block_3x3_s1_2, block_3x3_s1_3, block_3x3_s1_4},
-    {block_3x3_s2_1, block_3x3_s2_2, block_3x3_s2_3, block_3x3_s2_4}};
+#define TABLE_OF(MODE)                                                                                               \
+    {{block_3x3_##MODE##_s1_1, block_3x3_##MODE##_s1_2, block_3x3_##MODE##_s1_3, block_3x3_##MODE##_s1_4},          \
+     {block_3x3_##MODE##_s2_1, block_3x3_##MODE##_s2_2, block_3x3_##MODE##_s2_3, block_3x3_##MODE##_s2_4}}
+static const block_fn BLOCKS_3x3[][2][U] = {
+    TABLE_OF(ON_FLOATS),
+#if LANES == 8
+    TABLE_OF(ON_WORDS), TABLE_OF(ON_WORDS_CLAMPED),
+#endif
+};
 
 static void block_any(const qdw_plan *p, void *y, const int16_t *const *tap_rows, long n, long oh, long ow0, long cv,
                       int count)
 {
-    block_vector(p, y, tap_rows, n, oh, ow0, cv, p->KH, p->KP, p->SW / p->G, 2 / p->G, count);
+    block_vector(p, y, tap_rows, n, oh, ow0, cv, p->KH, p->KP, p->SW / p->G, 2 / p->G, count, ON_FLOATS);
 }
 
 static void row_pixels(const qdw_plan *p, void *y, const int16_t *const *tap_rows, long n, long oh)
 {
     const long cv = p->C / LANES * LANES;
     if (cv > 0) {
-        const int fixed = p->KH == 3 && p->KW == 3 && (p->SW == 1 || p->SW == 2);
+        const int fixed = p->KH == 3 && p->KW == 3 && (p->SW == 1 || p->SW == 2), mode = mode_of(p);
         for (long ow = 0; ow < p->OW; ow += U) {
             const int count = p->OW - ow < U ? (int)(p->OW - ow) : U;
-            if (fixed) BLOCKS_3x3[p->SW - 1][count - 1](p, y, tap_rows, n, oh, ow, cv);
+            if (fixed) BLOCKS_3x3[mode][p->SW - 1][count - 1](p, y, tap_rows, n, oh, ow, cv);
             else block_any(p, y, tap_rows, n, oh, ow, cv, count);
         }
     }

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.kernels.cpu import depthwise, native_loop, onednn, onednn_int8, onednn_primitives, plan_member
+from kiln.kernels.cpu import depthwise, native_loop, onednn, onednn_int8, onednn_primitives, plan_member, requantize
 
 SOURCE = Path(__file__).with_name("qdepthwise.c").read_text()
 ACTIVATIONS = {"": 0, "Relu": 1, "Clip": 4}  # qdepthwise.c's ACT_* (i8gemm.c's numbering)
@@ -39,6 +39,7 @@ class _Plan(ctypes.Structure):  # qdw_plan in qdepthwise.c
                 ("M", ctypes.c_long), ("x_signed", ctypes.c_int),
                 ("activation", ctypes.c_int), ("alpha", ctypes.c_float), ("beta", ctypes.c_float),
                 ("alpha_q", ctypes.c_float), ("beta_q", ctypes.c_float), ("out", ctypes.c_int), ("y_zero", ctypes.c_int),
+                *((name, ctypes.c_int) for name in ("bounded", "clamp_words", "lo_word", "hi_word")),
                 ("threads", ctypes.c_int), ("rings", ctypes.c_void_p), ("ring_elements", ctypes.c_long)]
 
 
@@ -97,7 +98,8 @@ class QDepthwiseConv(plan_member.PlanKernel):
             raise ValueError(f"a bias of {bias64.numel()} values for a layer of {c} channels")
         taps = w.detach().to(torch.int64).reshape(c, kh * kw)
         bias64 = bias64 - int(x_zero) * taps.sum(dim=1)  # the kernel sums x·w, a padding tap reading z_x
-        if int(bias64.abs().max()) + kh * kw * 255 * 128 > INT32_MAX:
+        sum_bound = bias64.abs() + taps.abs().sum(dim=1) * (255 if x_dtype == torch.uint8 else 128)  # [C]: max |t|
+        if int(sum_bound.max()) > INT32_MAX:
             raise ValueError("int8 depthwise kernel: the bias could carry the int32 sums past their range")
         width = lanes()
         cp = -(-c // width) * width
@@ -137,7 +139,9 @@ class QDepthwiseConv(plan_member.PlanKernel):
                            KP=kp, G=g, M=pairs, x_signed=int(x_dtype == torch.int8),
                            activation=ACTIVATIONS[activation], alpha=float(alpha), beta=float(beta),
                            alpha_q=float(alpha) / float(y_scale), beta_q=float(beta) / float(y_scale),
-                           out=OUTPUTS[y_dtype], y_zero=int(y_zero))
+                           out=OUTPUTS[y_dtype], y_zero=int(y_zero),
+                           **requantize.word_fields(self._scale_q[:c], sum_bound, y_dtype, int(y_zero),
+                                                    activation, float(alpha), float(beta), float(y_scale)))
         self._own_calls()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
