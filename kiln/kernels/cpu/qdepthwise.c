@@ -369,53 +369,103 @@ static void row_pixels(const qdw_plan *p, void *y, const int16_t *const *tap_row
 }
 #endif
 
+#if defined(__AVX2__)
+/* 16 channels of a pair: interleave the two columns' bytes, extend each half to 8 int16 pairs */
+static inline __attribute__((always_inline)) void pairs16(int16_t *d, __m128i xa, __m128i xb, int x_signed)
+{
+    const __m128i lo = _mm_unpacklo_epi8(xa, xb), hi = _mm_unpackhi_epi8(xa, xb);
+    _mm256_storeu_si256((__m256i *)d, x_signed ? _mm256_cvtepi8_epi16(lo) : _mm256_cvtepu8_epi16(lo));
+    _mm256_storeu_si256((__m256i *)(d + 16), x_signed ? _mm256_cvtepi8_epi16(hi) : _mm256_cvtepu8_epi16(hi));
+}
+#endif
+
+/* channels [c, Cp) of one ring pair d from input columns a and b (zeros past C: zero weights there) */
+static void pair_channels(const qdw_plan *p, int16_t *d, const uint8_t *a, const uint8_t *b, long c)
+{
+    const long C = p->C;
+#if defined(__AVX2__)
+    for (; c + 16 <= C; c += 16)
+        pairs16(d + 2 * c, _mm_loadu_si128((const __m128i *)(a + c)), _mm_loadu_si128((const __m128i *)(b + c)),
+                p->x_signed);
+    for (; c + 8 <= C; c += 8) {
+        const __m128i ab = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(a + c)),
+                                             _mm_loadl_epi64((const __m128i *)(b + c)));
+        _mm256_storeu_si256((__m256i *)(d + 2 * c), p->x_signed ? _mm256_cvtepi8_epi16(ab) : _mm256_cvtepu8_epi16(ab));
+    }
+#endif
+    for (; c < C; c++) {
+        d[2 * c] = p->x_signed ? (int16_t)(int8_t)a[c] : (int16_t)a[c];
+        d[2 * c + 1] = p->x_signed ? (int16_t)(int8_t)b[c] : (int16_t)b[c];
+    }
+    for (; c < p->Cp; c++) d[2 * c] = d[2 * c + 1] = 0;
+}
+
 /* input row ih of image n into slot ih mod KH as int16 column pairs, z_x at padding columns, the whole row z_x above
-   or below: pair m of channel c is (x[m·G][c], x[m·G + 1][c]) */
+   or below: pair m of channel c is (x[m·G][c], x[m·G + 1][c]). The pairs whose two columns are inside the row go
+   with no bounds test; at stride 1 (G = 1) pair m's second column is pair m + 1's first: with few channels (a
+   pair's work is short) each column is loaded once, the channel loop outside (MobileNetV2's 32-channel 112² layer:
+   -10%; with more channels the pairs in order ran as fast or faster) */
+#define NARROW 32
 static void widen_row(const qdw_plan *p, const uint8_t *x, ring *g, long n, long ih)
 {
     const long slot = ih % p->KH < 0 ? ih % p->KH + p->KH : ih % p->KH;
     if (g->held[slot][0] == n && g->held[slot][1] == ih) return;
     g->held[slot][0] = n;
     g->held[slot][1] = ih;
-    const long C = p->C, Cp = p->Cp;
+    const long C = p->C, Cp = p->Cp, G = p->G;
     int16_t *dst = g->rows + slot * p->M * Cp * 2;
     const int inside_row = ih >= 0 && ih < p->H;
     const uint8_t *src = inside_row ? x + (n * p->H + ih) * p->W * C : x;
+    /* [first, last): the pairs with both columns inside (none in a padding row) */
+    long first = (p->PL + G - 1) / G, last = (p->W - 2 + p->PL) / G + 1;
+    if (!inside_row || p->W < 2) first = last = 0;
+    if (last > p->M) last = p->M;
+    if (first > last) first = last;
     for (long m = 0; m < p->M; m++) {
-        const long iw = m * p->G - p->PL;  /* the pair's first input column */
+        if (m == first && first < last) m = last;  /* the inside pairs below */
+        if (m >= p->M) break;
+        const long iw = m * G - p->PL;  /* the pair's first input column */
         const uint8_t *a = inside_row && iw >= 0 && iw < p->W ? src + iw * C : p->padding;
         const uint8_t *b = inside_row && iw + 1 >= 0 && iw + 1 < p->W ? src + (iw + 1) * C : p->padding;
-        int16_t *d = dst + m * Cp * 2;
-        long c = 0;
-#if defined(__AVX2__)
-        /* 16 channels: interleave the two columns' bytes, extend each half to 8 int16 pairs */
-        if (p->x_signed)
-            for (; c + 16 <= C; c += 16) {
-                const __m128i xa = _mm_loadu_si128((const __m128i *)(a + c));
-                const __m128i xb = _mm_loadu_si128((const __m128i *)(b + c));
-                _mm256_storeu_si256((__m256i *)(d + 2 * c), _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(xa, xb)));
-                _mm256_storeu_si256((__m256i *)(d + 2 * c + 16), _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(xa, xb)));
-            }
-        else
-            for (; c + 16 <= C; c += 16) {
-                const __m128i xa = _mm_loadu_si128((const __m128i *)(a + c));
-                const __m128i xb = _mm_loadu_si128((const __m128i *)(b + c));
-                _mm256_storeu_si256((__m256i *)(d + 2 * c), _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(xa, xb)));
-                _mm256_storeu_si256((__m256i *)(d + 2 * c + 16), _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(xa, xb)));
-            }
-        for (; c + 8 <= C; c += 8) {
-            const __m128i ab = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)(a + c)),
-                                                 _mm_loadl_epi64((const __m128i *)(b + c)));
-            _mm256_storeu_si256((__m256i *)(d + 2 * c), p->x_signed ? _mm256_cvtepi8_epi16(ab)
-                                                                    : _mm256_cvtepu8_epi16(ab));
-        }
-#endif
-        for (; c < C; c++) {
-            d[2 * c] = p->x_signed ? (int16_t)(int8_t)a[c] : (int16_t)a[c];
-            d[2 * c + 1] = p->x_signed ? (int16_t)(int8_t)b[c] : (int16_t)b[c];
-        }
-        for (; c < Cp; c++) d[2 * c] = d[2 * c + 1] = 0;  /* past C: zero weights there */
+        pair_channels(p, dst + m * Cp * 2, a, b, 0);
     }
+    if (first >= last) return;
+    long c = 0;
+#if defined(__AVX2__)
+    if (G == 1 && C <= NARROW)  /* few channels: each column loaded once, the pairs inside the channel loop */
+        for (; c + 16 <= C; c += 16) {
+            const uint8_t *column = src + (first - p->PL) * C + c;
+            int16_t *d = dst + first * Cp * 2 + 2 * c;
+            __m128i xa = _mm_loadu_si128((const __m128i *)column);
+            for (long m = first; m < last; m++, column += C, d += Cp * 2) {
+                const __m128i xb = _mm_loadu_si128((const __m128i *)(column + C));
+                pairs16(d, xa, xb, p->x_signed);
+                xa = xb;
+            }
+        }
+    else if (p->x_signed)  /* pair by pair, in order */
+        for (long m = first; m < last; m++) {
+            const uint8_t *a = src + (m * G - p->PL) * C;
+            int16_t *d = dst + m * Cp * 2;
+            for (long k = 0; k + 16 <= C; k += 16)
+                pairs16(d + 2 * k, _mm_loadu_si128((const __m128i *)(a + k)),
+                        _mm_loadu_si128((const __m128i *)(a + C + k)), 1);
+        }
+    else
+        for (long m = first; m < last; m++) {
+            const uint8_t *a = src + (m * G - p->PL) * C;
+            int16_t *d = dst + m * Cp * 2;
+            for (long k = 0; k + 16 <= C; k += 16)
+                pairs16(d + 2 * k, _mm_loadu_si128((const __m128i *)(a + k)),
+                        _mm_loadu_si128((const __m128i *)(a + C + k)), 0);
+        }
+    c = C / 16 * 16;
+#endif
+    if (c < Cp)  /* the channels past the last 16 */
+        for (long m = first; m < last; m++) {
+            const uint8_t *a = src + (m * G - p->PL) * C;
+            pair_channels(p, dst + m * Cp * 2, a, a + C, c);
+        }
 }
 
 /* output row (n, oh): its tap rows widened into the ring (those not held), then every pixel */
