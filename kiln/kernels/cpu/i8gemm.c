@@ -176,6 +176,54 @@ DEFINE_KERNEL(4, 3) DEFINE_KERNEL(3, 3) DEFINE_KERNEL(2, 3) DEFINE_KERNEL(1, 3)
 DEFINE_KERNEL(6, 2) DEFINE_KERNEL(5, 2) DEFINE_KERNEL(4, 2) DEFINE_KERNEL(3, 2) DEFINE_KERNEL(2, 2) DEFINE_KERNEL(1, 2)
 DEFINE_KERNEL(6, 1) DEFINE_KERNEL(5, 1) DEFINE_KERNEL(4, 1) DEFINE_KERNEL(3, 1) DEFINE_KERNEL(2, 1) DEFINE_KERNEL(1, 1)
 
+/* A whole 3 x 32 tile of an 8-bit output on the words (a bounded plan, requantize.py) with its epilogue in the same
+   function: the sums rounded from the accumulators, packed and stored, no round trip through memory (K = 16-32,
+   MobileNetV2's expand layers: the epilogue is as long as the k loop). y: the tile's first output, rows N apart */
+#define DEFINE_FUSED(CLAMP)                                                                                        \
+    static __attribute__((noinline)) void fused_3_4_##CLAMP(const i8_plan *p, const uint8_t *a, long astride,    \
+                                                            const int8_t *w, long K4, long n0, uint8_t *y) {      \
+        __m256i acc[3][NV];                                                                                        \
+        _Pragma("GCC unroll 3") for (int r = 0; r < 3; r++)                                                       \
+            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++)                                                  \
+                acc[r][v] = _mm256_loadu_si256((const __m256i *)(p->offset + n0 + v * LANES));                    \
+        const __m256i ones = _mm256_set1_epi16(1);                                                                 \
+        for (long q = 0; q < K4; q++) {                                                                            \
+            const __m256i *wq = (const __m256i *)(w + q * NR * 4);                                                 \
+            _Pragma("GCC unroll 3") for (int r = 0; r < 3; r++) {                                                 \
+                int32_t bytes;                                                                                     \
+                memcpy(&bytes, a + r * astride + q * 4, 4);                                                        \
+                const __m256i b = _mm256_set1_epi32(bytes);                                                        \
+                _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) {                                            \
+                    const __m256i pairs = _mm256_maddubs_epi16(b, _mm256_loadu_si256(wq + v));                     \
+                    acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_madd_epi16(pairs, ones));                       \
+                }                                                                                                  \
+            }                                                                                                      \
+        }                                                                                                          \
+        const __m256i zero = _mm256_set1_epi16((short)p->y_zero);                                                  \
+        _Pragma("GCC unroll 3") for (int r = 0; r < 3; r++) {                                                     \
+            __m256i q[NV];                                                                                         \
+            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++)                                                  \
+                q[v] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][v]),                             \
+                                                        _mm256_loadu_ps(p->scale_q + n0 + v * LANES)));            \
+            __m256i w01 = _mm256_adds_epi16(_mm256_packs_epi32(q[0], q[1]), zero);                                 \
+            __m256i w23 = _mm256_adds_epi16(_mm256_packs_epi32(q[2], q[3]), zero);                                 \
+            if (CLAMP) {                                                                                           \
+                w01 = clamp_words(p, w01);                                                                         \
+                w23 = clamp_words(p, w23);                                                                         \
+            }                                                                                                      \
+            const __m256i bytes = p->out == OUT_U8 ? _mm256_packus_epi16(w01, w23) : _mm256_packs_epi16(w01, w23); \
+            _mm256_storeu_si256((__m256i *)(y + r * p->N),                                                         \
+                                _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));    \
+        }                                                                                                          \
+    }
+
+static inline __attribute__((always_inline)) __m256i clamp_words(const i8_plan *p, __m256i words)
+{
+    return _mm256_min_epi16(_mm256_max_epi16(words, _mm256_set1_epi16((short)p->lo_word)),
+                            _mm256_set1_epi16((short)p->hi_word));
+}
+DEFINE_FUSED(0) DEFINE_FUSED(1)
+
 #define TILE_ROWS 6  /* the tallest tile */
 typedef void (*kernel_fn)(const uint8_t *, long, const int8_t *, long, const int32_t *, int32_t *);
 static const int MR_OF[NV + 1] = {0, 6, 6, 4, MR};  /* rows of a tile by the panel's vectors */
@@ -237,12 +285,6 @@ static inline __attribute__((always_inline)) __m256i quantize_q(const i8_plan *p
     return _mm256_cvtps_epi32(_mm256_min_ps(q, _mm256_set1_ps(1e9f)));
 }
 
-static inline __attribute__((always_inline)) __m256i clamp_words(const i8_plan *p, __m256i words)
-{
-    return _mm256_min_epi16(_mm256_max_epi16(words, _mm256_set1_epi16((short)p->lo_word)),
-                            _mm256_set1_epi16((short)p->hi_word));
-}
-
 /* the count (<= NR) quantized values q of row m, channels [n0, n0 + count), with the zero point, to 8 bits: packs
    work within 128-bit halves, so bytes come out as [q0 0-3, q1 0-3, q2 0-3, q3 0-3 | the 4-7s] and one permute
    orders them; a whole panel is one 32-byte store, else 16 channels (two vectors) a store */
@@ -299,8 +341,15 @@ static void panel_item(void *ctx, long panel)
     }
     const int outside = p->activation == ACT_GEMM && kiln_gemm_activate != NULL;
     const int bytes_q = (p->out == OUT_U8 || p->out == OUT_S8) && !outside;  /* act_q(scale_q·t) */
+    const int fused = bytes_q && p->bounded && V == NV;  /* whole 3-row tiles through fused_3_4 */
     for (long m0 = 0; m0 < p->M; m0 += mr) {
         const long rows = p->M - m0 < mr ? p->M - m0 : mr;
+        if (fused && rows == MR) {
+            uint8_t *y = (uint8_t *)l->y + m0 * p->N + n0;
+            if (p->clamp_words) fused_3_4_1(p, l->a + m0 * l->astride, l->astride, w, K4, n0, y);
+            else fused_3_4_0(p, l->a + m0 * l->astride, l->astride, w, K4, n0, y);
+            continue;
+        }
         KERNELS[V][rows](l->a + m0 * l->astride, l->astride, w, K4, p->offset + n0, sums);
         if (p->out == OUT_S32) {  /* t itself */
             for (long r = 0; r < rows; r++)
