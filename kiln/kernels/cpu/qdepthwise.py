@@ -3,10 +3,10 @@ activations, its zero point, int32 bias, scale, Relu/Clip and requantization in 
 
 Why: on AVX2 without VNNI oneDNN's int8 depthwise convolutions ran 1.27-1.89x its float ones (Zen 3,
 bench/results/quant-cpu-2026-12-07.md): an int8 MobileNetV2 paid for its depthwise layers more than an fp32 one.
-qdepthwise.c widens the bytes to float32 and runs the float kernel's FMAs on them, exact (every partial sum an integer
-below 2^24), on a quarter of the float layer's input bytes. Which kernel a layer runs is the autotuner's pick between
-this, oneDNN's int8 convolution and the float layer (kiln/tactics/cpu/qconv_kiln.py cpu.qconv.kiln_dw), timed on the
-machine (bench/results/int8-mnv2-avx2-2026-12-07.md).
+qdepthwise.c widens each input row once to int16 column pairs and runs two taps a vpmaddwd into int32 sums, exact for
+any int8 weight, on a quarter of the float layer's input bytes. Which kernel a layer runs is the autotuner's pick
+between this, oneDNN's int8 convolution and the float layer (kiln/tactics/cpu/qconv_kiln.py cpu.qconv.kiln_dw), timed
+on the machine (bench/results/int8-mnv2-avx2-zen4-2026-12-07b.md).
 
 Built by native_loop.build with the machine's C compiler (AVX-512 where the CPU has it and KILN_CPU_ISA does not cap
 it, else AVX2; plain C without either); `load()` is None without a compiler.
