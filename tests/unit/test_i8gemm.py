@@ -6,8 +6,8 @@
   panel, 1 and 2 threads;
 - a weight with one adjacent pair past the bound is refused (its sums would saturate), by the kernel and the tactic;
 - requantized uint8/int8 and float32 outputs, none/Relu/Clip/Gelu/GeluTanh (GELU by gemm.c's vector forms), against
-  kiln's reference QGemm (float64) within one quantization step (a float32 multiply by 1/y_scale against the
-  reference's division, at ties; GELU's float32 error ~2e-7 relative);
+  kiln's reference QGemm (float64) within one quantization step (one float32 multiply by x_scale·w_scale/y_scale
+  against the reference's exact product and division, at ties; GELU's float32 error ~2e-7 relative);
 - a Q/DQ MatMul model built by kiln with the tactic allowed: the layer runs as cpu.qgemm.kiln_i8 inside a native
   segment, its output onnxruntime's (ORT_DISABLE_ALL, the same Q/DQ graph) within one output step; the tuner, left
   alone, times it beside oneDNN's int8 matmul and the float layer.

@@ -39,7 +39,8 @@ PARALLEL_MACS = 1 << 18  # below this many multiply-adds one thread: a parallel 
 class Plan(ctypes.Structure):  # i8_plan in i8gemm.c
     _fields_ = [("get_handle", ctypes.c_void_p), ("x", ctypes.c_void_p), ("y", ctypes.c_void_p),
                 ("w", ctypes.c_void_p), ("offset", ctypes.c_void_p), ("scale", ctypes.c_void_p),
-                ("scale_q", ctypes.c_void_p), ("M", ctypes.c_long), ("K", ctypes.c_long), ("N", ctypes.c_long), ("x_signed", ctypes.c_int),
+                ("scale_q", ctypes.c_void_p), ("M", ctypes.c_long), ("K", ctypes.c_long), ("N", ctypes.c_long),
+                ("x_signed", ctypes.c_int),
                 ("activation", ctypes.c_int), ("gemm_activation", ctypes.c_int), ("alpha", ctypes.c_float),
                 ("beta", ctypes.c_float), ("alpha_q", ctypes.c_float), ("beta_q", ctypes.c_float),
                 ("out", ctypes.c_int), ("y_scale", ctypes.c_float), ("y_zero", ctypes.c_long),
@@ -103,9 +104,14 @@ def offsets(w: torch.Tensor, bias: torch.Tensor | None, x_zero: int) -> torch.Te
     return o if bias is None else o + bias.to(torch.int64).reshape(-1)
 
 
+def channel_bounds(w: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """The largest |t| of each output channel: 255·Σ|w[n]| + |offset[n]| (int64 [N])."""
+    return 255 * w.to(torch.int64).abs().sum(dim=1) + offset.abs()
+
+
 def sum_bound(w: torch.Tensor, offset: torch.Tensor) -> int:
-    """The largest |t| the kernel's int32 can meet: 255·Σ|w[n]| + |offset[n]| over the channels."""
-    return int((255 * w.to(torch.int64).abs().sum(dim=1) + offset.abs()).max()) if w.numel() else 0
+    """The largest |t| the kernel's int32 can meet, over the channels."""
+    return int(channel_bounds(w, offset).max()) if w.numel() else 0
 
 
 class I8Gemm:
@@ -165,9 +171,9 @@ class I8Gemm:
                            else 0, alpha=float(alpha), beta=float(beta),
                            alpha_q=float(alpha) / float(y_scale), beta_q=float(beta) / float(y_scale),
                            out=OUTPUTS[y_dtype], y_scale=float(y_scale), y_zero=int(y_zero),
-                           **requantize.word_fields(self._scale_q[:n], 255 * w.to(torch.int64).abs().sum(dim=1)
-                                                    + offset.abs(), y_dtype, int(y_zero), activation, float(alpha),
-                                                    float(beta), float(y_scale)))
+                           **requantize.word_fields(self._scale_q[:n], channel_bounds(w, offset), y_dtype,
+                                                    int(y_zero), activation, float(alpha), float(beta),
+                                                    float(y_scale)))
         self._at(int(rows))
 
     def row_fields(self, rows: int) -> dict[str, int]:

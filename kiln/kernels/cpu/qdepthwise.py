@@ -38,7 +38,8 @@ class _Plan(ctypes.Structure):  # qdw_plan in qdepthwise.c
                 *((name, ctypes.c_int) for name in ("KH", "KW", "SH", "SW", "PT", "PL", "KP", "G")),
                 ("M", ctypes.c_long), ("x_signed", ctypes.c_int),
                 ("activation", ctypes.c_int), ("alpha", ctypes.c_float), ("beta", ctypes.c_float),
-                ("alpha_q", ctypes.c_float), ("beta_q", ctypes.c_float), ("out", ctypes.c_int), ("y_zero", ctypes.c_int),
+                ("alpha_q", ctypes.c_float), ("beta_q", ctypes.c_float), ("out", ctypes.c_int),
+                ("y_zero", ctypes.c_int),
                 *((name, ctypes.c_int) for name in ("bounded", "clamp_words", "lo_word", "hi_word")),
                 ("threads", ctypes.c_int), ("rings", ctypes.c_void_p), ("ring_elements", ctypes.c_long)]
 
