@@ -179,6 +179,7 @@ OUTPUT_CASES = [  # (input shape, N, quantized output, source, output dtype)
     ((5, 7, 32), 16, True, torch.uint8, torch.uint8),  # MobileNetV2's 16-channel projection: one 2-vector panel
     ((3, 11, 96), 24, True, torch.uint8, torch.int8),  # its 24-channel ones: 3 vectors, 16 + 8 channels a row
     ((2, 9, 24), 44, False, torch.uint8, None),  # float output on a 2-vector panel with a tail
+    ((4, 5, 48), 24, False, torch.uint8, None),  # float output on 3-vector panels (fused 4 x 24 tiles), 20 rows
 ]
 
 

@@ -176,54 +176,70 @@ DEFINE_KERNEL(4, 3) DEFINE_KERNEL(3, 3) DEFINE_KERNEL(2, 3) DEFINE_KERNEL(1, 3)
 DEFINE_KERNEL(6, 2) DEFINE_KERNEL(5, 2) DEFINE_KERNEL(4, 2) DEFINE_KERNEL(3, 2) DEFINE_KERNEL(2, 2) DEFINE_KERNEL(1, 2)
 DEFINE_KERNEL(6, 1) DEFINE_KERNEL(5, 1) DEFINE_KERNEL(4, 1) DEFINE_KERNEL(3, 1) DEFINE_KERNEL(2, 1) DEFINE_KERNEL(1, 1)
 
-/* A whole 3 x 32 tile of an 8-bit output on the words (a bounded plan, requantize.py) with its epilogue in the same
-   function: the sums rounded from the accumulators, packed and stored, no round trip through memory (K = 16-32,
-   MobileNetV2's expand layers: the epilogue is as long as the k loop). y: the tile's first output, rows N apart */
-#define DEFINE_FUSED(CLAMP)                                                                                        \
-    static __attribute__((noinline)) void fused_3_4_##CLAMP(const i8_plan *p, const uint8_t *a, long astride,    \
-                                                            const int8_t *w, long K4, long n0, uint8_t *y) {      \
-        __m256i acc[3][NV];                                                                                        \
-        _Pragma("GCC unroll 3") for (int r = 0; r < 3; r++)                                                       \
-            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++)                                                  \
-                acc[r][v] = _mm256_loadu_si256((const __m256i *)(p->offset + n0 + v * LANES));                    \
-        const __m256i ones = _mm256_set1_epi16(1);                                                                 \
-        for (long q = 0; q < K4; q++) {                                                                            \
-            const __m256i *wq = (const __m256i *)(w + q * NR * 4);                                                 \
-            _Pragma("GCC unroll 3") for (int r = 0; r < 3; r++) {                                                 \
-                int32_t bytes;                                                                                     \
-                memcpy(&bytes, a + r * astride + q * 4, 4);                                                        \
-                const __m256i b = _mm256_set1_epi32(bytes);                                                        \
-                _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) {                                            \
-                    const __m256i pairs = _mm256_maddubs_epi16(b, _mm256_loadu_si256(wq + v));                     \
-                    acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_madd_epi16(pairs, ones));                       \
-                }                                                                                                  \
-            }                                                                                                      \
-        }                                                                                                          \
-        const __m256i zero = _mm256_set1_epi16((short)p->y_zero);                                                  \
-        _Pragma("GCC unroll 3") for (int r = 0; r < 3; r++) {                                                     \
-            __m256i q[NV];                                                                                         \
-            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++)                                                  \
-                q[v] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][v]),                             \
-                                                        _mm256_loadu_ps(p->scale_q + n0 + v * LANES)));            \
-            __m256i w01 = _mm256_adds_epi16(_mm256_packs_epi32(q[0], q[1]), zero);                                 \
-            __m256i w23 = _mm256_adds_epi16(_mm256_packs_epi32(q[2], q[3]), zero);                                 \
-            if (CLAMP) {                                                                                           \
-                w01 = clamp_words(p, w01);                                                                         \
-                w23 = clamp_words(p, w23);                                                                         \
-            }                                                                                                      \
-            const __m256i bytes = p->out == OUT_U8 ? _mm256_packus_epi16(w01, w23) : _mm256_packs_epi16(w01, w23); \
-            _mm256_storeu_si256((__m256i *)(y + r * p->N),                                                         \
-                                _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));    \
-        }                                                                                                          \
-    }
-
 static inline __attribute__((always_inline)) __m256i clamp_words(const i8_plan *p, __m256i words)
 {
     return _mm256_min_epi16(_mm256_max_epi16(words, _mm256_set1_epi16((short)p->lo_word)),
                             _mm256_set1_epi16((short)p->hi_word));
 }
-DEFINE_FUSED(0) DEFINE_FUSED(1)
 
+/* A whole R x V·8 tile (3 x 32, or 4 x 24: a 24-channel projection) with its epilogue in the same function: the
+   outputs from the accumulators, no round trip of the sums through memory (K = 16-32, MobileNetV2's expand layers:
+   the epilogue is as long as the k loop). MODE: ON_WORDS / ON_WORDS_CLAMPED (an 8-bit output on a bounded plan,
+   requantize.py) or AS_FLOATS (float32 out, Relu/Clip or none). y: the tile's first output, rows N apart */
+enum { ON_WORDS = 0, ON_WORDS_CLAMPED = 1, AS_FLOATS = 2 };
+#define DEFINE_FUSED(R, V, MODE)                                                                                   \
+    static __attribute__((noinline)) void fused_##R##_##V##_##MODE(const i8_plan *p, const uint8_t *a,            \
+                                                                   long astride, const int8_t *w, long K4,        \
+                                                                   long n0, void *y) {                            \
+        __m256i acc[R][V];                                                                                         \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                                       \
+            _Pragma("GCC unroll 4") for (int v = 0; v < V; v++)                                                   \
+                acc[r][v] = _mm256_loadu_si256((const __m256i *)(p->offset + n0 + v * LANES));                    \
+        const __m256i ones = _mm256_set1_epi16(1);                                                                 \
+        for (long q = 0; q < K4; q++) {                                                                            \
+            const __m256i *wq = (const __m256i *)(w + q * NR * 4);                                                 \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                                 \
+                int32_t bytes;                                                                                     \
+                memcpy(&bytes, a + r * astride + q * 4, 4);                                                        \
+                const __m256i b = _mm256_set1_epi32(bytes);                                                        \
+                _Pragma("GCC unroll 4") for (int v = 0; v < V; v++) {                                             \
+                    const __m256i pairs = _mm256_maddubs_epi16(b, _mm256_loadu_si256(wq + v));                     \
+                    acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_madd_epi16(pairs, ones));                       \
+                }                                                                                                  \
+            }                                                                                                      \
+        }                                                                                                          \
+        if (MODE == AS_FLOATS) {                                                                                   \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                                   \
+                _Pragma("GCC unroll 4") for (int v = 0; v < V; v++)                                               \
+                    _mm256_storeu_ps((float *)y + r * p->N + v * LANES,                                            \
+                                     clamp_activate(p, _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][v]),                \
+                                                                     _mm256_loadu_ps(p->scale + n0 + v * LANES))));\
+            return;                                                                                                \
+        }                                                                                                          \
+        const __m256i zero = _mm256_set1_epi16((short)p->y_zero);                                                  \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                                     \
+            __m256i q[NV];                                                                                         \
+            _Pragma("GCC unroll 4") for (int v = 0; v < V; v++)                                                   \
+                q[v] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][v]),                             \
+                                                        _mm256_loadu_ps(p->scale_q + n0 + v * LANES)));            \
+            if (V == 3) q[3] = q[2];                                                                               \
+            __m256i w01 = _mm256_adds_epi16(_mm256_packs_epi32(q[0], q[1]), zero);                                 \
+            __m256i w23 = _mm256_adds_epi16(_mm256_packs_epi32(q[2], q[3]), zero);                                 \
+            if (MODE == ON_WORDS_CLAMPED) {                                                                        \
+                w01 = clamp_words(p, w01);                                                                         \
+                w23 = clamp_words(p, w23);                                                                         \
+            }                                                                                                      \
+            const __m256i bytes = p->out == OUT_U8 ? _mm256_packus_epi16(w01, w23) : _mm256_packs_epi16(w01, w23); \
+            const __m256i ordered =                                                                                \
+                _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));                     \
+            uint8_t *row = (uint8_t *)y + r * p->N;                                                                \
+            if (V == 4) _mm256_storeu_si256((__m256i *)row, ordered);                                              \
+            else {  /* 24 bytes: q0, q1, then q2 */                                                                \
+                _mm_storeu_si128((__m128i *)row, _mm256_castsi256_si128(ordered));                                 \
+                _mm_storel_epi64((__m128i *)(row + 16), _mm256_extracti128_si256(ordered, 1));                     \
+            }                                                                                                      \
+        }                                                                                                          \
+    }
 #define TILE_ROWS 6  /* the tallest tile */
 typedef void (*kernel_fn)(const uint8_t *, long, const int8_t *, long, const int32_t *, int32_t *);
 static const int MR_OF[NV + 1] = {0, 6, 6, 4, MR};  /* rows of a tile by the panel's vectors */
@@ -241,6 +257,21 @@ static inline __attribute__((always_inline)) __m256 clamp_activate(const i8_plan
     if (p->activation == ACT_CLIP)
         return _mm256_min_ps(_mm256_max_ps(r, _mm256_set1_ps(p->alpha)), _mm256_set1_ps(p->beta));
     return r;
+}
+
+DEFINE_FUSED(3, 4, ON_WORDS) DEFINE_FUSED(3, 4, ON_WORDS_CLAMPED) DEFINE_FUSED(3, 4, AS_FLOATS)
+DEFINE_FUSED(4, 3, ON_WORDS) DEFINE_FUSED(4, 3, ON_WORDS_CLAMPED) DEFINE_FUSED(4, 3, AS_FLOATS)
+typedef void (*fused_fn)(const i8_plan *, const uint8_t *, long, const int8_t *, long, long, void *);
+static const fused_fn FUSED_3_4[] = {fused_3_4_ON_WORDS, fused_3_4_ON_WORDS_CLAMPED, fused_3_4_AS_FLOATS};
+static const fused_fn FUSED_4_3[] = {fused_4_3_ON_WORDS, fused_4_3_ON_WORDS_CLAMPED, fused_4_3_AS_FLOATS};
+
+/* the fused tile's epilogue for this plan, or -1: none (the sums through memory) */
+static int fused_mode(const i8_plan *p)
+{
+    if ((p->out == OUT_U8 || p->out == OUT_S8) && p->bounded) return p->clamp_words ? ON_WORDS_CLAMPED : ON_WORDS;
+    if (p->out == OUT_F32 && (p->activation == ACT_NONE || p->activation == ACT_RELU || p->activation == ACT_CLIP))
+        return AS_FLOATS;
+    return -1;
 }
 
 /* r (activated) as 8 int32 of the 8-bit output: round(r·(1/y_scale)) + y_zero, ties to even, NaN saturating low */
@@ -341,13 +372,13 @@ static void panel_item(void *ctx, long panel)
     }
     const int outside = p->activation == ACT_GEMM && kiln_gemm_activate != NULL;
     const int bytes_q = (p->out == OUT_U8 || p->out == OUT_S8) && !outside;  /* act_q(scale_q·t) */
-    const int fused = bytes_q && p->bounded && V == NV;  /* whole 3-row tiles through fused_3_4 */
+    const int mode = fused_mode(p);  /* whole 3 x 32 / 4 x 24 tiles through fused_R_V */
+    const fused_fn fused = mode < 0 ? NULL : V == NV ? FUSED_3_4[mode] : V == 3 ? FUSED_4_3[mode] : NULL;
+    const long out_bytes = p->out == OUT_F32 ? 4 : 1;
     for (long m0 = 0; m0 < p->M; m0 += mr) {
         const long rows = p->M - m0 < mr ? p->M - m0 : mr;
-        if (fused && rows == MR) {
-            uint8_t *y = (uint8_t *)l->y + m0 * p->N + n0;
-            if (p->clamp_words) fused_3_4_1(p, l->a + m0 * l->astride, l->astride, w, K4, n0, y);
-            else fused_3_4_0(p, l->a + m0 * l->astride, l->astride, w, K4, n0, y);
+        if (fused != NULL && rows == mr) {
+            fused(p, l->a + m0 * l->astride, l->astride, w, K4, n0, (uint8_t *)l->y + (m0 * p->N + n0) * out_bytes);
             continue;
         }
         KERNELS[V][rows](l->a + m0 * l->astride, l->astride, w, K4, p->offset + n0, sums);
