@@ -6,8 +6,8 @@
   panel, 1 and 2 threads;
 - a weight with one adjacent pair past the bound is refused (its sums would saturate), by the kernel and the tactic;
 - requantized uint8/int8 and float32 outputs, none/Relu/Clip/Gelu/GeluTanh (GELU by gemm.c's vector forms), against
-  kiln's reference QGemm (float64) within one quantization step (a float32 multiply by 1/y_scale against the
-  reference's division, at ties; GELU's float32 error ~2e-7 relative);
+  kiln's reference QGemm (float64) within one quantization step (one float32 multiply by x_scale·w_scale/y_scale
+  against the reference's exact product and division, at ties; GELU's float32 error ~2e-7 relative);
 - a Q/DQ MatMul model built by kiln with the tactic allowed: the layer runs as cpu.qgemm.kiln_i8 inside a native
   segment, its output onnxruntime's (ORT_DISABLE_ALL, the same Q/DQ graph) within one output step; the tuner, left
   alone, times it beside oneDNN's int8 matmul and the float layer.
@@ -63,6 +63,9 @@ SUM_CASES = [  # (rows, K, N, source dtype, zero point)
     (4, 1536, 70, torch.uint8, 0),
     (3, 64, 32, torch.int8, -128),
     (11, 130, 64, torch.uint8, 1),  # K even but not a multiple of 4
+    (23, 24, 16, torch.uint8, 9),  # a 2-vector panel: 6-row tiles, 23 = 3 x 6 + 5
+    (13, 144, 24, torch.int8, 3),  # a 3-vector panel: 4-row tiles, 13 = 3 x 4 + 1
+    (9, 40, 40, torch.uint8, 200),  # a whole panel, then a 1-vector one (6-row tiles)
 ]
 
 
@@ -173,6 +176,10 @@ OUTPUT_CASES = [  # (input shape, N, quantized output, source, output dtype)
     ((2, 7, 40), 45, False, torch.uint8, None),  # float output, a channel tail
     ((1, 40), 70, True, torch.int8, torch.uint8),
     ((17, 384), 96, True, torch.int8, torch.int8),
+    ((5, 7, 32), 16, True, torch.uint8, torch.uint8),  # MobileNetV2's 16-channel projection: one 2-vector panel
+    ((3, 11, 96), 24, True, torch.uint8, torch.int8),  # its 24-channel ones: 3 vectors, 16 + 8 channels a row
+    ((2, 9, 24), 44, False, torch.uint8, None),  # float output on a 2-vector panel with a tail
+    ((4, 5, 48), 24, False, torch.uint8, None),  # float output on 3-vector panels (fused 4 x 24 tiles), 20 rows
 ]
 
 
@@ -318,3 +325,47 @@ def test_the_plain_c_build_gives_the_same_sums(tmp_path):
                           cwd=root)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {"vector": False, "exact": [True, True]}
+
+
+# ---- the activation on the packed words (requantize.word_fields) ---------------------------------
+
+@pytest.mark.parametrize("y_dtype, y_zero", [(torch.uint8, 0), (torch.uint8, 17), (torch.int8, -9)])
+@pytest.mark.parametrize("activation, alpha, beta, y_scale", [
+    ("Relu", 0.0, 0.0, 0.05),
+    ("Clip", -0.5, 2.0, 0.03),  # both bounds inside the 8-bit range: the words are clamped
+    ("Clip", 0.0, 6.0, 6.0 / 255),  # ReLU6 into [0, 6]: the saturation is the clamp (none applied)
+    ("", 0.0, 0.0, 0.05),
+])
+def test_the_clamp_on_packed_words_is_the_float_clamp(activation, alpha, beta, y_scale, y_dtype, y_zero):
+    """The same layer with Relu/Clip on the rounded int16 words (bounded: the default here) and on the floats
+    (bounded cleared in its plan): equal on every value, both rounding after one multiply by scale_q."""
+    rng = case_rng(f"words {activation} {alpha} {beta} {y_scale} {y_dtype} {y_zero}")
+    rows, k, n = 29, 48, 40  # a whole panel and a 1-vector one
+    x, w = _rows(rng, (rows, k), torch.uint8), torch.from_numpy(rng.integers(-64, 64, (n, k)).astype(np.int8))
+    w_scale = torch.from_numpy(rng.uniform(1e-3, 1e-2, n).astype(np.float32))
+    bias = torch.from_numpy(rng.integers(-4000, 4000, n).astype(np.int32))
+    layers = [i8gemm.I8Gemm(w, w_scale, bias, rows, torch.uint8, 0.02, 131, (y_dtype, y_scale, y_zero), activation,
+                            alpha, beta) for _ in range(2)]
+    assert layers[0].fields["bounded"] == 1
+    low, high = (0, 255) if y_dtype == torch.uint8 else (-128, 127)
+    lo, hi = round(alpha / y_scale) + y_zero, round(beta / y_scale) + y_zero  # Clip's bounds in steps
+    expected_clamp = activation == "Relu" and y_zero > low or activation == "Clip" and (lo > low or hi < high)
+    assert layers[0].fields["clamp_words"] == int(expected_clamp), layers[0].fields
+    layers[1]._plan.bounded = 0
+    words, floats = (layer(x) for layer in layers)
+    assert torch.equal(words, floats)
+    assert int(words.min()) >= low and int(words.max()) <= high and int(words.max()) > int(words.min())
+
+
+def test_a_layer_whose_products_could_overflow_int32_keeps_the_float_clamps():
+    """y_scale 1e-7: scale_q·t reaches past 2^30, so the plan is not bounded and the floats are clamped before the
+    conversion (which would wrap to INT_MIN): every value saturates as numpy's int64 reference does."""
+    rng = case_rng("unbounded")
+    rows, k, n = 8, 64, 24
+    x, w = _rows(rng, (rows, k), torch.uint8), torch.from_numpy(rng.integers(-64, 64, (n, k)).astype(np.int8))
+    w_scale = torch.full((n,), 0.01)
+    layer = i8gemm.I8Gemm(w, w_scale, None, rows, torch.uint8, 0.02, 128, (torch.uint8, 1e-7, 3))
+    assert layer.fields["bounded"] == 0
+    t = (x.numpy().astype(np.int64) - 128) @ w.numpy().astype(np.int64).T
+    want = np.clip(np.rint(t * np.float64(np.float32(0.02 * 0.01)) / 1e-7) + 3, 0, 255)
+    np.testing.assert_array_equal(layer(x).numpy(), want.astype(np.uint8))

@@ -6,9 +6,10 @@
  *     t    = acc + offset[n]                                        offset = bias[n] − z_x·Σ_k w[n, k] (int32):
  *                                                                   t = Σ (x − z_x)·w + bias, exactly
  *     r    = scale[n]·float(t)                                      scale = x_scale·w_scale[n] (float32)
- *     y    = act(r), or saturate(round_half_even(act(r)·(1 / y_scale)) + y_zero) to uint8 / int8 (a multiply by
- *            the float32 reciprocal, as oneDNN's requantize and w16gemm.c: at a tie it may round a step from ONNX's
- *            division); OUT_S32: t itself (tests)
+ *     y    = act(r) (float32), or saturate(round_half_even(act_q(scale_q[n]·float(t))) + y_zero) to uint8 / int8:
+ *            scale_q = x_scale·w_scale[n] / y_scale rounded once (onnxruntime's requantize: one multiply), act_q
+ *            Relu/Clip with its bounds over y_scale (at a tie it may round a step from ONNX's exact product and
+ *            division); GELU (ACT_GEMM) on r, then round(r·(1 / y_scale)); OUT_S32: t itself (tests)
  *
  * The products: vpmaddubsw (u8 · s8, adjacent pairs summed to int16), vpmaddwd by ones (pairs of those to int32),
  * vpaddd. Why not int16 pairs (vpmaddwd on widened operands, exact for any weight): on Zen 3 vpmaddwd issues once
@@ -26,7 +27,9 @@
  * K a multiple of 4), else copied once per call into a padded uint8 block (int8 flipped, K padded with zeros).
  * Register tile: MR = 3 rows x NR = 32 channels (12 accumulators, weights as memory operands, a broadcast, the
  * ones, a product: 15 of AVX2's 16 registers; the k loop at 99 GMAC/s, 2x48 level, 5x16 with its weights in
- * registers 90-94, 4x24 and 6x16 72-75: bench/i8gemm_tiles.c).
+ * registers 90-94, 4x24 and 6x16 72-75: bench/i8gemm_tiles.c). A panel with fewer than 32 real channels (the last
+ * one of N = 16, 24, 40, ...: MobileNetV2's 16- and 24-channel projections) runs only its V vectors, on taller
+ * tiles (V = 3: 4 rows, V = 2 and 1: 6): the zero half of a 16-channel panel is neither multiplied nor requantized.
  * Activations: Relu and Clip in registers; GELU (erf or tanh) through gemm.c's kiln_gemm_activate on each tile's r
  * (its vector tables), the pointer set by i8gemm.py.
  * Threads: items of one NR-channel panel over every row (the panel stays in L1/L2 while the rows stream), on
@@ -65,15 +68,20 @@ typedef struct {
     const int8_t *w;        /* kiln_i8_pack's */
     const int32_t *offset;  /* [Np] */
     const float *scale;     /* [Np] */
+    const float *scale_q;   /* [Np]: scale / y_scale, an 8-bit output's one multiply */
     long M, K, N;
     int x_signed;           /* the source is int8: flipped to uint8 as it is copied */
     int activation;         /* ACT_* */
     int gemm_activation;    /* ACT_GEMM: gemm.c's code of the activation */
     float alpha, beta;      /* Clip's bounds */
+    float alpha_q, beta_q;  /* the same over y_scale */
     int out;                /* OUT_* */
     float y_scale;
     long y_zero;
     int threads;
+    int bounded;            /* every |scale_q·t| < 2^30 (requantize.py): an 8-bit output rounds with no float */
+    int clamp_words;        /* clamp, and Relu/Clip clamp the packed words to [lo_word, hi_word] where the 8-bit */
+    int lo_word, hi_word;   /* saturation does not (a monotone map commutes with a clamp) */
 } i8_plan;
 
 int kiln_i8_panel(void) { return NR; }
@@ -108,6 +116,14 @@ static inline void store_scalar(const i8_plan *p, void *y, long m, long n, int32
 {
     const long at = m * p->N + n;
     if (p->out == OUT_S32) { ((int32_t *)y)[at] = t; return; }
+    if (p->out != OUT_F32 && p->activation != ACT_GEMM) {  /* 8-bit: act_q(scale_q·t), the vector path's */
+        float q = act_scalar(p->scale_q[n] * (float)t, p->activation, p->alpha_q, p->beta_q);
+        q = q > 1e9f ? 1e9f : (q < -1e9f ? -1e9f : q);
+        long v = (long)__builtin_rintf(q) + p->y_zero;
+        if (p->out == OUT_U8) ((uint8_t *)y)[at] = (uint8_t)(v < 0 ? 0 : (v > 255 ? 255 : v));
+        else ((int8_t *)y)[at] = (int8_t)(v < -128 ? -128 : (v > 127 ? 127 : v));
+        return;
+    }
     float r = act_scalar(p->scale[n] * (float)t, p->activation, p->alpha, p->beta);
     if (p->activation == ACT_GEMM && kiln_gemm_activate != NULL)
         kiln_gemm_activate(&r, 1, p->gemm_activation, p->alpha, p->beta);
@@ -128,14 +144,57 @@ typedef struct {
 } i8_loop;
 
 #if defined(__AVX2__)
-/* The k loop of an R x NR tile alone (R constant; the epilogue kept out, as w16gemm.c found GCC spills the
-   accumulators otherwise): rows a + r·astride, the panel w, K4 groups of 4 k; the int32 sums to out [R][NR]. */
-#define DEFINE_KERNEL(R)                                                                                           \
-    static __attribute__((noinline)) void kernel_##R(const uint8_t *a, long astride, const int8_t *w, long K4,   \
-                                                     int32_t *out) {                                              \
-        __m256i acc[R][NV];                                                                                        \
+/* The k loop of an R x V·8 tile alone (R, V constant; the epilogue kept out, as w16gemm.c found GCC spills the
+   accumulators otherwise): rows a + r·astride, the panel w, K4 groups of 4 k; t = offset + the int32 sums to out
+   [R][NR] (the accumulators start at the offsets: no add in the epilogue). */
+#define DEFINE_KERNEL(R, V)                                                                                        \
+    static __attribute__((noinline)) void kernel_##R##_##V(const uint8_t *a, long astride, const int8_t *w,      \
+                                                           long K4, const int32_t *offset, int32_t *out) {        \
+        __m256i acc[R][V];                                                                                         \
+        _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)                                                       \
+            _Pragma("GCC unroll 4") for (int v = 0; v < V; v++)                                                   \
+                acc[r][v] = _mm256_loadu_si256((const __m256i *)(offset + v * LANES));                            \
+        const __m256i ones = _mm256_set1_epi16(1);                                                                 \
+        for (long q = 0; q < K4; q++) {                                                                            \
+            const __m256i *wq = (const __m256i *)(w + q * NR * 4);                                                 \
+            _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                                                 \
+                int32_t bytes;                                                                                     \
+                memcpy(&bytes, a + r * astride + q * 4, 4);                                                        \
+                const __m256i b = _mm256_set1_epi32(bytes);                                                        \
+                _Pragma("GCC unroll 4") for (int v = 0; v < V; v++) {                                             \
+                    const __m256i pairs = _mm256_maddubs_epi16(b, _mm256_loadu_si256(wq + v));                     \
+                    acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_madd_epi16(pairs, ones));                       \
+                }                                                                                                  \
+            }                                                                                                      \
+        }                                                                                                          \
+        _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)                                                       \
+            _Pragma("GCC unroll 4") for (int v = 0; v < V; v++)                                                   \
+                _mm256_storeu_si256((__m256i *)(out + (r * NV + v) * LANES), acc[r][v]);                           \
+    }
+DEFINE_KERNEL(3, 4) DEFINE_KERNEL(2, 4) DEFINE_KERNEL(1, 4)
+DEFINE_KERNEL(4, 3) DEFINE_KERNEL(3, 3) DEFINE_KERNEL(2, 3) DEFINE_KERNEL(1, 3)
+DEFINE_KERNEL(6, 2) DEFINE_KERNEL(5, 2) DEFINE_KERNEL(4, 2) DEFINE_KERNEL(3, 2) DEFINE_KERNEL(2, 2) DEFINE_KERNEL(1, 2)
+DEFINE_KERNEL(6, 1) DEFINE_KERNEL(5, 1) DEFINE_KERNEL(4, 1) DEFINE_KERNEL(3, 1) DEFINE_KERNEL(2, 1) DEFINE_KERNEL(1, 1)
+
+static inline __attribute__((always_inline)) __m256i clamp_words(const i8_plan *p, __m256i words)
+{
+    return _mm256_min_epi16(_mm256_max_epi16(words, _mm256_set1_epi16((short)p->lo_word)),
+                            _mm256_set1_epi16((short)p->hi_word));
+}
+
+/* A whole R x V·8 tile (3 x 32, or 4 x 24: a 24-channel projection) with its epilogue in the same function: the
+   outputs from the accumulators, no round trip of the sums through memory (K = 16-32, MobileNetV2's expand layers:
+   the epilogue is as long as the k loop). MODE: ON_WORDS / ON_WORDS_CLAMPED (an 8-bit output on a bounded plan,
+   requantize.py) or AS_FLOATS (float32 out, Relu/Clip or none). y: the tile's first output, rows N apart */
+enum { ON_WORDS = 0, ON_WORDS_CLAMPED = 1, AS_FLOATS = 2 };
+#define DEFINE_FUSED(R, V, MODE)                                                                                   \
+    static __attribute__((noinline)) void fused_##R##_##V##_##MODE(const i8_plan *p, const uint8_t *a,            \
+                                                                   long astride, const int8_t *w, long K4,        \
+                                                                   long n0, void *y) {                            \
+        __m256i acc[R][V];                                                                                         \
         _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                                       \
-            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) acc[r][v] = _mm256_setzero_si256();              \
+            _Pragma("GCC unroll 4") for (int v = 0; v < V; v++)                                                   \
+                acc[r][v] = _mm256_loadu_si256((const __m256i *)(p->offset + n0 + v * LANES));                    \
         const __m256i ones = _mm256_set1_epi16(1);                                                                 \
         for (long q = 0; q < K4; q++) {                                                                            \
             const __m256i *wq = (const __m256i *)(w + q * NR * 4);                                                 \
@@ -143,19 +202,53 @@ typedef struct {
                 int32_t bytes;                                                                                     \
                 memcpy(&bytes, a + r * astride + q * 4, 4);                                                        \
                 const __m256i b = _mm256_set1_epi32(bytes);                                                        \
-                _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) {                                            \
+                _Pragma("GCC unroll 4") for (int v = 0; v < V; v++) {                                             \
                     const __m256i pairs = _mm256_maddubs_epi16(b, _mm256_loadu_si256(wq + v));                     \
                     acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_madd_epi16(pairs, ones));                       \
                 }                                                                                                  \
             }                                                                                                      \
         }                                                                                                          \
-        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                                       \
-            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++)                                                  \
-                _mm256_storeu_si256((__m256i *)(out + (r * NV + v) * LANES), acc[r][v]);                           \
+        if (MODE == AS_FLOATS) {                                                                                   \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                                   \
+                _Pragma("GCC unroll 4") for (int v = 0; v < V; v++)                                               \
+                    _mm256_storeu_ps((float *)y + r * p->N + v * LANES,                                            \
+                                     clamp_activate(p, _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][v]),                \
+                                                                     _mm256_loadu_ps(p->scale + n0 + v * LANES))));\
+            return;                                                                                                \
+        }                                                                                                          \
+        const __m256i zero = _mm256_set1_epi16((short)p->y_zero);                                                  \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                                     \
+            __m256i q[NV];                                                                                         \
+            _Pragma("GCC unroll 4") for (int v = 0; v < V; v++)                                                   \
+                q[v] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][v]),                             \
+                                                        _mm256_loadu_ps(p->scale_q + n0 + v * LANES)));            \
+            if (V == 3) q[3] = q[2];                                                                               \
+            __m256i w01 = _mm256_adds_epi16(_mm256_packs_epi32(q[0], q[1]), zero);                                 \
+            __m256i w23 = _mm256_adds_epi16(_mm256_packs_epi32(q[2], q[3]), zero);                                 \
+            if (MODE == ON_WORDS_CLAMPED) {                                                                        \
+                w01 = clamp_words(p, w01);                                                                         \
+                w23 = clamp_words(p, w23);                                                                         \
+            }                                                                                                      \
+            const __m256i bytes = p->out == OUT_U8 ? _mm256_packus_epi16(w01, w23) : _mm256_packs_epi16(w01, w23); \
+            const __m256i ordered =                                                                                \
+                _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));                     \
+            uint8_t *row = (uint8_t *)y + r * p->N;                                                                \
+            if (V == 4) _mm256_storeu_si256((__m256i *)row, ordered);                                              \
+            else {  /* 24 bytes: q0, q1, then q2 */                                                                \
+                _mm_storeu_si128((__m128i *)row, _mm256_castsi256_si128(ordered));                                 \
+                _mm_storel_epi64((__m128i *)(row + 16), _mm256_extracti128_si256(ordered, 1));                     \
+            }                                                                                                      \
+        }                                                                                                          \
     }
-DEFINE_KERNEL(3)
-DEFINE_KERNEL(2)
-DEFINE_KERNEL(1)
+#define TILE_ROWS 6  /* the tallest tile */
+typedef void (*kernel_fn)(const uint8_t *, long, const int8_t *, long, const int32_t *, int32_t *);
+static const int MR_OF[NV + 1] = {0, 6, 6, 4, MR};  /* rows of a tile by the panel's vectors */
+static const kernel_fn KERNELS[NV + 1][TILE_ROWS + 1] = {
+    {0},
+    {0, kernel_1_1, kernel_2_1, kernel_3_1, kernel_4_1, kernel_5_1, kernel_6_1},
+    {0, kernel_1_2, kernel_2_2, kernel_3_2, kernel_4_2, kernel_5_2, kernel_6_2},
+    {0, kernel_1_3, kernel_2_3, kernel_3_3, kernel_4_3},
+    {0, kernel_1_4, kernel_2_4, kernel_3_4}};
 
 /* Relu / Clip on r (the activations the kernel applies in registers; ACT_GEMM's is applied to a tile's floats) */
 static inline __attribute__((always_inline)) __m256 clamp_activate(const i8_plan *p, __m256 r)
@@ -164,6 +257,21 @@ static inline __attribute__((always_inline)) __m256 clamp_activate(const i8_plan
     if (p->activation == ACT_CLIP)
         return _mm256_min_ps(_mm256_max_ps(r, _mm256_set1_ps(p->alpha)), _mm256_set1_ps(p->beta));
     return r;
+}
+
+DEFINE_FUSED(3, 4, ON_WORDS) DEFINE_FUSED(3, 4, ON_WORDS_CLAMPED) DEFINE_FUSED(3, 4, AS_FLOATS)
+DEFINE_FUSED(4, 3, ON_WORDS) DEFINE_FUSED(4, 3, ON_WORDS_CLAMPED) DEFINE_FUSED(4, 3, AS_FLOATS)
+typedef void (*fused_fn)(const i8_plan *, const uint8_t *, long, const int8_t *, long, long, void *);
+static const fused_fn FUSED_3_4[] = {fused_3_4_ON_WORDS, fused_3_4_ON_WORDS_CLAMPED, fused_3_4_AS_FLOATS};
+static const fused_fn FUSED_4_3[] = {fused_4_3_ON_WORDS, fused_4_3_ON_WORDS_CLAMPED, fused_4_3_AS_FLOATS};
+
+/* the fused tile's epilogue for this plan, or -1: none (the sums through memory) */
+static int fused_mode(const i8_plan *p)
+{
+    if ((p->out == OUT_U8 || p->out == OUT_S8) && p->bounded) return p->clamp_words ? ON_WORDS_CLAMPED : ON_WORDS;
+    if (p->out == OUT_F32 && (p->activation == ACT_NONE || p->activation == ACT_RELU || p->activation == ACT_CLIP))
+        return AS_FLOATS;
+    return -1;
 }
 
 /* r (activated) as 8 int32 of the 8-bit output: round(r·(1/y_scale)) + y_zero, ties to even, NaN saturating low */
@@ -195,82 +303,127 @@ static inline __attribute__((always_inline)) void store_real(const i8_plan *p, v
     memcpy((uint8_t *)y + at, s, count);
 }
 
-/* NR = 32 activated values of row m, channels [n, n + 32), all real, requantized to 8 bits: one 32-byte store */
-static inline __attribute__((always_inline)) void store_bytes(const i8_plan *p, void *y, long m, long n,
-                                                              const __m256 *r)
+/* 8 int32 of an 8-bit output before its zero point: round(act_q(scale_q·t)) (the caller adds y_zero in int16,
+   saturating, as it packs). Above 1e9 clamped; below -2^31 the conversion gives INT_MIN, which saturates low too */
+static inline __attribute__((always_inline)) __m256i quantize_q(const i8_plan *p, __m256i t, __m256 scale_q)
 {
-    __m256i q[NV];
-    for (int v = 0; v < NV; v++) q[v] = requantize(p, r[v]);
-    /* packs work within 128-bit halves: bytes come out as [q0 0-3, q1 0-3, q2 0-3, q3 0-3 | the 4-7s] */
-    const __m256i w01 = _mm256_packs_epi32(q[0], q[1]), w23 = _mm256_packs_epi32(q[2], q[3]);
-    const __m256i bytes = p->out == OUT_U8 ? _mm256_packus_epi16(w01, w23) : _mm256_packs_epi16(w01, w23);
-    const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256((__m256i *)((uint8_t *)y + m * p->N + n), ordered);
+    __m256 q = _mm256_mul_ps(_mm256_cvtepi32_ps(t), scale_q);
+    if (p->bounded) return _mm256_cvtps_epi32(q);  /* the activation on the words (store_q) */
+    if (p->activation == ACT_CLIP)
+        return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(q, _mm256_set1_ps(p->alpha_q)),
+                                                _mm256_set1_ps(p->beta_q)));
+    if (p->activation == ACT_RELU) q = _mm256_max_ps(q, _mm256_setzero_ps());
+    return _mm256_cvtps_epi32(_mm256_min_ps(q, _mm256_set1_ps(1e9f)));
 }
 
-/* one panel (NR channels from n0) over every row */
+/* the count (<= NR) quantized values q of row m, channels [n0, n0 + count), with the zero point, to 8 bits: packs
+   work within 128-bit halves, so bytes come out as [q0 0-3, q1 0-3, q2 0-3, q3 0-3 | the 4-7s] and one permute
+   orders them; a whole panel is one 32-byte store, else 16 channels (two vectors) a store */
+static inline __attribute__((always_inline)) void store_q(const i8_plan *p, void *y, long m, long n0,
+                                                          const __m256i *q, long count)
+{
+    uint8_t *dst = (uint8_t *)y + m * p->N + n0;
+    const __m256i zero = _mm256_set1_epi16((short)p->y_zero);
+    const int is_unsigned = p->out == OUT_U8;
+    if (count == NR) {
+        __m256i w01 = _mm256_adds_epi16(_mm256_packs_epi32(q[0], q[1]), zero);
+        __m256i w23 = _mm256_adds_epi16(_mm256_packs_epi32(q[2], q[3]), zero);
+        if (p->bounded && p->clamp_words) {
+            w01 = clamp_words(p, w01);
+            w23 = clamp_words(p, w23);
+        }
+        const __m256i bytes = is_unsigned ? _mm256_packus_epi16(w01, w23) : _mm256_packs_epi16(w01, w23);
+        _mm256_storeu_si256((__m256i *)dst,
+                            _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        return;
+    }
+    for (int v = 0; v * LANES < count; v += 2) {
+        const long left = count - v * LANES;
+        __m256i words = _mm256_adds_epi16(_mm256_packs_epi32(q[v], left > LANES ? q[v + 1] : q[v]), zero);
+        if (p->bounded && p->clamp_words) words = clamp_words(p, words);
+        const __m256i bytes = is_unsigned ? _mm256_packus_epi16(words, words) : _mm256_packs_epi16(words, words);
+        const __m128i ordered = _mm256_castsi256_si128(
+            _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 0, 4, 1, 5)));  /* q[v], q[v + 1] */
+        if (left >= 2 * LANES) _mm_storeu_si128((__m128i *)(dst + v * LANES), ordered);
+        else if (left == LANES) _mm_storel_epi64((__m128i *)(dst + v * LANES), ordered);
+        else {
+            uint8_t bytes16[16];
+            _mm_storeu_si128((__m128i *)bytes16, ordered);
+            memcpy(dst + v * LANES, bytes16, left);
+        }
+    }
+}
+
+/* one panel (NR channels from n0, of which V vectors hold real ones) over every row */
 static void panel_item(void *ctx, long panel)
 {
     const i8_loop *l = (const i8_loop *)ctx;
     const i8_plan *p = l->p;
     const long K4 = (p->K + 3) / 4, n0 = panel * NR;
+    const long count = p->N - n0 < NR ? p->N - n0 : NR;  /* the panel's real channels */
+    const int V = (int)((count + LANES - 1) / LANES), mr = MR_OF[V];
     const int8_t *w = p->w + panel * K4 * NR * 4;
-    int32_t sums[MR * NR] __attribute__((aligned(32)));
-    float real[MR * NR] __attribute__((aligned(32))); /* a tile's r for ACT_GEMM's activation pass */
-    __m256i offset[NV];
-    __m256 scale[NV];
+    int32_t sums[TILE_ROWS * NR] __attribute__((aligned(32)));
+    float real[TILE_ROWS * NR] __attribute__((aligned(32))); /* a tile's r for ACT_GEMM's activation pass */
+    __m256 scale[NV], scale_q[NV];
     for (int v = 0; v < NV; v++) {
-        offset[v] = _mm256_loadu_si256((const __m256i *)(p->offset + n0 + v * LANES));
         scale[v] = _mm256_loadu_ps(p->scale + n0 + v * LANES);
+        scale_q[v] = _mm256_loadu_ps(p->scale_q + n0 + v * LANES);
     }
-    const int whole_bytes = (p->out == OUT_U8 || p->out == OUT_S8) && n0 + NR <= p->N;
     const int outside = p->activation == ACT_GEMM && kiln_gemm_activate != NULL;
-    for (long m0 = 0; m0 < p->M; m0 += MR) {
-        const long rows = p->M - m0 < MR ? p->M - m0 : MR;
-        const uint8_t *a = l->a + m0 * l->astride;
-        if (rows == 3) kernel_3(a, l->astride, w, K4, sums);
-        else if (rows == 2) kernel_2(a, l->astride, w, K4, sums);
-        else kernel_1(a, l->astride, w, K4, sums);
+    const int bytes_q = (p->out == OUT_U8 || p->out == OUT_S8) && !outside;  /* act_q(scale_q·t) */
+    const int mode = fused_mode(p);  /* whole 3 x 32 / 4 x 24 tiles through fused_R_V */
+    const fused_fn fused = mode < 0 ? NULL : V == NV ? FUSED_3_4[mode] : V == 3 ? FUSED_4_3[mode] : NULL;
+    const long out_bytes = p->out == OUT_F32 ? 4 : 1;
+    for (long m0 = 0; m0 < p->M; m0 += mr) {
+        const long rows = p->M - m0 < mr ? p->M - m0 : mr;
+        if (fused != NULL && rows == mr) {
+            fused(p, l->a + m0 * l->astride, l->astride, w, K4, n0, (uint8_t *)l->y + (m0 * p->N + n0) * out_bytes);
+            continue;
+        }
+        KERNELS[V][rows](l->a + m0 * l->astride, l->astride, w, K4, p->offset + n0, sums);
         if (p->out == OUT_S32) {  /* t itself */
             for (long r = 0; r < rows; r++)
-                for (int v = 0; v < NV && n0 + v * LANES < p->N; v++) {
-                    const long n = n0 + v * LANES, count = p->N - n < LANES ? p->N - n : LANES;
+                for (int v = 0; v < V; v++) {
+                    const long n = n0 + v * LANES, left = p->N - n < LANES ? p->N - n : LANES;
                     int32_t t[LANES];
-                    _mm256_storeu_si256((__m256i *)t, _mm256_add_epi32(
-                        _mm256_load_si256((const __m256i *)(sums + (r * NV + v) * LANES)), offset[v]));
-                    memcpy((int32_t *)l->y + (m0 + r) * p->N + n, t, sizeof(int32_t) * count);
+                    memcpy(t, sums + (r * NV + v) * LANES, sizeof t);
+                    memcpy((int32_t *)l->y + (m0 + r) * p->N + n, t, sizeof(int32_t) * left);
                 }
+            continue;
+        }
+        if (bytes_q) {
+            for (long r = 0; r < rows; r++) {
+                __m256i q[NV];
+                for (int v = 0; v < V; v++)
+                    q[v] = quantize_q(p, _mm256_load_si256((const __m256i *)(sums + (r * NV + v) * LANES)),
+                                      scale_q[v]);
+                store_q(p, l->y, m0 + r, n0, q, count);
+            }
             continue;
         }
         if (outside) {  /* r of the whole tile, then gemm.c's activation over it in one call */
             for (long r = 0; r < rows; r++)
-                for (int v = 0; v < NV; v++) {
-                    const __m256i t = _mm256_add_epi32(
-                        _mm256_load_si256((const __m256i *)(sums + (r * NV + v) * LANES)), offset[v]);
+                for (int v = 0; v < V; v++) {
+                    const __m256i t = _mm256_load_si256((const __m256i *)(sums + (r * NV + v) * LANES));
                     _mm256_store_ps(real + (r * NV + v) * LANES, _mm256_mul_ps(_mm256_cvtepi32_ps(t), scale[v]));
                 }
-            kiln_gemm_activate(real, (int)(rows * NR), p->gemm_activation, p->alpha, p->beta);
+            if (V == NV) kiln_gemm_activate(real, (int)(rows * NR), p->gemm_activation, p->alpha, p->beta);
+            else  /* the rows' real vectors only */
+                for (long r = 0; r < rows; r++)
+                    kiln_gemm_activate(real + r * NR, V * LANES, p->gemm_activation, p->alpha, p->beta);
         }
-        for (long r = 0; r < rows; r++) {
-            __m256 rv[NV];
-            for (int v = 0; v < NV; v++) {
-                if (outside) {
-                    rv[v] = _mm256_load_ps(real + (r * NV + v) * LANES);
-                    continue;
+        for (long r = 0; r < rows; r++)
+            for (int v = 0; v < V; v++) {
+                __m256 rv;
+                if (outside) rv = _mm256_load_ps(real + (r * NV + v) * LANES);
+                else {
+                    const __m256i t = _mm256_load_si256((const __m256i *)(sums + (r * NV + v) * LANES));
+                    rv = clamp_activate(p, _mm256_mul_ps(_mm256_cvtepi32_ps(t), scale[v]));
                 }
-                const __m256i t = _mm256_add_epi32(
-                    _mm256_load_si256((const __m256i *)(sums + (r * NV + v) * LANES)), offset[v]);
-                rv[v] = clamp_activate(p, _mm256_mul_ps(_mm256_cvtepi32_ps(t), scale[v]));
-            }
-            if (whole_bytes) {  /* the panel's 32 channels of the row requantized and stored as one vector */
-                store_bytes(p, l->y, m0 + r, n0, rv);
-                continue;
-            }
-            for (int v = 0; v < NV && n0 + v * LANES < p->N; v++) {
                 const long n = n0 + v * LANES;
-                store_real(p, l->y, m0 + r, n, rv[v], p->N - n < LANES ? p->N - n : LANES);
+                store_real(p, l->y, m0 + r, n, rv, p->N - n < LANES ? p->N - n : LANES);
             }
-        }
     }
 }
 #else

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.kernels.cpu import gemm_native, native_loop, onednn, onednn_int8, plan_member
+from kiln.kernels.cpu import gemm_native, native_loop, onednn, onednn_int8, plan_member, requantize
 
 SOURCE = Path(__file__).with_name("i8gemm.c").read_text()
 ACTIVATIONS = {"": 0, "Relu": 1, "Clip": 4, "Gelu": 8, "GeluTanh": 8}  # i8gemm.c's ACT_* (8: gemm.c's, by its code)
@@ -39,11 +39,13 @@ PARALLEL_MACS = 1 << 18  # below this many multiply-adds one thread: a parallel 
 class Plan(ctypes.Structure):  # i8_plan in i8gemm.c
     _fields_ = [("get_handle", ctypes.c_void_p), ("x", ctypes.c_void_p), ("y", ctypes.c_void_p),
                 ("w", ctypes.c_void_p), ("offset", ctypes.c_void_p), ("scale", ctypes.c_void_p),
-                ("M", ctypes.c_long), ("K", ctypes.c_long), ("N", ctypes.c_long), ("x_signed", ctypes.c_int),
+                ("scale_q", ctypes.c_void_p), ("M", ctypes.c_long), ("K", ctypes.c_long), ("N", ctypes.c_long),
+                ("x_signed", ctypes.c_int),
                 ("activation", ctypes.c_int), ("gemm_activation", ctypes.c_int), ("alpha", ctypes.c_float),
-                ("beta", ctypes.c_float),
+                ("beta", ctypes.c_float), ("alpha_q", ctypes.c_float), ("beta_q", ctypes.c_float),
                 ("out", ctypes.c_int), ("y_scale", ctypes.c_float), ("y_zero", ctypes.c_long),
-                ("threads", ctypes.c_int)]
+                ("threads", ctypes.c_int),
+                *((name, ctypes.c_int) for name in ("bounded", "clamp_words", "lo_word", "hi_word"))]
 
 
 def _setup(lib: ctypes.CDLL) -> None:
@@ -102,9 +104,14 @@ def offsets(w: torch.Tensor, bias: torch.Tensor | None, x_zero: int) -> torch.Te
     return o if bias is None else o + bias.to(torch.int64).reshape(-1)
 
 
+def channel_bounds(w: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """The largest |t| of each output channel: 255·Σ|w[n]| + |offset[n]| (int64 [N])."""
+    return 255 * w.to(torch.int64).abs().sum(dim=1) + offset.abs()
+
+
 def sum_bound(w: torch.Tensor, offset: torch.Tensor) -> int:
-    """The largest |t| the kernel's int32 can meet: 255·Σ|w[n]| + |offset[n]| over the channels."""
-    return int((255 * w.to(torch.int64).abs().sum(dim=1) + offset.abs()).max()) if w.numel() else 0
+    """The largest |t| the kernel's int32 can meet, over the channels."""
+    return int(channel_bounds(w, offset).max()) if w.numel() else 0
 
 
 class I8Gemm:
@@ -149,16 +156,24 @@ class I8Gemm:
         lib.kiln_i8_pack(w.data_ptr(), self._w.data_ptr(), n, k)
         self._offset = torch.zeros(n_pad, dtype=torch.int32)
         self._offset[:n] = offset.to(torch.int32)
-        self._scale = torch.zeros(n_pad, dtype=torch.float32)
-        self._scale[:n] = onednn_int8.combined_scales(x_scale, w_scale).expand(n).to(torch.float32)
         y_dtype, y_scale, y_zero = (torch.float32, 1.0, 0) if y is None else y
+        scales = onednn_int8.combined_scales(x_scale, w_scale).expand(n)  # float64
+        self._scale = torch.zeros(n_pad, dtype=torch.float32)
+        self._scale[:n] = scales.to(torch.float32)
+        # an 8-bit output's one multiply: x_scale·w_scale / y_scale rounded once (onnxruntime's requantize scale)
+        self._scale_q = torch.zeros(n_pad, dtype=torch.float32)
+        self._scale_q[:n] = (scales / float(y_scale)).to(torch.float32)
         self.wanted_threads = torch.get_num_threads() if threads is None else int(threads)
         self.fields = dict(w=self._w.data_ptr(), offset=self._offset.data_ptr(), scale=self._scale.data_ptr(),
-                           K=k, N=n, x_signed=int(x_dtype == torch.int8),
+                           scale_q=self._scale_q.data_ptr(), K=k, N=n, x_signed=int(x_dtype == torch.int8),
                            activation=ACTIVATIONS[activation],
                            gemm_activation=gemm_native.ACTIVATIONS[activation] if ACTIVATIONS[activation] == OUTSIDE
                            else 0, alpha=float(alpha), beta=float(beta),
-                           out=OUTPUTS[y_dtype], y_scale=float(y_scale), y_zero=int(y_zero))
+                           alpha_q=float(alpha) / float(y_scale), beta_q=float(beta) / float(y_scale),
+                           out=OUTPUTS[y_dtype], y_scale=float(y_scale), y_zero=int(y_zero),
+                           **requantize.word_fields(self._scale_q[:n], channel_bounds(w, offset), y_dtype,
+                                                    int(y_zero), activation, float(alpha), float(beta),
+                                                    float(y_scale)))
         self._at(int(rows))
 
     def row_fields(self, rows: int) -> dict[str, int]:

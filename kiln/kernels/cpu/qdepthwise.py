@@ -3,10 +3,10 @@ activations, its zero point, int32 bias, scale, Relu/Clip and requantization in 
 
 Why: on AVX2 without VNNI oneDNN's int8 depthwise convolutions ran 1.27-1.89x its float ones (Zen 3,
 bench/results/quant-cpu-2026-12-07.md): an int8 MobileNetV2 paid for its depthwise layers more than an fp32 one.
-qdepthwise.c widens the bytes to float32 and runs the float kernel's FMAs on them, exact (every partial sum an integer
-below 2^24), on a quarter of the float layer's input bytes. Which kernel a layer runs is the autotuner's pick between
-this, oneDNN's int8 convolution and the float layer (kiln/tactics/cpu/qconv_kiln.py cpu.qconv.kiln_dw), timed on the
-machine (bench/results/int8-mnv2-avx2-2026-12-07.md).
+qdepthwise.c widens each input row once to int16 column pairs and runs two taps a vpmaddwd into int32 sums, exact for
+any int8 weight, on a quarter of the float layer's input bytes. Which kernel a layer runs is the autotuner's pick
+between this, oneDNN's int8 convolution and the float layer (kiln/tactics/cpu/qconv_kiln.py cpu.qconv.kiln_dw), timed
+on the machine (bench/results/int8-mnv2-avx2-zen4-2026-12-07b.md).
 
 Built by native_loop.build with the machine's C compiler (AVX-512 where the CPU has it and KILN_CPU_ISA does not cap
 it, else AVX2; plain C without either); `load()` is None without a compiler.
@@ -19,28 +19,29 @@ from pathlib import Path
 
 import torch
 
-from kiln.kernels.cpu import depthwise, native_loop, onednn, onednn_int8, onednn_primitives, plan_member
+from kiln.kernels.cpu import depthwise, native_loop, onednn, onednn_int8, onednn_primitives, plan_member, requantize
 
 SOURCE = Path(__file__).with_name("qdepthwise.c").read_text()
 ACTIVATIONS = {"": 0, "Relu": 1, "Clip": 4}  # qdepthwise.c's ACT_* (i8gemm.c's numbering)
 OUTPUTS = {torch.float32: 0, torch.uint8: 1, torch.int8: 2}  # OUT_*
 SOURCES = (torch.uint8, torch.int8)
-MAX_KERNEL = depthwise.MAX_KERNEL  # 8 taps a side: 64 taps x 255 x 128 < 2^24 keeps the float sums exact
+MAX_KERNEL = depthwise.MAX_KERNEL  # 8 taps a side (depthwise.c's)
 INT32_MAX = 2**31 - 1
-FLOAT_EXACT = 2**24  # float32 holds every integer below it
 PARALLEL_ELEMENTS = 1 << 14  # below this many outputs one thread (depthwise.py's)
 
 
 class _Plan(ctypes.Structure):  # qdw_plan in qdepthwise.c
     _fields_ = [("get_handle", ctypes.c_void_p), ("x", ctypes.c_void_p), ("y", ctypes.c_void_p),
-                ("w", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("bias_float", ctypes.c_void_p),
-                ("scale", ctypes.c_void_p),
+                ("w", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("scale", ctypes.c_void_p),
+                ("scale_q", ctypes.c_void_p), ("padding", ctypes.c_void_p),
                 *((name, ctypes.c_long) for name in ("N", "C", "Cp", "H", "W", "OH", "OW")),
-                *((name, ctypes.c_int) for name in ("KH", "KW", "SH", "SW", "PT", "PL")),
-                ("float_bias", ctypes.c_int), ("x_signed", ctypes.c_int), ("x_zero", ctypes.c_float),
+                *((name, ctypes.c_int) for name in ("KH", "KW", "SH", "SW", "PT", "PL", "KP", "G")),
+                ("M", ctypes.c_long), ("x_signed", ctypes.c_int),
                 ("activation", ctypes.c_int), ("alpha", ctypes.c_float), ("beta", ctypes.c_float),
-                ("out", ctypes.c_int), ("y_scale", ctypes.c_float), ("y_zero", ctypes.c_int),
-                ("threads", ctypes.c_int), ("rings", ctypes.c_void_p), ("ring_floats", ctypes.c_long)]
+                ("alpha_q", ctypes.c_float), ("beta_q", ctypes.c_float), ("out", ctypes.c_int),
+                ("y_zero", ctypes.c_int),
+                *((name, ctypes.c_int) for name in ("bounded", "clamp_words", "lo_word", "hi_word")),
+                ("threads", ctypes.c_int), ("rings", ctypes.c_void_p), ("ring_elements", ctypes.c_long)]
 
 
 _LIBRARY = native_loop.KernelLibrary("qdepthwise", SOURCE, ["kiln_qdepthwise", "kiln_qdepthwise_lanes"],
@@ -98,20 +99,26 @@ class QDepthwiseConv(plan_member.PlanKernel):
             raise ValueError(f"a bias of {bias64.numel()} values for a layer of {c} channels")
         taps = w.detach().to(torch.int64).reshape(c, kh * kw)
         bias64 = bias64 - int(x_zero) * taps.sum(dim=1)  # the kernel sums x·w, a padding tap reading z_x
-        if int(bias64.abs().max()) + kh * kw * 255 * 128 > INT32_MAX:
+        sum_bound = bias64.abs() + taps.abs().sum(dim=1) * (255 if x_dtype == torch.uint8 else 128)  # [C]: max |t|
+        if int(sum_bound.max()) > INT32_MAX:
             raise ValueError("int8 depthwise kernel: the bias could carry the int32 sums past their range")
         width = lanes()
         cp = -(-c // width) * width
-        # [KH, KW, Cp]: a tap's weights for consecutive channels are one vector; zeros past C
-        self._w = torch.zeros(kh, kw, cp, dtype=torch.float32)
-        self._w[:, :, :c] = w.detach().to(torch.float32).reshape(c, kh, kw).permute(1, 2, 0)
+        # [KH, KP, Cp, 2]: tap pairs (kw 2p, 2p + 1) side by side per channel, the vpmaddwd operand of qdepthwise.c;
+        # zeros past KW and past C
+        kp = -(-kw // 2)
+        taps_khwc = torch.zeros(kh, 2 * kp, cp, dtype=torch.int16)
+        taps_khwc[:, :kw, :c] = w.detach().to(torch.int16).reshape(c, kh, kw).permute(1, 2, 0)
+        self._w = taps_khwc.reshape(kh, kp, 2, cp).permute(0, 1, 3, 2).contiguous()
         self._bias = torch.zeros(cp, dtype=torch.int32)
         self._bias[:c] = bias64.to(torch.int32)
-        self._bias_float = self._bias.to(torch.float32)
-        # the sums start at the bias where every partial sum stays an integer below 2^24 (exact in float32)
-        float_bias = int(bias64.abs().max()) + kh * kw * 255 * 128 < FLOAT_EXACT
+        y_dtype, y_scale, y_zero = (torch.float32, 1.0, 0) if y is None else y
+        scales = onednn_int8.combined_scales(x_scale, w_scale).expand(c)  # float64
         self._scale = torch.zeros(cp, dtype=torch.float32)
-        self._scale[:c] = onednn_int8.combined_scales(x_scale, w_scale).expand(c).to(torch.float32)
+        self._scale[:c] = scales.to(torch.float32)
+        # an 8-bit output's one multiply, x_scale·w_scale / y_scale rounded once (onnxruntime's requantize scale)
+        self._scale_q = torch.zeros(cp, dtype=torch.float32)
+        self._scale_q[:c] = (scales / float(y_scale)).to(torch.float32)
         pt, pl, pb, pr = (int(p) for p in pads)
         sh, sw = (int(s) for s in strides)
         oh, ow = (h + pt + pb - kh) // sh + 1, (wd + pl + pr - kw) // sw + 1
@@ -120,16 +127,22 @@ class QDepthwiseConv(plan_member.PlanKernel):
         self.library = library
         self.implementation = f"kiln qdepthwise.c ({width} lanes)"
         self.what = f"int8 depthwise {kh}x{kw}/{sh} {list(self.input_size)} -> {list(self.output_size)}"
-        y_dtype, y_scale, y_zero = (torch.float32, 1.0, 0) if y is None else y
-        # each thread's ring of KH input rows widened to float32, [(OW − 1)·SW + KW][Cp] a row (qdepthwise.c)
-        self.ring_floats = kh * ((ow - 1) * sw + kw) * cp
+        # each thread's ring of KH input rows widened to int16 column pairs, [M][Cp][2] a row (qdepthwise.c): a pair
+        # starts at every column G (2 at even strides: only even columns start one, the stride-2 de-interleave)
+        g = 2 if sw % 2 == 0 else 1
+        pairs = ((ow - 1) * sw + 2 * (kp - 1)) // g + 1
+        self.ring_elements = kh * pairs * cp * 2
+        self._padding = torch.tensor([int(x_zero)] * c, dtype=x_dtype).view(torch.uint8)  # a padding column's bytes
         self._direct: _Plan | None = None  # __call__'s plan on raw addresses, made on first use
-        self.fields = dict(w=self._w.data_ptr(), bias=self._bias.data_ptr(), bias_float=self._bias_float.data_ptr(),
-                           scale=self._scale.data_ptr(), float_bias=int(float_bias),
+        self.fields = dict(w=self._w.data_ptr(), bias=self._bias.data_ptr(), scale=self._scale.data_ptr(),
+                           scale_q=self._scale_q.data_ptr(), padding=self._padding.data_ptr(),
                            N=n, C=c, Cp=cp, H=h, W=wd, OH=oh, OW=ow, KH=kh, KW=kw, SH=sh, SW=sw, PT=pt, PL=pl,
-                           x_signed=int(x_dtype == torch.int8), x_zero=float(x_zero),
+                           KP=kp, G=g, M=pairs, x_signed=int(x_dtype == torch.int8),
                            activation=ACTIVATIONS[activation], alpha=float(alpha), beta=float(beta),
-                           out=OUTPUTS[y_dtype], y_scale=float(y_scale), y_zero=int(y_zero))
+                           alpha_q=float(alpha) / float(y_scale), beta_q=float(beta) / float(y_scale),
+                           out=OUTPUTS[y_dtype], y_zero=int(y_zero),
+                           **requantize.word_fields(self._scale_q[:c], sum_bound, y_dtype, int(y_zero),
+                                                    activation, float(alpha), float(beta), float(y_scale)))
         self._own_calls()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -145,10 +158,11 @@ class QDepthwiseConv(plan_member.PlanKernel):
         with self._lock:
             if self._direct is None:
                 threads = torch.get_num_threads() if n * c * h * w >= PARALLEL_ELEMENTS else 1
-                self._direct_rings = torch.empty(threads * self.ring_floats, dtype=torch.float32)
+                self._direct_rings = torch.empty(threads * self.ring_elements, dtype=torch.int16)
                 address = ctypes.cast(self.library.kiln_qdepthwise_address, ctypes.c_void_p).value
                 self._direct = _Plan(get_handle=address, x=0, y=0, threads=threads,
-                                     rings=self._direct_rings.data_ptr(), ring_floats=self.ring_floats, **self.fields)
+                                     rings=self._direct_rings.data_ptr(), ring_elements=self.ring_elements,
+                                     **self.fields)
             self._direct.x, self._direct.y = x.data_ptr(), y.data_ptr()
             if self.library.kiln_qdepthwise(ctypes.addressof(self._direct), None, 0, None):
                 raise onednn.OneDNNError(f"{self.what}: an operand's address is 0")
@@ -169,8 +183,8 @@ class _Bound(plan_member.PlanMember):
         forms = onednn_primitives.thread_forms(elements, elements * layer.fields["KH"] * layer.fields["KW"])
         threads = torch.get_num_threads() if elements >= PARALLEL_ELEMENTS and forms[0] is None else 1
         # a ring per thread, the serial form on the first (the two forms never run at once)
-        self._rings = torch.empty(threads * layer.ring_floats, dtype=torch.float32)
-        base = dict(self.plan_base(), rings=self._rings.data_ptr(), ring_floats=layer.ring_floats)
+        self._rings = torch.empty(threads * layer.ring_elements, dtype=torch.int16)
+        base = dict(self.plan_base(), rings=self._rings.data_ptr(), ring_elements=layer.ring_elements)
         self._plans(_Plan(**base, threads=threads, **layer.fields),
                     _Plan(**base, threads=1, **layer.fields) if threads > 1 and len(forms) > 1 else None)
 
