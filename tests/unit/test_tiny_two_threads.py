@@ -78,6 +78,7 @@ def test_a_tiny_convolution_runs_its_serial_form_without_chooser_or_governor(two
     want = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     _close(context.run({"x": x})["y"], want)
     _close(context.run({"x": np.require(x, requirements="F")})["y"], want)  # (the general path: Program.run)
+    assert torch.get_num_threads() == 2  # the serial runs' count of 1 restored (one_openmp_thread)
 
 
 def test_a_convolution_past_the_bound_keeps_its_chooser_and_the_governor(two_threads):
