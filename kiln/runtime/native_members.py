@@ -141,7 +141,7 @@ def estimated_work(members: list[BoundStep], natives: list[NativeStep], constant
         if native.reads is not None:
             sizes = [tuple(size) for size, _dtype in native.reads.values()]
         moved = out + sum(math.prod(size) for size in sizes)
-        weights = sum(constants[s].numel() for s in m.inputs if s in constants and hasattr(constants[s], "numel"))
+        weights = sum(math.prod(getattr(constants[s], "shape", ())) for s in m.inputs if s in constants)
         channels = native.output_size[1] if len(native.output_size) == 4 else (native.output_size[-1] or 1)
         if weights:
             total += moved + out * max(1, weights // max(1, channels))
