@@ -20,7 +20,7 @@ from kiln.kernels.cpu import omp_governor
 from kiln.ir import dtypes
 from kiln.runtime.bindings import NumpyCheck, _check_value, _numpy_signature, _tensor_signature, _to_user
 from kiln.runtime.buckets import BATCH_STEPS, PACKING, graph_rows, packed_rows, packing_rule, plan_buckets
-from kiln.runtime.cpu_paths import CheckedSignature, CpuPaths, _static_signature
+from kiln.runtime.cpu_paths import CheckedSignature, CpuPaths, _static_signature, _tiny_calls
 from kiln.runtime.cuda_graphs import MAX_GRAPHS, MEMORY_BUDGET, GraphRunner
 from kiln.runtime.direct_run import StaticRun
 from kiln.runtime.graph_paths import GraphPaths, _cuda_static_signature
@@ -132,6 +132,8 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
         # with the environment's KILN_DIRECT_RUN=0
         self._direct = lane.direct_runs if self._checked is not None and self._token_mask is None \
             and os.environ.get("KILN_DIRECT_RUN", "1") != "0" else None
+        if self._omp is not None and _tiny_calls(engine, self._whole_segment, self._direct):
+            self._omp = None  # every call one tiny segment's run: no parallel region to govern (Segment.tiny)
         self._bucketed: dict[tuple, _BucketedRun] = {}  # bucketed runs: input signature -> what its shapes decide
         self._bound: dict[str, torch.Tensor] = {}  # set_tensor_address: caller-owned tensors by binding name
         self._io_graph: tuple[Any, dict[str, torch.Tensor]] | None = None  # execute()'s whole-call graph

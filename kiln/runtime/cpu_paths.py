@@ -6,6 +6,7 @@ then straight to the program or to one call of its segment's compiled loop (kiln
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 
 from kiln.ir import dtypes
+from kiln.kernels.cpu.form_choice import PARALLEL
 from kiln.runtime.bindings import _numpy_signature, _to_user
 from kiln.runtime.direct_run import program_signature
 
@@ -125,3 +127,18 @@ def _static_signature(engine: Any) -> tuple | None:
             return None
         signature.append((np.dtype(dt.numpy), tuple(b.shape)))
     return [b.name for b in engine.inputs], signature, list(engine.outputs)
+
+
+def _tiny_calls(engine: Any, whole: Any, direct: Any) -> bool:
+    """Whether every call of a context runs one tiny native segment (Segment.tiny): a fixed-shape program that is
+    one segment (`whole`, its StaticRun), or a one-segment program over symbolic dims (`direct`, its DirectRuns) of
+    kiln's own kernels alone whose work stays tiny at the profiles' largest inputs (its work scaled by their
+    elements over its planned entries'). Such a context skips the OpenMP governor's begin / end per call."""
+    if whole is not None:
+        return whole.segment.tiny()
+    if direct is None or not engine.profiles:
+        return False
+    segment = direct.segment
+    planned = sum(math.prod(size) for size in segment.entry_sizes)
+    largest = max(sum(math.prod(r.max) for r in profile.inputs.values()) for profile in engine.profiles)
+    return planned > 0 and segment.only_form == PARALLEL and segment.tiny(max(1.0, largest / planned))

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kiln.kernels.cpu.onednn import one_openmp_thread
 from kiln.runtime.native import Segment
 from kiln.runtime.native_batches import ON_VIEW, PENDING, direct_view, still_bound
 from kiln.runtime.program import Program
@@ -192,7 +193,11 @@ def _run_bare(segment: Segment, staged: bool, bare: tuple, arrays: list[np.ndarr
         for binding, address in constants:
             addresses[binding] = address
         segment.ran_planned = True
-        status = loop.run(*loop.args)
+        if loop.serial:  # a tiny segment's serial form (Segment.only_form): no parallel region
+            with one_openmp_thread():
+                status = loop.run(*loop.args)
+        else:
+            status = loop.run(*loop.args)
     if status:
         loop.raise_failed(status)
 

@@ -58,8 +58,8 @@ from kiln.plan.memory import Interval, place
 from kiln.runtime.native_arena import SharedArena
 from kiln.runtime.native_batches import (PLANS, BatchPlan, another_batch, batch_plan, binds_enabled, call_batch, forget,
                                         planned_batch)
-from kiln.runtime.native_members import (_bind_member, _entry_forms, _form, _forms, _run_loop, reads_of, serial_calls,
-                                         writes_of)
+from kiln.runtime.native_members import (TINY_WORK, _bind_member, _entry_forms, _form, _forms, _run_loop, estimated_work,
+                                         reads_of, serial_calls, writes_of)
 from kiln.runtime.native_views import _PlanRewrite, _Resized, exit_tensors
 from kiln.runtime.step import BoundStep, call_step
 from kiln.tactics.tactic import NativeStep, native_strides, row_major_strides
@@ -243,7 +243,11 @@ class Segment:
         serial = serial_calls(self.bound, member_calls)
         if serial is not None:
             forms[SERIAL] = serial
-        self.chooser = FormChooser() if serial is not None else None
+        # a segment whose whole work is too small for a second thread (estimated_work) runs its serial form, no
+        # chooser: both forms stay compiled (views at other sizes start from the parallel one: native_views.py)
+        self.work = estimated_work(members, natives, self.constants)
+        self.only_form = SERIAL if serial is not None and self.work < TINY_WORK else PARALLEL
+        self.chooser = FormChooser() if serial is not None and self.only_form == PARALLEL else None
         self._variants = {}  # (staged, form) -> (bindings, calls, names)
         for form, calls in forms.items():
             self._variants[False, form] = (plain, calls, self._names)
@@ -426,7 +430,7 @@ class Segment:
         self.ran_planned = True
         chooser = self.chooser
         if chooser is None:
-            self._run_form_as_is(sources, staged, PARALLEL)
+            self._run_form(sources, staged, self.only_form)
             return
         form = chooser.choose()
         start = time.perf_counter()
@@ -772,6 +776,13 @@ class Segment:
             self._run([v.data_ptr() for v in entries], [v.data_ptr() for v in exits], staged)
         return tuple(exits) if len(exits) != 1 else exits[0]
 
+    def tiny(self, scale: float = 1.0) -> bool:
+        """Whether a run of this segment, its estimated work times `scale` (work at larger sizes), is too small for a
+        second thread (TINY_WORK) and enters no OpenMP parallel region: it runs its serial form alone (only_form), or
+        only kiln's own kernels (their loops take the calling thread alone at such sizes), no oneDNN primitive."""
+        return self.work * scale < TINY_WORK and (self.only_form == SERIAL or (
+            not self._staged and all(fn is not None for fn, _obj, _nargs, _args in self._calls)))
+
     def run_at(self, entry_addresses: list[int], exit_addresses: list[int], staged: bool = False) -> None:
         """One run on entries and exits at these addresses, laid out as planned (`staged`: NCHW images where the
         segment lays them out at its loop's head): kiln/runtime/direct_run.py's."""
@@ -786,13 +797,14 @@ class Segment:
         swaps the loop's function while it times and empties `_bare`: a run takes `_bare`'s, else asks here."""
         if self.chooser is not None or self._c is None:
             return None
-        c = self._c[staged, PARALLEL]
+        c = self._c[staged, self.only_form]
         found = self._bare.get(staged)
         if found is None or found.c is not c:
             run, functions, set_handle, nbind, memories, addresses, moving, count, objects, nargs, args, failed = c
             found = self._bare[staged] = BareLoop(c, run, (functions, set_handle, self._stream, nbind, memories,
                                                           addresses, count, objects, nargs, args, ctypes.byref(failed)),
-                                                  addresses, tuple(moving), failed, self._variants[staged, PARALLEL][2])
+                                                  addresses, tuple(moving), failed,
+                                                  self._variants[staged, self.only_form][2], self.only_form == SERIAL)
         return found
 
 
@@ -809,6 +821,7 @@ class BareLoop:
     moving: tuple[tuple[int, tuple[str, int]], ...]
     failed: Any  # ctypes.c_int
     names: list[str]
+    serial: bool = False  # the serial form: run with OpenMP's count at 1 (onednn.one_openmp_thread), as _run_form
 
     def raise_failed(self, status: int) -> None:
         where = self.names[self.failed.value] if self.failed.value >= 0 else "binding an input or output"

@@ -7,6 +7,7 @@ which all read members through these.
 from __future__ import annotations
 
 import ctypes
+import math
 from typing import Any
 
 import torch
@@ -119,3 +120,33 @@ def serial_calls(bound: list[Any], member_calls: list[list]) -> list | None:
         any_serial |= serial is not None
         calls += serial if serial is not None else made
     return calls if any_serial else None
+
+
+# A segment of less work than this (estimated_work: multiply-adds, or elements moved) runs its serial form only, no
+# form chooser, and a context whose every call is such a segment skips the OpenMP governor (context.py): a parallel
+# region costs ~2-5 µs (kernels/cpu/i8gemm.py's PARALLEL_MACS), more than a second thread could save on such work,
+# and the chooser's timing (~1 µs) and the governor's begin/end (~0.6 µs) were 10-20% of a tiny model's 2-thread call
+TINY_WORK = 1 << 18
+
+
+def estimated_work(members: list[BoundStep], natives: list[NativeStep], constants: dict[int, Any]) -> int:
+    """An upper estimate of a segment's multiply-adds (at least the elements each layer reads and writes), from sizes
+    alone: a layer with weights (constants among its inputs: a Conv's, a Gemm's) its output's elements times its
+    weights' elements per output channel; one reading two or more activations (a MatMul of two, an Add) its
+    output's elements times the largest last dimension it reads; any other its activations' elements."""
+    total = 0
+    for m, native in zip(members, natives):
+        out = math.prod(native.output_size)
+        sizes = [tuple(native.input_size)]
+        if native.reads is not None:
+            sizes = [tuple(size) for size, _dtype in native.reads.values()]
+        moved = out + sum(math.prod(size) for size in sizes)
+        weights = sum(math.prod(getattr(constants[s], "shape", ())) for s in m.inputs if s in constants)
+        channels = native.output_size[1] if len(native.output_size) == 4 else (native.output_size[-1] or 1)
+        if weights:
+            total += moved + out * max(1, weights // max(1, channels))
+        elif native.reads is not None and len(sizes) > 1:
+            total += moved + out * max(max((size[-1] for size in sizes if size), default=1), 1)
+        else:
+            total += moved
+    return total

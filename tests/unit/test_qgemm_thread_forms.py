@@ -18,6 +18,7 @@ from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, 
 import kiln
 from kiln.kernels.cpu import onednn
 from kiln.kernels.cpu.form_choice import PARALLEL, SERIAL
+from kiln.runtime import native
 from tests.calibration import FeedsReader
 
 needs_onednn = pytest.mark.skipif(not onednn.available(), reason="needs oneDNN")
@@ -59,6 +60,8 @@ def test_a_qdq_segment_runs_its_serial_form_and_both_forms_are_onnxruntimes_mode
     # oneDNN's int8 matmul, whose one-thread twin this is about: kiln's own AVX2 int8 GEMM (cpu.qgemm.kiln_i8) would
     # win these layers and picks one thread itself below i8gemm.PARALLEL_MACS (no form chooser to test)
     monkeypatch.setattr(i8gemm, "available", lambda: False)
+    # a model this small runs its serial form alone (native_members.TINY_WORK): the chooser is what is tested here
+    monkeypatch.setattr(native, "TINY_WORK", 0)
     rng = np.random.default_rng(zlib.crc32(b"qgemm thread forms"))
     fp32, qdq = tmp_path / "fp32.onnx", tmp_path / "qdq.onnx"
     w2 = _model(fp32, rng)
