@@ -28,7 +28,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -118,22 +118,60 @@ def which_path(engine: Any, feeds: dict[str, np.ndarray]) -> str:
     return "checked: Program.run (torch in/out)" if context._checked is not None else "general"
 
 
-def measure(name: str, model: TinyModel, args: argparse.Namespace) -> dict[str, float]:
+def ort_session(model: TinyModel, threads: int) -> Any:
+    """onnxruntime's session of `model` at `threads` intra-op threads (one inter-op), as the peer side."""
     import onnxruntime as ort
 
-    import kiln
-
-    engine = kiln.build(model.onnx, **({"profiles": model.profiles} if model.profiles else {}))
     options = ort.SessionOptions()
-    options.intra_op_num_threads, options.inter_op_num_threads = args.threads, 1
-    session = ort.InferenceSession(model.onnx, options, providers=["CPUExecutionProvider"])
+    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    return ort.InferenceSession(model.onnx, options, providers=["CPUExecutionProvider"])
+
+
+def check_against(session: Any, engines: list[Any], model: TinyModel, name: str) -> None:
+    """Each engine's output on every feed of `model` within 1e-5 of the largest magnitude of onnxruntime's."""
     output = session.get_outputs()[0].name
     for feeds in model.feeds:
         want = session.run(None, feeds)[0]
-        got = engine.run(feeds)[output]
-        err = float(np.abs(np.asarray(got, np.float64) - want).max() / (np.abs(want).max() + 1e-12))
-        if err > 1e-5:
-            raise SystemExit(f"{name}: {err:.2e} of the output's largest magnitude off onnxruntime's")
+        for engine in engines:
+            got = engine.run(feeds)[output]
+            err = float(np.abs(np.asarray(got, np.float64) - want).max() / (np.abs(want).max() + 1e-12))
+            if err > 1e-5:
+                raise SystemExit(f"{name}: {err:.2e} of the output's largest magnitude off onnxruntime's")
+
+
+def interleaved(sides: dict[str, Callable[[int], None]], cycle: int,
+                args: argparse.Namespace) -> tuple[dict[str, list[float]], list[float]]:
+    """µs a call of each side (block(n): n calls over the feeds' cycle), timed in blocks of ~args.block_ms (whole
+    cycles), the sides' order rotated every round, SETTLE_S slept and 5 calls before each block: (times per round,
+    the load at each round)."""
+    clock = CLOCKS[args.clock]
+    blocks = {}
+    for side, block in sides.items():
+        block(200)
+        t0 = time.perf_counter_ns()
+        block(300)
+        blocks[side] = max(3 * cycle, int(args.block_ms * 1e6 / max((time.perf_counter_ns() - t0) / 300, 1.0)))
+        blocks[side] -= blocks[side] % cycle  # whole cycles
+    times: dict[str, list[float]] = {side: [] for side in sides}
+    loads = []
+    order = list(sides)
+    for r in range(args.rounds):
+        loads.append(os.getloadavg()[0])
+        for side in order[r % len(order):] + order[:r % len(order)]:
+            time.sleep(SETTLE_S)
+            sides[side](5)
+            t0 = clock()
+            sides[side](blocks[side])
+            times[side].append((clock() - t0) / blocks[side] / 1e3)
+    return times, loads
+
+
+def measure(name: str, model: TinyModel, args: argparse.Namespace) -> dict[str, float]:
+    import kiln
+
+    engine = kiln.build(model.onnx, **({"profiles": model.profiles} if model.profiles else {}))
+    session = ort_session(model, args.threads)
+    check_against(session, [engine], model, name)
     cycle = model.feeds
 
     def kiln_block(n: int) -> None:
@@ -146,25 +184,7 @@ def measure(name: str, model: TinyModel, args: argparse.Namespace) -> dict[str, 
         for i in range(n):
             run(None, cycle[i % k])
 
-    sides = {"kiln": kiln_block, "onnxruntime": ort_block}
-    clock = CLOCKS[args.clock]
-    blocks = {}
-    for side, block in sides.items():
-        block(200)
-        t0 = time.perf_counter_ns()
-        block(300)
-        blocks[side] = max(3 * len(cycle), int(args.block_ms * 1e6 / max((time.perf_counter_ns() - t0) / 300, 1.0)))
-        blocks[side] -= blocks[side] % len(cycle)  # whole cycles
-    times: dict[str, list[float]] = {side: [] for side in sides}
-    loads = []
-    for r in range(args.rounds):
-        loads.append(os.getloadavg()[0])
-        for side in (("kiln", "onnxruntime") if r % 2 == 0 else ("onnxruntime", "kiln")):
-            time.sleep(SETTLE_S)
-            sides[side](5)
-            t0 = clock()
-            sides[side](blocks[side])
-            times[side].append((clock() - t0) / blocks[side] / 1e3)
+    times, loads = interleaved({"kiln": kiln_block, "onnxruntime": ort_block}, len(cycle), args)
     path = which_path(engine, cycle[0])  # (after the timed calls: a new batch's path settles over its first calls)
     result = {side: statistics.median(v) for side, v in times.items()}
     best = {side: min(v) for side, v in times.items()}

@@ -16,20 +16,15 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
-
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tiny_models import CLOCKS, SETTLE_S, tiny_models  # noqa: E402
+from tiny_models import CLOCKS, check_against, interleaved, ort_session, tiny_models  # noqa: E402
 
 
 def measure(name: str, model, args: argparse.Namespace) -> None:
-    import onnxruntime as ort
-
     import kiln
     from kiln.runtime import native
 
@@ -42,16 +37,8 @@ def measure(name: str, model, args: argparse.Namespace) -> None:
         engines["no skip"].run(model.feeds[0])  # its thread's context made here: the governor kept (_tiny_calls)
     finally:
         native.TINY_WORK = kept
-    session_options = ort.SessionOptions()
-    session_options.intra_op_num_threads, session_options.inter_op_num_threads = args.threads, 1
-    session = ort.InferenceSession(model.onnx, session_options, providers=["CPUExecutionProvider"])
-    output = session.get_outputs()[0].name
-    for feeds in model.feeds:
-        want = session.run(None, feeds)[0]
-        for engine in engines.values():
-            got = np.asarray(engine.run(feeds)[output], np.float64)
-            if np.abs(got - want).max() > 1e-5 * (np.abs(want).max() + 1e-12):
-                raise SystemExit(f"{name}: kiln off onnxruntime")
+    session = ort_session(model, args.threads)
+    check_against(session, list(engines.values()), model, name)
     cycle = model.feeds
 
     def block_of(run, ort_call: bool):
@@ -63,25 +50,7 @@ def measure(name: str, model, args: argparse.Namespace) -> None:
 
     sides = {side: block_of(e.run, False) for side, e in engines.items()}
     sides["onnxruntime"] = block_of(session.run, True)
-    clock = CLOCKS[args.clock]
-    sizes = {}
-    for side, block in sides.items():
-        block(200)
-        t0 = time.perf_counter_ns()
-        block(300)
-        sizes[side] = max(3 * len(cycle), int(args.block_ms * 1e6 / max((time.perf_counter_ns() - t0) / 300, 1.0)))
-        sizes[side] -= sizes[side] % len(cycle)
-    times = {side: [] for side in sides}
-    loads = []
-    order = list(sides)
-    for r in range(args.rounds):
-        loads.append(os.getloadavg()[0])
-        for side in order[r % 3:] + order[:r % 3]:
-            time.sleep(SETTLE_S)
-            sides[side](5)
-            t0 = clock()
-            sides[side](sizes[side])
-            times[side].append((clock() - t0) / sizes[side] / 1e3)
+    times, loads = interleaved(sides, len(cycle), args)
     med = {side: statistics.median(v) for side, v in times.items()}
     ratio = {side: statistics.median(a / b for a, b in zip(times[side], times["onnxruntime"])) for side in engines}
     gain = statistics.median(a / b for a, b in zip(times["skip"], times["no skip"]))
