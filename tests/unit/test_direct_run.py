@@ -26,20 +26,6 @@ def _feeds(rng, batch, seq):
     return {"input_ids": rng.integers(0, 1024, (batch, seq), dtype=np.int64), "attention_mask": mask}
 
 
-@pytest.fixture
-def counted(monkeypatch):
-    """How many runs went through a DirectRun."""
-    calls = []
-    run = direct_run.DirectRun.run
-
-    def counting(self, arrays):
-        calls.append(tuple(a.shape for a in arrays))
-        return run(self, arrays)
-
-    monkeypatch.setattr(direct_run.DirectRun, "run", counting)
-    return calls
-
-
 def _fresh(engine, pad: bool = True, budget_ms: float = 1e6):
     """A context over the engine's program with its padding and direct records started over (budget: by default
     pad any call that has a host; 0: none, every new shape binds)."""

@@ -17,7 +17,6 @@ from kiln import zoo
 from kiln.builder import autotune
 from kiln.errors import BindingError
 from kiln.kernels.cpu import onednn, onednn_ahead
-from kiln.runtime import direct_run
 from kiln.runtime.native import Segment
 from kiln.zoo.models import make_inputs
 
@@ -41,20 +40,6 @@ def dynamic_roberta():
     assert onednn_ahead.AHEAD.wait(timeout=120), "the build's background jobs did not finish"
     session = ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
     return engine, session
-
-
-@pytest.fixture
-def counted(monkeypatch):
-    """The input shapes of the runs that went through a DirectRun."""
-    calls = []
-    run = direct_run.DirectRun.run
-
-    def counting(self, arrays):
-        calls.append(tuple(a.shape for a in arrays))
-        return run(self, arrays)
-
-    monkeypatch.setattr(direct_run.DirectRun, "run", counting)
-    return calls
 
 
 def _general(engine, monkeypatch):

@@ -24,16 +24,6 @@ from tests.calibration import FeedsReader
 needs_onednn = pytest.mark.skipif(not onednn.available(), reason="needs oneDNN")
 
 
-@pytest.fixture
-def two_threads(monkeypatch):
-    """OpenMP's count at 2 (thread_forms binds a serial twin only on more than one thread), small layers measured."""
-    monkeypatch.delenv("KILN_SERIAL_SMALL_LAYERS", raising=False)
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 def _model(path, rng) -> np.ndarray:
     """x [1, 64, 32] @ W1 [32, 48] -> Relu -> @ W2 [48, 16]: two MatMuls onnxruntime quantizes. Returns W2."""
     w2_value = (rng.standard_normal((48, 16)) * 0.2).astype(np.float32)

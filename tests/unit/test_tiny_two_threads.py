@@ -24,16 +24,6 @@ pytestmark = pytest.mark.skipif(not transformer_kernels.available(), reason="kil
 TOL = 1e-6  # of the largest output: fp32 sums in another order than onnxruntime's (K = 27-72 products)
 
 
-@pytest.fixture
-def two_threads(monkeypatch):
-    """OpenMP's count at 2, small layers measured (both forms bound): how a 2-thread deployment builds."""
-    monkeypatch.delenv("KILN_SERIAL_SMALL_LAYERS", raising=False)
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 def _model(nodes: list, x_shape: list, y_shape: list, weights: dict[str, np.ndarray]) -> bytes:
     graph = helper.make_graph(nodes, "tiny", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, y_shape)],
