@@ -147,26 +147,32 @@ typedef struct {
 /* The k loop of an R x V·8 tile alone (R, V constant; the epilogue kept out, as w16gemm.c found GCC spills the
    accumulators otherwise): rows a + r·astride, the panel w, K4 groups of 4 k; t = offset + the int32 sums to out
    [R][NR] (the accumulators start at the offsets: no add in the epilogue). */
+/* acc[R][V]: the int32 sums of an R x V·8 tile, from OFFSET (the bias offsets of its V·8 columns) plus the u8·s8
+ products of R rows of a (astride apart) and the packed w over K4 groups of 4 (vpmaddubsw, then vpmaddwd by ones):
+ the k loop of kernel_R_V and fused_R_V_MODE. R <= 6: the unroll pragmas unroll every loop over r and v whole. */
+#define ACCUMULATE(R, V, OFFSET)                                                                                   \
+    __m256i acc[R][V];                                                                                             \
+    _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)                                                            \
+        _Pragma("GCC unroll 4") for (int v = 0; v < V; v++)                                                        \
+            acc[r][v] = _mm256_loadu_si256((const __m256i *)((OFFSET) + v * LANES));                               \
+    const __m256i ones = _mm256_set1_epi16(1);                                                                     \
+    for (long q = 0; q < K4; q++) {                                                                                \
+        const __m256i *wq = (const __m256i *)(w + q * NR * 4);                                                     \
+        _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                                                      \
+            int32_t bytes;                                                                                         \
+            memcpy(&bytes, a + r * astride + q * 4, 4);                                                            \
+            const __m256i b = _mm256_set1_epi32(bytes);                                                            \
+            _Pragma("GCC unroll 4") for (int v = 0; v < V; v++) {                                                  \
+                const __m256i pairs = _mm256_maddubs_epi16(b, _mm256_loadu_si256(wq + v));                         \
+                acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_madd_epi16(pairs, ones));                           \
+            }                                                                                                      \
+        }                                                                                                          \
+    }
+
 #define DEFINE_KERNEL(R, V)                                                                                        \
     static __attribute__((noinline)) void kernel_##R##_##V(const uint8_t *a, long astride, const int8_t *w,      \
                                                            long K4, const int32_t *offset, int32_t *out) {        \
-        __m256i acc[R][V];                                                                                         \
-        _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)                                                       \
-            _Pragma("GCC unroll 4") for (int v = 0; v < V; v++)                                                   \
-                acc[r][v] = _mm256_loadu_si256((const __m256i *)(offset + v * LANES));                            \
-        const __m256i ones = _mm256_set1_epi16(1);                                                                 \
-        for (long q = 0; q < K4; q++) {                                                                            \
-            const __m256i *wq = (const __m256i *)(w + q * NR * 4);                                                 \
-            _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                                                 \
-                int32_t bytes;                                                                                     \
-                memcpy(&bytes, a + r * astride + q * 4, 4);                                                        \
-                const __m256i b = _mm256_set1_epi32(bytes);                                                        \
-                _Pragma("GCC unroll 4") for (int v = 0; v < V; v++) {                                             \
-                    const __m256i pairs = _mm256_maddubs_epi16(b, _mm256_loadu_si256(wq + v));                     \
-                    acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_madd_epi16(pairs, ones));                       \
-                }                                                                                                  \
-            }                                                                                                      \
-        }                                                                                                          \
+        ACCUMULATE(R, V, offset);                                                                                  \
         _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)                                                       \
             _Pragma("GCC unroll 4") for (int v = 0; v < V; v++)                                                   \
                 _mm256_storeu_si256((__m256i *)(out + (r * NV + v) * LANES), acc[r][v]);                           \
@@ -191,23 +197,7 @@ enum { ON_WORDS = 0, ON_WORDS_CLAMPED = 1, AS_FLOATS = 2 };
     static __attribute__((noinline)) void fused_##R##_##V##_##MODE(const i8_plan *p, const uint8_t *a,            \
                                                                    long astride, const int8_t *w, long K4,        \
                                                                    long n0, void *y) {                            \
-        __m256i acc[R][V];                                                                                         \
-        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                                       \
-            _Pragma("GCC unroll 4") for (int v = 0; v < V; v++)                                                   \
-                acc[r][v] = _mm256_loadu_si256((const __m256i *)(p->offset + n0 + v * LANES));                    \
-        const __m256i ones = _mm256_set1_epi16(1);                                                                 \
-        for (long q = 0; q < K4; q++) {                                                                            \
-            const __m256i *wq = (const __m256i *)(w + q * NR * 4);                                                 \
-            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                                 \
-                int32_t bytes;                                                                                     \
-                memcpy(&bytes, a + r * astride + q * 4, 4);                                                        \
-                const __m256i b = _mm256_set1_epi32(bytes);                                                        \
-                _Pragma("GCC unroll 4") for (int v = 0; v < V; v++) {                                             \
-                    const __m256i pairs = _mm256_maddubs_epi16(b, _mm256_loadu_si256(wq + v));                     \
-                    acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_madd_epi16(pairs, ones));                       \
-                }                                                                                                  \
-            }                                                                                                      \
-        }                                                                                                          \
+        ACCUMULATE(R, V, p->offset + n0);                                                                          \
         if (MODE == AS_FLOATS) {                                                                                   \
             _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                                   \
                 _Pragma("GCC unroll 4") for (int v = 0; v < V; v++)                                               \
