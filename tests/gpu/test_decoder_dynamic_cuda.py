@@ -44,3 +44,26 @@ def test_dynamic_decoder_fp16_against_onnxruntime(name):
         err = float(np.abs(got.astype(np.float64) - want).max()) / scale
         print(f"{name} {batch}x{seq}: attention {attentions[0]}, fp16 error {err:.1e}")
         assert err < 3e-2, (name, batch, seq, err)  # fp16 weights and activations against fp32
+
+
+def test_dynamic_gpt2_fp16_against_onnxruntime():
+    """GPT-2 exported with symbolic batch x sequence (session 31's fuse_gemm flatten of its Conv1D GEMMs) built for
+    CUDA fp16 inside a profile, at fresh shapes, against onnxruntime's fp32 logits."""
+    exported = zoo.export("gpt2_tiny", batch=2, seq=8, dynamic=True)
+    engine = kiln.build(str(exported.path), device="cuda", precision="fp16",
+                        profiles=[{"input_ids": "1x1,2x8,4x16"}])
+    session = ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
+    context = engine.create_execution_context()
+    rng = np.random.default_rng(33)
+    for batch, seq in [(1, 1), (2, 8), (4, 16), (3, 5), (1, 13)]:
+        feeds = {"input_ids": rng.integers(0, 1000, (batch, seq), dtype=np.int64)}
+        for extra in session.get_inputs()[1:]:
+            feeds[extra.name] = (np.ones((batch, seq), dtype=np.int64) if "mask" in extra.name
+                                 else np.arange(seq, dtype=np.int64)[None].repeat(batch, 0))
+        want = session.run(None, feeds)[0]
+        got = context.run(feeds)
+        got = got[next(iter(got))]
+        assert got.shape == want.shape
+        err = float(np.abs(got.astype(np.float64) - want).max()) / float(np.abs(want).max())
+        print(f"gpt2_tiny {batch}x{seq}: fp16 error {err:.1e}")
+        assert err < 3e-2, (batch, seq, err)
