@@ -108,7 +108,7 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
             most = max(self.bucket_graphs(k) for k in range(len(engine.profiles)))
             if most > max_graphs:
                 self.buckets.batch_steps = "pow2"
-                log.warning("batch_buckets 'half': %d bucketed shapes would pass the %d graphs a context keeps; the "
+                log.info("batch_buckets 'half': %d bucketed shapes would pass the %d graphs a context keeps; the "
                             "batch buckets stay powers of two (%d shapes)", most, max_graphs,
                             max(self.bucket_graphs(k) for k in range(len(engine.profiles))))
         self._static = _static_signature(engine) if self._token_mask is None else None

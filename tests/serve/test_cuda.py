@@ -289,7 +289,7 @@ def test_batch_buckets_parameter_flag_and_each_instance(tmp_path, engines, monke
                        "m/config.pbtxt")
     assert batch_buckets_mode(half) == "half" and batch_buckets_mode(half, "pow2") == "half"
     plain = parse_pbtxt("max_batch_size: 4", "m/config.pbtxt")
-    assert batch_buckets_mode(plain) == "pow2" and batch_buckets_mode(plain, "half") == "half"
+    assert batch_buckets_mode(plain) == "half" and batch_buckets_mode(plain, "pow2") == "pow2"
     with pytest.raises(ModelLoadError, match=r"m/config.pbtxt:\n  parameter batch_buckets 'thirds': expected one of "
                                              r"pow2, half"):
         parse_pbtxt('parameters { key: "batch_buckets" value: { string_value: "thirds" } }', "m/config.pbtxt")
@@ -327,7 +327,7 @@ def test_batch_buckets_parameter_flag_and_each_instance(tmp_path, engines, monke
     monkeypatch.setattr(kiln.serve, "Server", Recorded)
     assert kiln_main(["serve", str(tmp_path), "--batch-buckets", "half"]) == 0
     assert kiln_main(["serve", str(tmp_path)]) == 0
-    assert [o.batch_buckets for o in served] == ["half", "pow2"]
+    assert [o.batch_buckets for o in served] == ["half", "half"]  # the default since session 33
     with pytest.raises(SystemExit):
         kiln_main(["serve", str(tmp_path), "--batch-buckets", "thirds"])
     assert "--batch-buckets: invalid choice: 'thirds'" in capsys.readouterr().err
