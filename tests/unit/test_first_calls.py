@@ -104,6 +104,31 @@ def test_a_shape_binds_once_its_padded_runs_have_cost_what_binding_would(dynamic
     assert padding.bound[signature].runs == 2 and len(padding.bind_ms) == 2
 
 
+def test_a_bound_shapes_first_repeat_runs_directly_and_measures_binding(dynamic_bert_tiny, counted, monkeypatch):
+    """A new numpy shape's first call binds it, its second (the repeat that measures what binding cost) and later
+    ones run as one call of the loop too (a DirectRun each, never Program.run: the general path the repeat took
+    before), matching onnxruntime at fresh random shapes, and each shape's repeat adds one binding sample."""
+    engine, session = dynamic_bert_tiny
+    context = _fresh(engine)
+    padding = engine.first_calls
+    padding.bind_ms.clear()
+    monkeypatch.setattr(first_calls.FirstCalls, "budget_ms", lambda self: 0.0)  # no host is cheaper: every shape binds
+    monkeypatch.setattr(engine.program, "run", lambda *a, **k: pytest.fail("a call took the general path"))
+    rng = np.random.default_rng()
+    shapes = {(int(rng.integers(1, 5)), int(rng.integers(1, 49))) for _ in range(4)}
+    for k, (batch, seq) in enumerate(sorted(shapes)):
+        signature = (((batch, seq), torch.int64),) * 2
+        for call in (1, 2, 3):
+            feeds = _feeds(rng, batch, seq)
+            got = next(iter(context.run(feeds).values()))
+            np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=ORT_TOL, atol=ORT_TOL,
+                                       err_msg=f"call {call} at batch {batch} x seq {seq} vs onnxruntime")
+            assert counted[-1] == ((batch, seq), (batch, seq)), f"call {call} at {batch} x {seq} ran no DirectRun"
+            assert padding.bound[signature].runs == min(call, 2)
+        assert len(padding.bind_ms) == k + 1 and padding.bind_ms[-1] >= 0
+    assert padding.padded_runs == 0 and len(counted) == 3 * len(shapes)
+
+
 def test_the_host_is_the_one_of_least_estimated_extra_within_the_budget(dynamic_bert_tiny):
     engine, _ = dynamic_bert_tiny
     context = _fresh(engine)
