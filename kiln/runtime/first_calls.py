@@ -10,8 +10,13 @@ the build declares):
     host       a bound signature equal to the new one except along the padded dims, and >= it along each of them
     extra      t_host * (1 - work_new / work_host), work = the product of the padded dims: the padded run's extra time
                if a run's time were proportional to its work (an overestimate where a run has a fixed cost)
-    choice     the host of least extra, when that extra is below the cost of binding: a first exact call's time less
-               a repeat's at the same shape (median of the last BIND_SAMPLES; BIND_MS until one is measured)
+    choice     the host of least extra, when that extra is below the cost of binding (a first exact call's time less
+               a repeat's at the same shape: median of the last BIND_SAMPLES; BIND_MS until one is measured) less a
+               padded call's own cost (the host's search, the padding and the crops: median of the last
+               BIND_SAMPLES padded calls; 0 until one is measured); where that difference is not positive no host
+               is searched. On Zen 4 a bert_tiny shape binds in ~0.1-0.2 ms while a padded call's own work took
+               ~0.1 ms and its search ~75 µs of every new shape's call: the stream of 200 shapes took ~10% more
+               thread CPU padded than binding each (bench/results/stream-zen4-2026-12-07c.md)
 
 ExecutionContext.warm_up binds the hosts ahead (host_sizes: at most 25% padding along each dim, bounded); a call of
 numpy arrays at a bound shape, or padded in one, runs as one call of its segment's loop (kiln/runtime/direct_run.py).
@@ -166,6 +171,7 @@ class FirstCalls:
         self._groups: dict[tuple, Hosts] = {}  # _group(signature) -> its bound shapes
         self._paid: dict[tuple, float] = {}  # unbound signature -> its padded runs' estimated extra ms so far
         self.bind_ms: deque[float] = deque(maxlen=BIND_SAMPLES)
+        self.pad_ms: deque[float] = deque(maxlen=BIND_SAMPLES)  # padded calls' own cost (pad_overhead_ms)
         self.padded_runs = 0
         self.rate_floor = float("inf")  # at most the ms / work of every bound shape (Hosts' bound)
         self._lock = threading.Lock()
@@ -179,9 +185,10 @@ class FirstCalls:
         if known is not None:
             return self._run_exact(args, signature, known, into)
         sizes = self._sizes(signature)
+        t0 = time.thread_time_ns()
         host = self._host(args, signature, sizes)
         if host is not None:
-            return self._run_padded(args, sizes, host)
+            return self._run_padded(args, sizes, host, t0)
         self._paid.pop(signature, None)
         return self._run_exact(args, signature, None, into)
 
@@ -210,6 +217,7 @@ class FirstCalls:
                 pass
             return record.run(arrays)
         sizes = self._sizes(signature)
+        t0 = time.thread_time_ns()
         host = self._host(arrays, signature, sizes, paying=False)
         if host is None:  # bound: without a run of the program, then one call of its loop
             return self._bind_direct(arrays, signature, direct)
@@ -217,19 +225,15 @@ class FirstCalls:
         if record is None:
             return None
         padded = [_padded_array(a, axes, host.sizes) for a, axes in zip(arrays, self._pads)]
-        t0 = time.thread_time_ns()
+        t1 = time.thread_time_ns()
         results = record.run(padded)
-        ms = (time.thread_time_ns() - t0) / 1e6
+        t2 = time.thread_time_ns()
         if results is None:  # the host's view was let go since find()
             return None
+        cropped = [_cropped_array(y, axes, sizes) for y, axes in zip(results, self._crops)]
         self._pay(signature, host)
-        with self._lock:
-            self.padded_runs += 1
-            host.ms = min(host.ms, ms)
-            self._lower_floor(host)
-            if host.signature in self.bound:
-                self.bound.move_to_end(host.signature)
-        return [_cropped_array(y, axes, sizes) for y, axes in zip(results, self._crops)]
+        self._padded(host, (t2 - t1) / 1e6, (time.thread_time_ns() - t2 + t1 - t0) / 1e6)
+        return cropped
 
     def _bind_direct(self, arrays: list[np.ndarray], signature: tuple, direct: DirectRuns
                      ) -> list[np.ndarray] | None:
@@ -273,32 +277,43 @@ class FirstCalls:
                 known.runs += 1
                 self._lower_floor(known)
 
-    def _run_padded(self, args: list[Any], sizes: tuple[int, ...], host: BoundShape) -> list[Any]:
+    def _run_padded(self, args: list[Any], sizes: tuple[int, ...], host: BoundShape, t0: int) -> list[Any]:
         """The program at `host`'s size, the inputs zero-padded along the padded dims, the outputs cropped back
-        (each a contiguous copy, as a run at the call's own size returns it)."""
+        (each a contiguous copy, as a run at the call's own size returns it). `t0`: the thread CPU clock (ns) before
+        the host was searched, for the padded path's own cost."""
         padded = [_padded(x, axes, host.sizes) for x, axes in zip(args, self._pads)]
-        t0 = time.thread_time_ns()
+        t1 = time.thread_time_ns()
         results = self.program.run(padded)
-        ms = (time.thread_time_ns() - t0) / 1e6
+        t2 = time.thread_time_ns()
+        cropped = [_cropped(y, axes, sizes) for y, axes in zip(results, self._crops)]
+        self._padded(host, (t2 - t1) / 1e6, (time.thread_time_ns() - t2 + t1 - t0) / 1e6)
+        return cropped
+
+    def _padded(self, host: BoundShape, ms: float, own_ms: float) -> None:
+        """Record a padded run: `ms` the host's run (a padded run takes no less than the host's own), `own_ms` the
+        rest of the call (the host's search, the padding and the crops: pad_overhead_ms' sample)."""
         with self._lock:
             self.padded_runs += 1
-            host.ms = min(host.ms, ms)  # a padded run takes no less than the host's own
+            self.pad_ms.append(own_ms)
+            host.ms = min(host.ms, ms)
             self._lower_floor(host)
             if host.signature in self.bound:
                 self.bound.move_to_end(host.signature)  # used: as the program's shape plans and views are
-        return [_cropped(y, axes, sizes) for y, axes in zip(results, self._crops)]
 
     def _host(self, args: list[Any], signature: tuple, sizes: tuple[int, ...], paying: bool = True
               ) -> BoundShape | None:
-        """The bound shape to run this new one padded in (least extra, below binding's cost less what the shape's
-        padded runs have cost so far), or None. `paying`: its extra counted as paid (else the caller's _pay)."""
+        """The bound shape to run this new one padded in (least extra, below binding's cost less the padded path's
+        own cost and what the shape's padded runs have cost so far), or None, without a search where no extra can be
+        below that. `paying`: its extra counted as paid (else the caller's _pay)."""
+        budget = self.budget_ms() - self.pad_overhead_ms() - self._paid.get(signature, 0.0)
+        if budget <= 0.0:
+            return None  # binding costs no more than a padded call's own work would: bound, no host searched
         hosts = self._groups.get(_group(signature, self._padded_axes))
         if hosts is None:
             return None
         fixed = self._unpaddable(args)
         with self._lock:  # another context's run may be adding or evicting a bound shape
-            found = hosts.cheapest(sizes, fixed, self.budget_ms() - self._paid.get(signature, 0.0),
-                                   self.program.shape_plans, self.rate_floor)
+            found = hosts.cheapest(sizes, fixed, budget, self.program.shape_plans, self.rate_floor)
             if found is None:
                 return None
             if paying:
@@ -319,6 +334,12 @@ class FirstCalls:
         """What binding a new shape costs: the median measured, BIND_MS until one is."""
         samples = list(self.bind_ms)  # one C call: no other thread's append in between
         return statistics.median(samples) if samples else BIND_MS
+
+    def pad_overhead_ms(self) -> float:
+        """What a padded call costs besides its host's run (the host's search, the padding, the crops): the median
+        measured, 0 until one is (so the first padded calls measure it)."""
+        samples = list(self.pad_ms)
+        return statistics.median(samples) if samples else 0.0
 
     def _unpaddable(self, args: list[Any]) -> list[int]:
         """The padded symbols (by index) this call may not be padded along: the sequence of a mask with a row of
