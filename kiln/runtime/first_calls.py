@@ -14,9 +14,10 @@ the build declares):
                a repeat's at the same shape: median of the last BIND_SAMPLES; BIND_MS until one is measured) less a
                padded call's own cost (the host's search, the padding and the crops: median of the last
                BIND_SAMPLES padded calls; 0 until one is measured); where that difference is not positive no host
-               is searched. On Zen 4 a bert_tiny shape binds in ~0.1-0.2 ms while a padded call's own work took
-               ~0.1 ms and its search ~75 µs of every new shape's call: the stream of 200 shapes took ~10% more
-               thread CPU padded than binding each (bench/results/stream-zen4-2026-12-07c.md)
+               is searched. On Zen 4 a bert_tiny shape binds for ~0.1-0.4 ms (the median measured) and a padded
+               call's own work measured 0.2-0.36 ms (the search ~75 µs of it, on caches a run has cooled): by the
+               extra alone the stream of 200 shapes ran 9-15% more thread CPU padded than binding every shape, 3-9%
+               with the own cost counted (bench/results/stream-zen4-2026-12-07c.md)
 
 ExecutionContext.warm_up binds the hosts ahead (host_sizes: at most 25% padding along each dim, bounded); a call of
 numpy arrays at a bound shape, or padded in one, runs as one call of its segment's loop (kiln/runtime/direct_run.py).
