@@ -199,8 +199,8 @@ class FirstCalls:
         bound or padded in its host, each as one call of the loop; None where `run` would do something else (bind the
         shape by a run of the program) or the shape has no DirectRun (or its view went meanwhile): then the caller
         takes `run`. The first repeat went `run`'s way before, the general path (torch conversions, Program.run):
-        bert_tiny's second call at a shape cost ~180 µs more than its later ones on Zen 4, onnxruntime's ~40
-        (bench/results/stream-zen4-2026-12-07c.md)."""
+        bert_tiny's second call at a shape cost 120-220 µs more than its later ones on Zen 4 (onnxruntime's 20-70),
+        14-19 µs this way (bench/results/stream-zen4-2026-12-07c.md)."""
         known = self.bound.get(signature)
         if known is not None:
             record = direct.find(signature)
