@@ -10,8 +10,14 @@ the build declares):
     host       a bound signature equal to the new one except along the padded dims, and >= it along each of them
     extra      t_host * (1 - work_new / work_host), work = the product of the padded dims: the padded run's extra time
                if a run's time were proportional to its work (an overestimate where a run has a fixed cost)
-    choice     the host of least extra, when that extra is below the cost of binding: a first exact call's time less
-               a repeat's at the same shape (median of the last BIND_SAMPLES; BIND_MS until one is measured)
+    choice     the host of least extra, when that extra is below the cost of binding (a first exact call's time less
+               a repeat's at the same shape: median of the last BIND_SAMPLES; BIND_MS until one is measured) less a
+               padded call's own cost (the host's search, the padding and the crops: median of the last
+               BIND_SAMPLES padded calls; 0 until one is measured); where that difference is not positive no host
+               is searched. On Zen 4 a bert_tiny shape binds for ~0.1-0.4 ms (the median measured) and a padded
+               call's own work measured 0.2-0.36 ms (the search ~75 µs of it, on caches a run has cooled): by the
+               extra alone the stream of 200 shapes ran 9-15% more thread CPU padded than binding every shape, 3-9%
+               with the own cost counted (bench/results/stream-zen4-2026-12-07c.md)
 
 ExecutionContext.warm_up binds the hosts ahead (host_sizes: at most 25% padding along each dim, bounded); a call of
 numpy arrays at a bound shape, or padded in one, runs as one call of its segment's loop (kiln/runtime/direct_run.py).
@@ -166,6 +172,7 @@ class FirstCalls:
         self._groups: dict[tuple, Hosts] = {}  # _group(signature) -> its bound shapes
         self._paid: dict[tuple, float] = {}  # unbound signature -> its padded runs' estimated extra ms so far
         self.bind_ms: deque[float] = deque(maxlen=BIND_SAMPLES)
+        self.pad_ms: deque[float] = deque(maxlen=BIND_SAMPLES)  # padded calls' own cost (pad_overhead_ms)
         self.padded_runs = 0
         self.rate_floor = float("inf")  # at most the ms / work of every bound shape (Hosts' bound)
         self._lock = threading.Lock()
@@ -179,30 +186,39 @@ class FirstCalls:
         if known is not None:
             return self._run_exact(args, signature, known, into)
         sizes = self._sizes(signature)
+        t0 = time.thread_time_ns()
         host = self._host(args, signature, sizes)
         if host is not None:
-            return self._run_padded(args, sizes, host)
+            return self._run_padded(args, sizes, host, t0)
         self._paid.pop(signature, None)
         return self._run_exact(args, signature, None, into)
 
     def run_direct(self, arrays: list[np.ndarray], signature: tuple, direct: DirectRuns) -> list[np.ndarray] | None:
         """`run`'s choice for numpy inputs (C-contiguous, of `signature`) through `direct` (kiln/runtime/direct_run.py):
-        a bound shape whose binding cost is measured (its repeat ran) run at its size, a new one padded in its host,
-        each as one call of the host's compiled loop; None where `run` would do something else (bind the shape,
-        measure a repeat) or the shape has no DirectRun (or its view went meanwhile): then the caller takes `run`."""
+        a bound shape run at its size (its first repeat timed, as `run` times it, for what binding cost), a new one
+        bound or padded in its host, each as one call of the loop; None where `run` would do something else (bind the
+        shape by a run of the program) or the shape has no DirectRun (or its view went meanwhile): then the caller
+        takes `run`. The first repeat went `run`'s way before, the general path (torch conversions, Program.run):
+        bert_tiny's second call at a shape cost 120-220 µs more than its later ones on Zen 4 (onnxruntime's 20-70),
+        14-19 µs this way (bench/results/stream-zen4-2026-12-07c.md)."""
         known = self.bound.get(signature)
         if known is not None:
-            if known.runs < 2:
-                return None  # its first repeat measures what binding cost: `run`'s
             record = direct.find(signature)
             if record is None:
                 return None
+            if known.runs < 2:  # its first repeat, timed as `run` times it: what binding cost is measured
+                t0 = time.thread_time_ns()
+                results = record.run(arrays)
+                if results is not None:
+                    self._ran_exact(signature, known, (time.thread_time_ns() - t0) / 1e6)
+                return results
             try:  # (one C call under the GIL: no lock, ~0.2 µs of a tiny model's ~5 µs call)
                 self.bound.move_to_end(signature)
             except KeyError:  # let go by another thread meanwhile
                 pass
             return record.run(arrays)
         sizes = self._sizes(signature)
+        t0 = time.thread_time_ns()
         host = self._host(arrays, signature, sizes, paying=False)
         if host is None:  # bound: without a run of the program, then one call of its loop
             return self._bind_direct(arrays, signature, direct)
@@ -210,19 +226,15 @@ class FirstCalls:
         if record is None:
             return None
         padded = [_padded_array(a, axes, host.sizes) for a, axes in zip(arrays, self._pads)]
-        t0 = time.thread_time_ns()
+        t1 = time.thread_time_ns()
         results = record.run(padded)
-        ms = (time.thread_time_ns() - t0) / 1e6
+        t2 = time.thread_time_ns()
         if results is None:  # the host's view was let go since find()
             return None
+        cropped = [_cropped_array(y, axes, sizes) for y, axes in zip(results, self._crops)]
         self._pay(signature, host)
-        with self._lock:
-            self.padded_runs += 1
-            host.ms = min(host.ms, ms)
-            self._lower_floor(host)
-            if host.signature in self.bound:
-                self.bound.move_to_end(host.signature)
-        return [_cropped_array(y, axes, sizes) for y, axes in zip(results, self._crops)]
+        self._padded(host, (t2 - t1) / 1e6, (time.thread_time_ns() - t2 + t1 - t0) / 1e6)
+        return cropped
 
     def _bind_direct(self, arrays: list[np.ndarray], signature: tuple, direct: DirectRuns
                      ) -> list[np.ndarray] | None:
@@ -246,12 +258,18 @@ class FirstCalls:
         """The program at the call's own size; its time recorded (a first run's: the shape's first_ms)."""
         t0 = time.thread_time_ns()
         results = self.program.run(args, into=into)
-        ms = (time.thread_time_ns() - t0) / 1e6
+        self._ran_exact(signature, known, (time.thread_time_ns() - t0) / 1e6)
+        return results
+
+    def _ran_exact(self, signature: tuple, known: BoundShape | None, ms: float) -> None:
+        """Record a run at the call's own size that took `ms`: a new shape bound (its first_ms), or a bound one's
+        repeat (its first: what binding cost, the first run less this one)."""
         with self._lock:
             if known is None:
                 self._add(BoundShape(signature, self._sizes(signature), 0, ms, ms))
             else:
-                self.bound.move_to_end(signature)
+                if signature in self.bound:  # (else let go by another context's run meanwhile)
+                    self.bound.move_to_end(signature)
                 if known.runs == 1:  # its first repeat: what binding it cost
                     self.bind_ms.append(max(known.first_ms - ms, 0.0))
                     known.ms = ms
@@ -259,34 +277,44 @@ class FirstCalls:
                     known.ms = min(known.ms, ms)
                 known.runs += 1
                 self._lower_floor(known)
-        return results
 
-    def _run_padded(self, args: list[Any], sizes: tuple[int, ...], host: BoundShape) -> list[Any]:
+    def _run_padded(self, args: list[Any], sizes: tuple[int, ...], host: BoundShape, t0: int) -> list[Any]:
         """The program at `host`'s size, the inputs zero-padded along the padded dims, the outputs cropped back
-        (each a contiguous copy, as a run at the call's own size returns it)."""
+        (each a contiguous copy, as a run at the call's own size returns it). `t0`: the thread CPU clock (ns) before
+        the host was searched, for the padded path's own cost."""
         padded = [_padded(x, axes, host.sizes) for x, axes in zip(args, self._pads)]
-        t0 = time.thread_time_ns()
+        t1 = time.thread_time_ns()
         results = self.program.run(padded)
-        ms = (time.thread_time_ns() - t0) / 1e6
+        t2 = time.thread_time_ns()
+        cropped = [_cropped(y, axes, sizes) for y, axes in zip(results, self._crops)]
+        self._padded(host, (t2 - t1) / 1e6, (time.thread_time_ns() - t2 + t1 - t0) / 1e6)
+        return cropped
+
+    def _padded(self, host: BoundShape, ms: float, own_ms: float) -> None:
+        """Record a padded run: `ms` the host's run (a padded run takes no less than the host's own), `own_ms` the
+        rest of the call (the host's search, the padding and the crops: pad_overhead_ms' sample)."""
         with self._lock:
             self.padded_runs += 1
-            host.ms = min(host.ms, ms)  # a padded run takes no less than the host's own
+            self.pad_ms.append(own_ms)
+            host.ms = min(host.ms, ms)
             self._lower_floor(host)
             if host.signature in self.bound:
                 self.bound.move_to_end(host.signature)  # used: as the program's shape plans and views are
-        return [_cropped(y, axes, sizes) for y, axes in zip(results, self._crops)]
 
     def _host(self, args: list[Any], signature: tuple, sizes: tuple[int, ...], paying: bool = True
               ) -> BoundShape | None:
-        """The bound shape to run this new one padded in (least extra, below binding's cost less what the shape's
-        padded runs have cost so far), or None. `paying`: its extra counted as paid (else the caller's _pay)."""
+        """The bound shape to run this new one padded in (least extra, below binding's cost less the padded path's
+        own cost and what the shape's padded runs have cost so far), or None, without a search where no extra can be
+        below that. `paying`: its extra counted as paid (else the caller's _pay)."""
+        budget = self.budget_ms() - self.pad_overhead_ms() - self._paid.get(signature, 0.0)
+        if budget <= 0.0:
+            return None  # binding costs no more than a padded call's own work would: bound, no host searched
         hosts = self._groups.get(_group(signature, self._padded_axes))
         if hosts is None:
             return None
         fixed = self._unpaddable(args)
         with self._lock:  # another context's run may be adding or evicting a bound shape
-            found = hosts.cheapest(sizes, fixed, self.budget_ms() - self._paid.get(signature, 0.0),
-                                   self.program.shape_plans, self.rate_floor)
+            found = hosts.cheapest(sizes, fixed, budget, self.program.shape_plans, self.rate_floor)
             if found is None:
                 return None
             if paying:
@@ -307,6 +335,12 @@ class FirstCalls:
         """What binding a new shape costs: the median measured, BIND_MS until one is."""
         samples = list(self.bind_ms)  # one C call: no other thread's append in between
         return statistics.median(samples) if samples else BIND_MS
+
+    def pad_overhead_ms(self) -> float:
+        """What a padded call costs besides its host's run (the host's search, the padding, the crops): the median
+        measured, 0 until one is (so the first padded calls measure it)."""
+        samples = list(self.pad_ms)
+        return statistics.median(samples) if samples else 0.0
 
     def _unpaddable(self, args: list[Any]) -> list[int]:
         """The padded symbols (by index) this call may not be padded along: the sequence of a mask with a row of

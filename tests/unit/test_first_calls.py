@@ -5,6 +5,8 @@ token is never padded along the sequence, and the warm-up binds the host sizes, 
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 import pytest
 import torch
@@ -27,11 +29,14 @@ def _feeds(rng, batch, seq, empty_row=None):
     return {"input_ids": rng.integers(0, 1024, (batch, seq), dtype=np.int64), "attention_mask": mask}
 
 
-def _fresh(engine):
+def _fresh(engine, own_cost=False):
     """A context whose engine's padding starts over (nothing bound it knows of), with a budget that pads any call
-    that has a host."""
+    that has a host. Without `own_cost` a padded call's own cost is never sampled (FirstCalls.pad_ms keeps none):
+    the budget is bind_ms' alone, which the tests of the extra rule pin."""
     engine.first_calls = first_calls.FirstCalls(engine.program, engine.first_calls.buckets, engine.inputs)
     engine.first_calls.bind_ms.append(1e6)
+    if not own_cost:
+        engine.first_calls.pad_ms = deque(maxlen=0)
     return engine.create_execution_context()
 
 
@@ -102,6 +107,70 @@ def test_a_shape_binds_once_its_padded_runs_have_cost_what_binding_would(dynamic
     assert signature not in padding._paid
     context.run(feeds)  # the fourth: its repeat, which measures what binding cost
     assert padding.bound[signature].runs == 2 and len(padding.bind_ms) == 2
+
+
+def test_a_bound_shapes_first_repeat_runs_directly_and_measures_binding(dynamic_bert_tiny, counted, monkeypatch):
+    """A new numpy shape's first call binds it, its second (the repeat that measures what binding cost) and later
+    ones run as one call of the loop too (a DirectRun each, never Program.run: the general path the repeat took
+    before), matching onnxruntime at fresh random shapes, and each shape's repeat adds one binding sample."""
+    engine, session = dynamic_bert_tiny
+    context = _fresh(engine)
+    padding = context._first_calls  # (its lane's: a later context of the engine may run a lane of its own)
+    padding.bind_ms.clear()
+    monkeypatch.setattr(first_calls.FirstCalls, "budget_ms", lambda self: 0.0)  # no host is cheaper: every shape binds
+    monkeypatch.setattr(padding.program, "run", lambda *a, **k: pytest.fail("a call took the general path"))
+    rng = np.random.default_rng()
+    shapes = {(int(rng.integers(1, 5)), int(rng.integers(1, 49))) for _ in range(4)}
+    for k, (batch, seq) in enumerate(sorted(shapes)):
+        signature = (((batch, seq), torch.int64),) * 2
+        for call in (1, 2, 3):
+            feeds = _feeds(rng, batch, seq)
+            got = next(iter(context.run(feeds).values()))
+            np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=ORT_TOL, atol=ORT_TOL,
+                                       err_msg=f"call {call} at batch {batch} x seq {seq} vs onnxruntime")
+            assert counted[-1] == ((batch, seq), (batch, seq)), f"call {call} at {batch} x {seq} ran no DirectRun"
+            assert padding.bound[signature].runs == min(call, 2)
+        assert len(padding.bind_ms) == k + 1 and padding.bind_ms[-1] >= 0
+    assert padding.padded_runs == 0 and len(counted) == 3 * len(shapes)
+
+
+def test_a_padded_calls_own_cost_is_measured_and_taken_from_the_budget(dynamic_bert_tiny, monkeypatch):
+    """A padded call samples its own cost (the host's search, the padding, the crops); a new shape is padded only
+    where its extra plus that cost is below binding's, and where binding costs no more than that cost alone no host
+    is searched: it binds. Each call matches onnxruntime."""
+    engine, session = dynamic_bert_tiny
+    context = _fresh(engine, own_cost=True)
+    padding = engine.first_calls
+    rng = np.random.default_rng()
+    context.run(_feeds(rng, 4, 48))
+    host = padding.bound[((4, 48), torch.int64), ((4, 48), torch.int64)]
+
+    def call(batch, seq):
+        feeds = _feeds(rng, batch, seq)
+        got = next(iter(context.run(feeds).values()))
+        np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=ORT_TOL, atol=ORT_TOL,
+                                   err_msg=f"batch {batch} x seq {seq} vs onnxruntime")
+
+    call(4, 47)  # bind_ms' 1e6: padded, its own cost sampled
+    assert padding.padded_runs == 1 and len(padding.pad_ms) == 1 and padding.pad_ms[0] > 0
+    own, seqs = 0.05, iter(rng.permutation(np.arange(2, 40)))
+    for budget, padded in ((2.0, True), (0.5, False)):  # binding's cost: own + budget x the extra
+        padding.pad_ms.clear()
+        padding.pad_ms.append(own)
+        host.ms = 1e-3  # below any run's time: it stays the estimate's
+        seq = int(next(seqs))
+        extra = host.ms * (1 - 2 * seq / (4 * 48))
+        padding.bind_ms.clear()
+        padding.bind_ms.append(own + budget * extra)
+        before = padding.padded_runs
+        call(2, seq)
+        assert padding.padded_runs == before + padded, f"budget {budget} x the extra: padded {not padded}"
+    padding.bind_ms.clear()
+    padding.bind_ms.append(0.9 * padding.pad_overhead_ms())  # binding cheaper than a padded call's own work
+    monkeypatch.setattr(first_calls.Hosts, "cheapest", lambda *a: pytest.fail("a host was searched"))
+    before, bound = padding.padded_runs, len(padding.bound)
+    call(2, int(next(seqs)))
+    assert padding.padded_runs == before and len(padding.bound) == bound + 1
 
 
 def test_the_host_is_the_one_of_least_estimated_extra_within_the_budget(dynamic_bert_tiny):
