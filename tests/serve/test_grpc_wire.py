@@ -84,7 +84,8 @@ def test_response_encoder_writes_what_protobuf_writes():
     encoder = ResponseEncoder()
     for _ in range(60):  # few models and shapes, as a server sees: most answers reuse kept parts
         model, version = f"m{g.integers(3)}", str(g.integers(1, 3)) if g.random() < 0.7 else ""
-        request_id = "" if g.random() < 0.5 else "r" * int(g.integers(1, 200))  # ids past one length byte too
+        # ids past one length byte too, and ids of non-ASCII characters (their UTF-8 bytes counted, not characters)
+        request_id = "" if g.random() < 0.5 else str(g.choice(["r", "é", "✓"])) * int(g.integers(1, 200))
         outputs = []
         for k in range(int(g.integers(0, 4))):
             shape = tuple(int(d) for d in g.integers(0, 3, int(g.integers(0, 4))))
