@@ -1,16 +1,17 @@
 """kiln serve's gRPC request at concurrency 1 over a loopback socket, old tree against new, interleaved: per round,
-each tree's `kiln serve` of the empty model (y = Identity(x), FP32 [1, 4], dynamic batching on; bench/serve_overhead.py's
-repository) is called by three clients in turn, each for a fixed window, one call after another:
+each tree's `kiln serve` of the empty model (y = Identity(x), FP32 [1, 4], dynamic batching on; the repository of
+bench/serve_overhead.py) is called by three clients in turn, each for a fixed window, one call after another:
 
-- h2: bench/serve_overhead_client.py's HTTP/2 frames encoded once (~20 us of client CPU a call: the server's share),
+- h2: bench/serve_overhead_client.py's HTTP/2 frames encoded once (~20 us of client CPU a call: the server's
+  share),
 - tritonclient: tritonclient.grpc's blocking client (what users run; ~200 us of client CPU a call),
 - wire: `kiln perf --client wire` (kiln's own load generator, every answer checked against its request).
 
 For each: the server's CPU per request from /proc (utime + stime of all its threads over the client's run, split
 user / system, over the requests the server says it answered: its statistics' inference count, read over HTTP before
 and after, so that a client's own warm-up and set-up calls are counted too), the loop thread's context switches per
-request (voluntary: it slept in epoll; involuntary: preempted), and the client's p50 / p99. Medians over rounds per tree and client, and the ratio of each tree's median to the
-first tree's.
+request (voluntary: it slept in epoll; involuntary: preempted), and the client's p50 / p99. Medians over rounds
+per tree and client, and the ratio of each tree's median to the first tree's.
 
     python bench/serve_c1_ab.py --trees /tmp/base . --rounds 5 --seconds 3
 """
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,9 +65,9 @@ def _answered(port: int) -> int:
         return json.loads(answer.read())["model_stats"][0]["inference_count"]
 
 
-def _client(client: str, port: int, seconds: float, python: str, tmp: Path) -> tuple[subprocess.Popen, callable]:
-    """The client started (warmed up where it can be held at a line); a function that runs its window and returns
-    (requests, p50 us, p99 us)."""
+def _client(client: str, port: int, seconds: float, python: str, tmp: Path) -> Callable[[], tuple[int, float, float]]:
+    """The client started (warmed up, where it waits for a line to begin): a function that runs its window and
+    returns (requests, p50 us, p99 us). kiln perf starts when called (its window after its own set-up)."""
     if client == "wire":
         out = tmp / "perf.json"
         command = [python, "-m", "kiln", "perf", "-m", MODELS["on"], "-i", "grpc", "-u", f"127.0.0.1:{port}",
@@ -80,7 +82,7 @@ def _client(client: str, port: int, seconds: float, python: str, tmp: Path) -> t
                 raise RuntimeError(f"kiln perf: {level['wrong']} wrong answers, {level['errors']} errors")
             return level["requests"], level["p50_us"], level["p99_us"]
 
-        return None, run
+        return run
     load = subprocess.Popen([python, str(ROOT / "bench" / "serve_overhead_client.py"), "grpc", client, str(port),
                              MODELS["on"], "1", str(seconds)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     if load.stdout.readline().strip() != "go":
@@ -94,7 +96,7 @@ def _client(client: str, port: int, seconds: float, python: str, tmp: Path) -> t
         load.wait(30)
         return result["requests"], result["p50_s"] * 1e6, result["p99_s"] * 1e6
 
-    return load, run
+    return run
 
 
 def main() -> None:
@@ -119,7 +121,7 @@ def main() -> None:
                 process, ports = _start(repos[tree], 0, None, tree=Path(tree).resolve(), python=python)
                 try:
                     for client in args.clients:
-                        _, run = _client(client, ports["gRPC"], args.seconds, python, Path(tmp))
+                        run = _client(client, ports["gRPC"], args.seconds, python, Path(tmp))
                         count, before = _answered(ports["HTTP"]), _server_times(process.pid)
                         requests, p50, p99 = run()
                         after = _server_times(process.pid)
