@@ -88,7 +88,7 @@ def to_bytes(array: np.ndarray) -> bytes:
             parts.append(struct.pack("<I", len(data)))
             parts.append(data)
         return b"".join(parts)
-    return np.ascontiguousarray(array).tobytes()
+    return array.tobytes()  # row-major whatever the array's strides (one numpy call, no contiguous copy first)
 
 
 # tensors smaller than this are copied out by to_bytes even where a view would do: the copy costs less than the view

@@ -26,7 +26,8 @@ from tritonclient.grpc import service_pb2 as pb
 from kiln.serve import datatypes
 
 RAW_INPUT_CONTENTS = 7  # ModelInferRequest.raw_input_contents' field number (Triton's grpc_service.proto)
-# ModelInferResponse's keys (field number << 3 | 2: length-delimited): outputs 5, raw_output_contents 6
+# ModelInferResponse's keys (field number << 3 | 2: length-delimited): id 3, outputs 5, raw_output_contents 6
+ID_KEY = bytes([3 << 3 | 2])
 OUTPUTS_KEY = bytes([5 << 3 | 2])
 RAW_OUTPUT_CONTENTS_KEY = bytes([6 << 3 | 2])
 
@@ -254,6 +255,13 @@ def _varint_bytes(value: int) -> bytes:
     return bytes(out)
 
 
+def _id_field(id: str) -> bytes:
+    """ModelInferResponse's field 3 (id: a string), as protobuf writes it: ~0.2 us, where a message built and
+    serialized per answer took ~1."""
+    data = id.encode()
+    return ID_KEY + _varint_bytes(len(data)) + data
+
+
 def _kept(table: dict, key, value: bytes) -> bytes:
     """table[key] = value, the table emptied first when full (a server sees few models and output shapes)."""
     if len(table) >= 1024:
@@ -292,7 +300,7 @@ class ResponseEncoder:
         if head is None:
             head = _kept(self._heads, (model, version),
                          pb.ModelInferResponse(model_name=model, model_version=version).SerializeToString())
-        parts = [head, pb.ModelInferResponse(id=id).SerializeToString()] if id else [head]
+        parts = [head, _id_field(id)] if id else [head]
         contents = []
         raw = 0
         for name, datatype, shape, data in outputs:

@@ -84,7 +84,8 @@ def test_response_encoder_writes_what_protobuf_writes():
     encoder = ResponseEncoder()
     for _ in range(60):  # few models and shapes, as a server sees: most answers reuse kept parts
         model, version = f"m{g.integers(3)}", str(g.integers(1, 3)) if g.random() < 0.7 else ""
-        request_id = "" if g.random() < 0.5 else "r" * int(g.integers(1, 200))  # ids past one length byte too
+        # ids past one length byte too, and ids of non-ASCII characters (their UTF-8 bytes counted, not characters)
+        request_id = "" if g.random() < 0.5 else str(g.choice(["r", "é", "✓"])) * int(g.integers(1, 200))
         outputs = []
         for k in range(int(g.integers(0, 4))):
             shape = tuple(int(d) for d in g.integers(0, 3, int(g.integers(0, 4))))
@@ -224,12 +225,15 @@ def _expected(data: bytes):
     return _decode_quickly(full, list(full.raw_input_contents))
 
 
-def _same_request(got, expected) -> None:
+def _same_request(got, expected, by_layout: bool = False) -> None:
+    """`got` decodes as protobuf's parse does; by a layout (`by_layout`) its tensors are writable arrays of its own
+    (over a copy of the message: the batcher hands them to the engine uncopied), else read-only views of the
+    message's bytes (the batcher copies those)."""
     assert (got.model, got.version, got.id, got.outputs) == (expected.model, expected.version, expected.id, None)
     assert list(got.inputs) == list(expected.inputs)
     for name, array in expected.inputs.items():
         mine = got.inputs[name]
-        assert mine.dtype == array.dtype and mine.shape == array.shape and not mine.flags.writeable
+        assert mine.dtype == array.dtype and mine.shape == array.shape and mine.flags.writeable == by_layout
         np.testing.assert_array_equal(mine, array)
 
 
@@ -256,9 +260,12 @@ def test_quick_layouts_give_protobufs_answer_for_every_request(monkeypatch):
         data = message.SerializeToString()
         hit, got = _decoded(data)
         hits += hit
-        _same_request(got, _expected(data))
+        _same_request(got, _expected(data), by_layout=hit)
         for (name, *_), array in zip(described, arrays):
             np.testing.assert_array_equal(got.inputs[name], array)
+        if hit:  # the engine may write them: never into the received bytes
+            for tensor in got.inputs.values():
+                assert not np.shares_memory(tensor, np.frombuffer(data, np.uint8))
     assert hits >= 120 - len(layouts)  # all but each layout's first
 
 
@@ -308,7 +315,9 @@ def test_quick_layouts_learn_only_what_decode_quickly_covers(monkeypatch):
         data = m.SerializeToString()
         wire = parse_infer_request(data)
         assert wire.layout is None  # learned now, matched from the next one on
-        _same_request(_decoded(data)[1], _expected(data))
+        hit, got = _decoded(data)
+        assert hit
+        _same_request(got, _expected(data), by_layout=True)
 
 
 def test_quick_layouts_rest_when_nothing_repeats(monkeypatch):
