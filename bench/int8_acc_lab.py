@@ -3,7 +3,7 @@ one at a time, in bench/quant_lab.py's torch fake-quant of kiln's CPU scheme (pe
 outputs, per-channel depthwise inputs, per-channel weights 7-bit on an AVX2 CPU but 8-bit depthwise, bias correction,
 GPTQ), on the 202 held-out images of bench/mnv2_w8a16.py (74 + photo_variants(8, seed=1)'s 128; 38 calibrate).
 
-    python bench/int8_acc_lab.py [--vnni] [--only NAME,...]
+    python bench/int8_acc_lab.py [--vnni] [--only NAME,...] [--probes]
 
 Variants (each adds one thing to "kiln today", or replaces one):
 - "kiln today": percentile ranges, GPTQ on the float inputs' second moments, bias correction from the float inputs'
@@ -227,22 +227,54 @@ VARIANTS = {
     "sequential GPTQ": Variant(weights="sequential", bias="empirical"),
     "sequential GPTQ + output-MSE": Variant(ranges="mse", weights="sequential", bias="empirical"),
     "sequential GPTQ damp 0.1": Variant(weights="sequential", bias="empirical", damp=0.1),
-    "sequential GPTQ, analytic bias": Variant(weights="sequential"),
+    "sequential GPTQ (analytic bias)": Variant(weights="sequential"),
     "own-input bias": Variant(bias="own"),
     "own-input GPTQ + bias": Variant(weights="own", bias="own"),
 }
 
 
+def probes(lab: Lab, qmax: list[float]) -> None:
+    """kiln today's weights with other activation ranges: every signed (int8) input's or every ReLU6 (uint8) input's
+    amax scaled (x 0.8, 1.25, 1.5; a ReLU6's capped at 6), and the signed 1x1 inputs (the residual stream the
+    expansions read) per input channel, an upper bound of a kernel with per-input-channel scales."""
+    acts, ws, bs = build(lab, Variant(), qmax)
+    print("| probe | held 74 | all 202 | relerr |\n|---|---|---|---|")
+    print("| kiln today | %d | %d | %.4f |" % judge(lab, acts, ws, bs), flush=True)
+    amaxes = [percentile_ranges(lab, i, x) for i, x in enumerate(lab.inputs)]
+    for unsigned, factors in ((False, (0.8, 1.25, 1.5)), (True, (0.8,))):
+        for f in factors:
+            scaled = []
+            for i, a in enumerate(amaxes):
+                if lab.nonneg[i] == unsigned:  # the stem's input (the image) counts as signed
+                    a = a * f if not unsigned or i == 0 else (a * f).clamp(max=6.0)
+                scaled.append(quantizer(a, lab.nonneg[i]))
+            print(f"| {'ReLU6' if unsigned else 'signed'} inputs' amax x {f} | %d | %d | %.4f |"
+                  % judge(lab, scaled, ws, bs), flush=True)
+    signed = [i for i, m in enumerate(lab.layers) if i > 0 and not lab.nonneg[i] and isinstance(m, nn.Conv2d)]
+    for label, pick in (("all signed 1x1", signed), ("the 160-ch stream's readers",
+                                                    [i for i in signed if lab.layers[i].in_channels == 160])):
+        per_channel = list(acts)
+        for i in pick:
+            xs = lab.inputs[i].transpose(0, 1).reshape(lab.inputs[i].shape[1], -1)
+            a = torch.tensor([percentile_amax(c) for c in xs])
+            per_channel[i] = quantizer(torch.where(a > 0, a, a.max()).view(1, -1, 1, 1), False)
+        print(f"| per-channel inputs: {label} {pick} | %d | %d | %.4f |" % judge(lab, per_channel, ws, bs), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--vnni", action="store_true", help="8-bit weights everywhere (a VNNI CPU's)")
-    parser.add_argument("--only", default=None)
+    parser.add_argument("--only", default=None, help="variants to run, comma-separated")
+    parser.add_argument("--probes", action="store_true", help="the range probes instead of the variants")
     args = parser.parse_args()
     start = time.time()
     lab = Lab()
     held_out_202(lab)
     qmax = qmax_of(lab, args.vnni)
     print(f"setup {time.time() - start:.0f} s, {len(lab.layers)} layers, {len(lab.held)} held out", flush=True)
+    if args.probes:
+        probes(lab, qmax)
+        return
     print("| variant | held 74 | all 202 | relerr | s |\n|---|---|---|---|---|", flush=True)
     for name, v in VARIANTS.items():
         if args.only and name not in args.only.split(","):
