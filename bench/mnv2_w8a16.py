@@ -4,7 +4,7 @@ milliseconds per accuracy, against fp32, int8 every layer, the previous 97% engi
 fewest layers) and onnxruntime's QDQ int8 model.
 
     python bench/mnv2_w8a16.py [--rounds 5] [--target 0.97] [--margin 0.01] [--redraws 4] [--no-previous] [--threads 1]
-                               [--timing-cache PATH] [--rebuilds N] [--split-too] [--plan PLAN.json]
+                               [--timing-cache PATH] [--rebuilds N] [--split-too] [--plan PLAN.json] [--avx2]
 
 Images as quantacc4 (kiln.quant.data.photo_variants: every third of 112 calibrates (38), held out: the other 74 and
 photo_variants(8, seed=1)'s 128 = 202). Agreement = top-1 equal to kiln fp32's top-1 on the same input; redraws:
@@ -35,6 +35,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+if "--avx2" in sys.argv:  # every peer on an AVX2-only CPU (bench/quant.py's caps), set before any library loads
+    import cpuid_avx2  # noqa: E402
+
+    cpuid_avx2.enable()
+    os.environ["KILN_CPU_ISA"] = "avx2"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
@@ -88,6 +93,8 @@ def main() -> None:
                         "wall clock, not the thread's CPU time)")
     parser.add_argument("--plan", default=None, help="a plan of bench/int8_avx2_sensitivity.py --save: the target's "
                         "engine built with its layers pinned (layer_precision), without the search")
+    parser.add_argument("--avx2", action="store_true", help="kiln (KILN_CPU_ISA=avx2) and onnxruntime's MLAS "
+                        "(bench/cpuid_avx2.py's cpuid mask) capped to AVX2")
     parser.add_argument("--split-too", action="store_true",
                         help="the W8A16 engine again without the one-pass GEMM tactic (the same plan)")
     args = parser.parse_args()
