@@ -372,10 +372,12 @@ int kiln_elementwise(void *object, void *stream, int nargs, const void *args) {
 
 /* ---- Concat -------------------------------------------------------------------------------------- */
 
+#define CONCAT_INPUTS 64  /* CONCAT_INPUTS in elementwise.py: a DenseNet block's last Concat joins 25 */
+
 typedef struct {
     get_handle_fn get_handle;
-    void *in_[EW_INPUTS], *out;
-    long widths[EW_INPUTS];   /* elements of input k per outer index (its dims from the axis on) */
+    void *in_[CONCAT_INPUTS], *out;
+    long widths[CONCAT_INPUTS];   /* elements of input k per outer index (its dims from the axis on) */
     long outer;               /* the product of the dims before the axis */
     int inputs;
 } concat_plan;
@@ -383,7 +385,7 @@ typedef struct {
 int kiln_concat(void *object, void *stream, int nargs, const void *args) {
     (void)stream; (void)nargs; (void)args;
     const concat_plan *p = (const concat_plan *)object;
-    const float *in[EW_INPUTS] = {NULL};
+    const float *in[CONCAT_INPUTS] = {NULL};
     long total = 0;
     for (int k = 0; k < p->inputs; ++k) {
         if (p->widths[k] > 0 && (in[k] = (const float *)handle_of(p->get_handle, p->in_[k])) == NULL) return 2;

@@ -44,12 +44,12 @@ def _float_inputs(inputs: list[InputMeta]) -> str | None:
     return None
 
 
-def _computed_float_inputs(inputs: list[InputMeta], fewest: int) -> str | None:
-    """Why `inputs` are not `fewest` to EW_INPUTS float32 tensors computed at run time (None: they are)."""
+def _computed_float_inputs(inputs: list[InputMeta], fewest: int, most: int = kernels.EW_INPUTS) -> str | None:
+    """Why `inputs` are not `fewest` to `most` float32 tensors computed at run time (None: they are)."""
     if (why := _float_inputs(inputs)) is not None:
         return why
-    if not fewest <= len(inputs) <= kernels.EW_INPUTS:
-        return f"{len(inputs)} inputs: {fewest} to {kernels.EW_INPUTS}"
+    if not fewest <= len(inputs) <= most:
+        return f"{len(inputs)} inputs: {fewest} to {most}"
     if any(m.constant for m in inputs):
         return "a constant input (folded or left to the default)"
     return None
@@ -153,7 +153,7 @@ for _op in LONE_ACTIVATIONS:
 # ---- Concat ------------------------------------------------------------------------------------------
 
 def _concat_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
-    if (why := _computed_float_inputs(inputs, 1)) is not None:
+    if (why := _computed_float_inputs(inputs, 1, kernels.CONCAT_INPUTS)) is not None:
         return why
     rank, axis = len(inputs[0].shape), int(_attr(step, "axis", 0))
     if rank == 0 or not -rank <= axis < rank:
@@ -188,7 +188,7 @@ register(Tactic(
 # ---- Concat of NHWC images along channels ----------------------------------------------------------
 
 def _nhwc_concat_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
-    if (why := _computed_float_inputs(inputs, 2)) is not None:
+    if (why := _computed_float_inputs(inputs, 2, kernels.CONCAT_INPUTS)) is not None:
         return why
     shapes = [tuple(m.shape) for m in inputs]
     axis = int(_attr(step, "axis", 0))
