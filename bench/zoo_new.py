@@ -195,8 +195,9 @@ def main() -> None:
     timed = [r for r in rows if "ratio" in r]
     if timed:
         ratios = [r["ratio"] for r in timed]
+        worst = sorted(timed, key=lambda r: -r["ratio"])[:3]
         print(f"\ngeometric mean kiln / ort {np.exp(np.mean(np.log(ratios))):.3f} over {len(ratios)} rows; worst: "
-              + ", ".join(f"{r['model']}@{r['batch']} {r['ratio']:.2f}" for r in sorted(timed, key=lambda r: -r["ratio"])[:3]))
+              + ", ".join(f"{r['model']}@{r['batch']} {r['ratio']:.2f}" for r in worst))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

@@ -245,7 +245,7 @@ class MobileNetV3Large(nn.Module):
         return self.classifier(torch.flatten(F.adaptive_avg_pool2d(self.features(x), 1), 1))
 
 
-# ------------------------------------------------------------------------------------------------ YOLOv5n-style detector
+# ------------------------------------------------------------------------------------------ YOLOv5n-style detector
 
 class _C3(nn.Module):
     """YOLOv5's CSP block: two 1x1 branches, n bottlenecks (1x1, 3x3, residual) on one, concatenated, a 1x1 after."""
@@ -459,10 +459,12 @@ MODELS: dict[str, NewModel] = {m.name: m for m in [
              _transformers("CLIPTextConfig", "CLIPTextModel", _CLIP_TEXT), {"class": "CLIPTextModel", **_CLIP_TEXT},
              "text", 77, (1, 8), vocab=49408),
     NewModel("bart_encoder", "BART-base's encoder (6 layers, 768 wide), 128 tokens",
-             _transformers("BartConfig", "BartModel", _BART_BASE, encoder_of_seq2seq=True), {"class": "BartModel/encoder", **_BART_BASE},
+             _transformers("BartConfig", "BartModel", _BART_BASE, encoder_of_seq2seq=True),
+             {"class": "BartModel/encoder", **_BART_BASE},
              "text", 128, (1, 8), vocab=50265),
     NewModel("electra_small", "ELECTRA-small discriminator body (12 layers, 256 wide), 128 tokens",
-             _transformers("ElectraConfig", "ElectraModel", _ELECTRA_SMALL), {"class": "ElectraModel", **_ELECTRA_SMALL},
+             _transformers("ElectraConfig", "ElectraModel", _ELECTRA_SMALL),
+             {"class": "ElectraModel", **_ELECTRA_SMALL},
              "text", 128, (1, 8), vocab=30522),
 ]}
 

@@ -27,8 +27,8 @@ from kiln.runtime.native import Segment
 pytestmark = pytest.mark.skipif(not transformer.available(), reason=f"kiln's C kernels: {transformer.reason()}")
 
 F = TensorProto.FLOAT
-NATIVE = ["cpu.conv.onednn_direct", "cpu.pool.onednn.MaxPool", "cpu.concat.nhwc", "cpu.concat.native", "cpu.elementwise.nhwc",
-          "cpu.elementwise.native"]
+NATIVE = ["cpu.conv.onednn_direct", "cpu.pool.onednn.MaxPool", "cpu.concat.nhwc", "cpu.concat.native",
+          "cpu.elementwise.nhwc", "cpu.elementwise.native"]
 
 
 @pytest.fixture(autouse=True)
@@ -40,8 +40,8 @@ def native_tactics_win(monkeypatch):
 def dense_model(channels: list[int], batch: int | str = 2, h: int = 6, w: int = 5, seed: int = 0,
                 scale_shape: str = "channel"):
     """x [N, 3, H, W] -> one 3x3 convolution per entry of `channels` -> Concat (a 3x3 MaxPool of one) ->
-    BatchNormalization -> Relu -> 1x1 convolution to 7 channels (a DenseNet layer's BN-ReLU-Conv). scale_shape "scalar": a Mul by one value
-    after the Relu too; "width": a Mul by a [W] row instead (not per channel)."""
+    BatchNormalization -> Relu -> 1x1 convolution to 7 channels (a DenseNet layer's BN-ReLU-Conv). scale_shape
+    "scalar": a Mul by one value after the Relu too; "width": a Mul by a [1, 1, 1, W] row instead (not per channel)."""
     rng = np.random.default_rng(seed)
     inits, nodes, parts = {}, [], []
     for k, c in enumerate(channels):
@@ -163,8 +163,8 @@ def test_a_concat_of_many_rows_matches_onnxruntime():
 
 
 def test_a_concat_of_one_input_is_removed():
-    graph = helper.make_graph([helper.make_node("Concat", ["x"], ["c"], axis=1), helper.make_node("Relu", ["c"], ["y"])],
-                              "one", [helper.make_tensor_value_info("x", F, [2, 4])],
+    nodes = [helper.make_node("Concat", ["x"], ["c"], axis=1), helper.make_node("Relu", ["c"], ["y"])]
+    graph = helper.make_graph(nodes, "one", [helper.make_tensor_value_info("x", F, [2, 4])],
                               [helper.make_tensor_value_info("y", F, [2, 4])])
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     model = optimize(onnx_frontend.load(proto), PassOptions(), report := PassReport())

@@ -4,7 +4,9 @@ native-segment members:
     cpu.elementwise.native  a fused chain of float32 elementwise ops (kiln/passes/fusion/elementwise.py),
                             inputs broadcast, constants baked into the plan; int8/uint8 inputs dequantized and
                             the output quantized in the loop (kiln/passes/fusion/elementwise_dequantize.py fuse_int8_*)
-    cpu.concat.native       Concat of float32 tensors along any axis
+    cpu.elementwise.nhwc    the same chain over 4-D images as a segment lays them out (NHWC rows [N·H·W, C]), its
+                            constants one value per channel (a BatchNormalization no layer absorbed, and its ReLU)
+    cpu.concat.native       Concat of float32 tensors along any axis (up to CONCAT_INPUTS: a DenseNet block's)
     cpu.embedding_concat.native  a recommender's per-field embedding lookups and their Concat (kiln::EmbeddingConcat)
     cpu.add.nhwc            Add of two 4-D images of one size as a segment lays them out (ConvNeXt's residual)
     cpu.concat.nhwc         Concat of 4-D values along any axis as a segment lays them out (NHWC), between
@@ -14,7 +16,8 @@ native-segment members:
 Why: their default runs each program line as a torch call (an allocation and, past torch's grain, a
 parallel region each) and splits the native segment around it; a DCN recommender's cross layers,
 x0 * (W x + b) + x, and its Concat before the head took a third of its run on a shared 2-core VM.
-Other inputs of rank 4 run as steps of their own (a segment's 4-D values are NHWC in memory).
+cpu.elementwise.native runs a program over rank-4 inputs as a step of its own (a segment's 4-D values are NHWC in
+memory), unless cpu.elementwise.nhwc takes it.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@
     cpu.slice.native      a Slice of constant bounds, the same copy from another first element
     cpu.gather.slice      a Gather of an activation by constant indices that step evenly (a recurrent net's
                           last time step, x[:, -1]): the same copy
+    cpu.resize.nearest    a nearest Resize (or Upsample) by constant scales or sizes whose output a strided walk gives
+                          (an integer upsample: NHWC rows of channels repeated, stride 0): the same copy
 
 Why: MobileViT-S's unfold and fold ran as 15 torch steps a run, each splitting the native segment around
 its convolutions and transformer layers; here each is one call of the segment loop (rows of channels
@@ -227,7 +229,8 @@ def _prepare_slice(step: StepSpec, constants: list[Any], device: torch.device):
     """A Slice, Gather or nearest Resize as the walk of its data that its own code gives (at the tuned size)."""
     tuned = tuple(step.tactic_config["input_size"])
     move = _slice_move(step, constants)
-    kernel = relayout.Relayout(tuned, move, step.op_type.lower())  # at load; no walk gives it: the tactic fails its check
+    # at load; where no walk gives the op's output, this raises and the tactic fails its check
+    kernel = relayout.Relayout(tuned, move, step.op_type.lower())
     # the walk is found from the op's own code at each size: a Gather of constant indices (a forecaster's last step
     # over a dynamic batch) binds at new sizes, and so does a Slice that leaves the first axis whole (Swin's shifted
     # windows at another batch); another Slice's walk is kept to the tuned size, as before
