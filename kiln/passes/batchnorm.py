@@ -12,6 +12,11 @@ The same algebra folds a later Mul by a per-channel constant s (W' = W·s, b' = 
 later Add of a per-channel constant t (b' = b + t). A MatMul's bias is an Add of its own, so a scale
 after it is folded through that Add: (x·W + b)·s = x·(W·s) + b·s (ConvNeXt's layer scale). These are exact in real arithmetic; in
 floating point they round once more, like the original computation, in a different place.
+
+A BatchNormalization no layer can absorb (after a Concat or a pool, or a Conv whose output is read elsewhere:
+DenseNet's BN-ReLU-Conv, a pre-activation ResNet's) becomes that affine map as a Mul and an Add by per-channel
+constants (`batchnorm_as_affine`, a CPU fusion rule run just before the elementwise chains are fused): its ReLU and
+whatever else follows joins them in one kiln::Elementwise, which the CPU runs inside its native segments.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import onnx_ir as ir
 
 from kiln.passes._rewrite import (
     PassReport,
+    replace_with,
     attr,
     bypass,
     bypass_refusal,
@@ -206,3 +212,32 @@ def fold_batchnorm_and_affine(model: ir.Model, report: PassReport) -> int:
     return (run_rule(model, "fold_batchnorm", fold_batchnorm, report)
             + run_rule(model, "fold_constant_mul_add", fold_constant_mul_add, report)
             + run_rule(model, "fold_scale_through_matmul_bias", fold_scale_through_matmul_bias, report))
+
+
+def batchnorm_as_affine(node: ir.Node, report: PassReport) -> bool:
+    # BN(x) -> Add(Mul(x, γ/σ), β - μ·γ/σ), the constants [C, 1, ...] (x: [N, C, ...])
+    if not is_op(node, "BatchNormalization") or attr(node, "training_mode", 0):
+        return False
+    if any(v.uses() or v.is_graph_output() for v in node.outputs[1:]):
+        return False
+    x = node.inputs[0]
+    params = [const(v) for v in node.inputs[1:5]]
+    if x.shape is None or len(x.shape) < 2 or x.dtype is None or any(p is None for p in params):
+        report.refuse("batchnorm_as_affine", node, "an input of unknown rank or dtype, or parameters computed at run "
+                                                   "time")
+        return False
+    gamma, beta, mean, var = (p.astype(np.float64) for p in params)
+    scale = gamma / np.sqrt(var + attr(node, "epsilon", 1e-5))
+    shift = beta - mean * scale
+    dtype = x.dtype.numpy()
+    broadcast = (-1,) + (1,) * (len(x.shape) - 2)  # along axis 1 of x
+    graph = node.graph
+    mul = ir.Node("", "Mul", [x, new_initializer(graph, f"{node.name}_scale", scale.astype(dtype).reshape(broadcast))],
+                  name=f"{node.name}_scale")
+    mul.outputs[0].type, mul.outputs[0].shape = x.type, x.shape
+    graph.insert_before(node, mul)
+    add = ir.Node("", "Add", [mul.outputs[0],
+                              new_initializer(graph, f"{node.name}_shift", shift.astype(dtype).reshape(broadcast))],
+                  name=node.name)
+    replace_with([node], add, node.outputs[0])
+    return True

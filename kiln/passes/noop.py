@@ -29,6 +29,12 @@ def remove_identity(node: ir.Node, report: PassReport) -> bool:
     return is_op(node, "Identity") and node.inputs[0] is not None and bypass(node, node.inputs[0])
 
 
+def remove_single_concat(node: ir.Node, report: PassReport) -> bool:
+    # Concat(x) -> x (torch.cat of a one-tensor list: each DenseNet block's first layer)
+    return is_op(node, "Concat") and len(node.inputs) == 1 and node.inputs[0] is not None and \
+        bypass(node, node.inputs[0])
+
+
 def remove_dropout(node: ir.Node, report: PassReport) -> bool:
     # Dropout(x) -> x at inference (training_mode absent or false; the mask unused)
     if not is_op(node, "Dropout"):
@@ -128,6 +134,7 @@ def remove_cast_round_trip(node: ir.Node, report: PassReport) -> bool:
 
 NOOP_RULES = {
     "remove_identity": remove_identity,
+    "remove_single_concat": remove_single_concat,
     "remove_dropout": remove_dropout,
     "remove_same_shape_reshape": remove_same_shape_reshape,
     "remove_zero_pad": remove_zero_pad,

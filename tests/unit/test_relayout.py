@@ -81,6 +81,14 @@ def test_strided_form_refuses_what_no_walk_gives():
     ((2, 5, 3, 7), [2, 5, 3, 7], [0, 2, 3, 1], (2, 3, 7, 5)),  # NCHW -> NHWC as a 4-D value
     ((6, 10), [6, 10], [1, 0], (10, 6)),  # a plain 2-D transpose: a strided gather
     ((3, 4, 5), [3, 4, 5], [1, 0, 2], (4, 3, 5)),
+    # ShuffleNet's channel shuffle on NHWC memory, 2, 3 and 8 groups: small transposes per pixel (interleave)
+    ((1, 116, 7, 5), [2, 58, 35], [1, 0, 2], (1, 116, 7, 5)),
+    ((2, 24, 3, 4), [2, 3, 8, 12], [0, 2, 1, 3], (2, 24, 3, 4)),
+    ((1, 64, 2, 3), [8, 8, 6], [1, 0, 2], (1, 64, 2, 3)),
+    ((2, 10), [2, 10], [1, 0], (10, 2)),  # row-major: [2, 10] -> [10, 2], inner 2 over a run of 10
+    ((3, 40), [3, 40], [1, 0], (40, 3)),
+    ((8, 9), [8, 9], [1, 0], (9, 8)),  # inner 8 (INTERLEAVE_MAX) over a run of 9
+    ((9, 8), [9, 8], [1, 0], (8, 9)),  # inner 9: the strided gather
 ])
 def test_kernel_matches_torch(input_size, dims, perm, output_size):
     layer = relayout.Relayout(input_size, relayout.relayout_move(dims, perm, output_size))
@@ -169,6 +177,37 @@ def test_engine_matches_onnxruntime_with_unfold_and_fold_inside_one_segment(c, h
     for seed in (1, 2):
         x = np.random.default_rng(seed).standard_normal((1, 3, h, w)).astype(np.float32)
         # fp32: the convolutions and the GEMM sum in other orders than onnxruntime's; the copies are exact
+        np.testing.assert_allclose(engine.run({"x": x})["y"], _onnxruntime(proto, {"x": x}), rtol=1e-5, atol=1e-5)
+
+
+def channel_shuffle_model(c: int, groups: int, h: int = 5, w: int = 4, seed: int = 0) -> onnx.ModelProto:
+    """Conv -> ShuffleNet's channel shuffle as torch exports it (Reshape [N, g, C/g, H, W], Transpose 1<->2,
+    Reshape [N, C, H, W]) -> Conv."""
+    rng = np.random.default_rng(seed)
+    inits = {"w0": rng.standard_normal((c, 3, 3, 3)).astype(np.float32) * 0.3,
+             "w1": rng.standard_normal((6, c, 1, 1)).astype(np.float32) * 0.2,
+             "s1": np.array([1, groups, c // groups, h, w], np.int64), "s2": np.array([1, c, h, w], np.int64)}
+    nodes = [helper.make_node("Conv", ["x", "w0"], ["f"], pads=[1, 1, 1, 1], name="conv_in"),
+             helper.make_node("Reshape", ["f", "s1"], ["g"], name="view"),
+             helper.make_node("Transpose", ["g"], ["t"], perm=[0, 2, 1, 3, 4], name="transpose"),
+             helper.make_node("Reshape", ["t", "s2"], ["shuffled"], name="unsafe_view"),
+             helper.make_node("Conv", ["shuffled", "w1"], ["y"], name="conv_out")]
+    graph = helper.make_graph(
+        nodes, "shuffle", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, h, w])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 6, h, w])],
+        [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+@pytest.mark.parametrize("c, groups", [(116, 2), (24, 3), (32, 8), (18, 9)])
+def test_a_channel_shuffle_runs_inside_the_segment_and_matches_onnxruntime(c, groups):
+    proto = channel_shuffle_model(c, groups)
+    engine = kiln.build(proto.SerializeToString(), tactics=["cpu.conv.onednn_direct", "cpu.relayout.native"])
+    assert [s.tactic for s in engine.plan.program.steps].count("cpu.relayout.native") == 1
+    segments = engine.program.segments
+    assert len(segments) == 1 and len(segments[0].members) == 3, [len(s.members) for s in segments]
+    for seed in (1, 2):
+        x = np.random.default_rng(seed).standard_normal((1, 3, 5, 4)).astype(np.float32)
         np.testing.assert_allclose(engine.run({"x": x})["y"], _onnxruntime(proto, {"x": x}), rtol=1e-5, atol=1e-5)
 
 

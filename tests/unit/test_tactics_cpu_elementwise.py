@@ -166,10 +166,25 @@ def test_concat_is_exact(axis, count):
 
 def test_concat_refuses_what_it_cannot_run():
     x = t(draw((2, 3), False))
-    assert "inputs" in refusal("cpu.concat.native", "Concat", "", [x] * 9, {"axis": 1}, set())
+    assert "inputs" in refusal("cpu.concat.native", "Concat", "", [x] * (kernels.CONCAT_INPUTS + 1), {"axis": 1}, set())
     assert "constant" in refusal("cpu.concat.native", "Concat", "", [x, x], {"axis": 1}, {1})
     assert "differ off the axis" in refusal("cpu.concat.native", "Concat", "", [x, t(draw((3, 3), False))],
                                             {"axis": 1}, set())
+
+
+def test_sigmoid_is_accurate_and_keeps_nan():
+    """The vector σ (exp_poly's e^-x on 16 and 8 lanes, elementwise.c ew_sigmoid) against float64 over [-30, 30] at
+    every tail length (n % 16, n % 8), relative to the value; NaN stays NaN, ±inf go to 1 and ~0 (below -87 e^-x is
+    clamped: σ is 6e-39 there where float64's underflows, as gemm.c's σ epilogue)."""
+    for n in (4003, 4000, 4008, 4015):
+        x = np.linspace(-30, 30, n).astype(np.float32).reshape(1, -1)
+        got = elementwise(["Sigmoid i0"], [x]).numpy().astype(np.float64)
+        want = 1.0 / (1.0 + np.exp(-x.astype(np.float64)))
+        np.testing.assert_allclose(got, want, rtol=3e-7, atol=0)
+    edges = np.array([[np.nan, np.inf, -np.inf, -100.0, 100.0, 0.0, -87.5, 88.5] * 3], np.float32)
+    got = elementwise(["Sigmoid i0"], [edges]).numpy()
+    assert np.isnan(got[0, 0::8]).all() and (got[0, 1::8] == 1).all() and (got[0, 4::8] == 1).all()
+    assert (got[0, 5::8] == 0.5).all() and (np.abs(got[0, [2, 3, 10, 11, 18, 19]]) < 1e-38).all()
 
 
 def test_gelu_is_accurate_in_its_tails():

@@ -50,7 +50,36 @@ typedef struct {
     int table_input;
 } elementwise_plan;
 
-static inline float ew_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+/* σ(x) = 1 / (1 + e^-x), e^-x by exp_poly.h's exp_poly (attention.c includes it) on 16 or 8 lanes (KILN_VEXP: the
+   scalar form's operations in its order), the clamps NaN-preserving (a NaN x stays NaN; below -87 σ is ~6e-39, e^-x
+   clamped, where libm's underflows to a denormal or 0: gemm.c's σ epilogue alike). Why: libm's expf is a scalar
+   call per element, and GCC vectorises no loop over exp_poly's scalar form: a YOLO head's sigmoid over [8112, 85]
+   took ~10x torch's (bench/results/zoo-new-zen4-2026-12-07c.md). */
+#ifdef KILN_AVX2
+#define EW_CLAMP8(x, lo, hi) _mm256_min_ps(_mm256_set1_ps(hi), _mm256_max_ps(_mm256_set1_ps(lo), x))
+KILN_VEXP(ew_exp8, static inline, __m256, __v8si, EW_CLAMP8)
+#ifdef __AVX512F__
+#define EW_CLAMP16(x, lo, hi) _mm512_min_ps(_mm512_set1_ps(hi), _mm512_max_ps(_mm512_set1_ps(lo), x))
+KILN_VEXP(ew_exp16, static inline, __m512, __v16si, EW_CLAMP16)
+#endif
+#endif
+
+static void ew_sigmoid(const float *restrict a, float *restrict r, long n) {
+    long j = 0;
+#ifdef KILN_AVX2
+#ifdef __AVX512F__
+    for (; j + 16 <= n; j += 16) {
+        const __m512 x = _mm512_loadu_ps(a + j);
+        _mm512_storeu_ps(r + j, _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_set1_ps(1.0f) + ew_exp16(-x)));
+    }
+#endif
+    for (; j + 8 <= n; j += 8) {
+        const __m256 x = _mm256_loadu_ps(a + j);
+        _mm256_storeu_ps(r + j, _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_set1_ps(1.0f) + ew_exp8(-x)));
+    }
+#endif
+    for (; j < n; ++j) r[j] = 1.0f / (1.0f + exp_poly(-a[j]));
+}
 
 /* r[j] = Gelu(a[j]) = a·Φ(a), erf form, for j < n. AVX2: through erfc(|a|/√2) = t·exp(-z² + P(t)),
    t = 1/(1 + z/2) (Numerical Recipes' erfcc: relative error < 1.2e-7 for every z >= 0; the exp is attention.c's
@@ -116,7 +145,7 @@ static void ew_line(int op, const float *restrict a, const float *restrict b, fl
         case EW_SQRT: for (long j = 0; j < n; ++j) r[j] = sqrtf(a[j]); break;
         case EW_RECIPROCAL: for (long j = 0; j < n; ++j) r[j] = 1.0f / a[j]; break;
         case EW_RELU: for (long j = 0; j < n; ++j) r[j] = a[j] > 0.0f ? a[j] : (a[j] != a[j] ? a[j] : 0.0f); break;
-        case EW_SIGMOID: for (long j = 0; j < n; ++j) r[j] = ew_sigmoid(a[j]); break;
+        case EW_SIGMOID: ew_sigmoid(a, r, n); break;
         case EW_TANH: for (long j = 0; j < n; ++j) r[j] = tanhf(a[j]); break;
         case EW_ERF: for (long j = 0; j < n; ++j) r[j] = erff(a[j]); break;
         case EW_SIN: for (long j = 0; j < n; ++j) r[j] = sinf(a[j]); break;
@@ -372,10 +401,12 @@ int kiln_elementwise(void *object, void *stream, int nargs, const void *args) {
 
 /* ---- Concat -------------------------------------------------------------------------------------- */
 
+#define CONCAT_INPUTS 64  /* CONCAT_INPUTS in elementwise.py: a DenseNet block's last Concat joins 25 */
+
 typedef struct {
     get_handle_fn get_handle;
-    void *in_[EW_INPUTS], *out;
-    long widths[EW_INPUTS];   /* elements of input k per outer index (its dims from the axis on) */
+    void *in_[CONCAT_INPUTS], *out;
+    long widths[CONCAT_INPUTS];   /* elements of input k per outer index (its dims from the axis on) */
     long outer;               /* the product of the dims before the axis */
     int inputs;
 } concat_plan;
@@ -383,7 +414,7 @@ typedef struct {
 int kiln_concat(void *object, void *stream, int nargs, const void *args) {
     (void)stream; (void)nargs; (void)args;
     const concat_plan *p = (const concat_plan *)object;
-    const float *in[EW_INPUTS] = {NULL};
+    const float *in[CONCAT_INPUTS] = {NULL};
     long total = 0;
     for (int k = 0; k < p->inputs; ++k) {
         if (p->widths[k] > 0 && (in[k] = (const float *)handle_of(p->get_handle, p->in_[k])) == NULL) return 2;

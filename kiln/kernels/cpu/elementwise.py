@@ -22,6 +22,7 @@ from kiln.ops._util import broadcast_sizes, merge_walked_dims
 EW_INPUTS = 8   # EW_INPUTS in elementwise.c
 EW_LINES = 32   # EW_LINES in elementwise.c
 EC_PARTS = 64   # EC_PARTS in elementwise.c: parts of an EmbeddingConcat
+CONCAT_INPUTS = 64  # CONCAT_INPUTS in elementwise.c: inputs of a Concat
 # the program's op names (kiln/passes/fusion/elementwise.py) in elementwise.c's enum order
 OPS = ("Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Neg", "Abs", "Exp", "Log", "Sqrt", "Reciprocal", "Relu",
        "Sigmoid", "Tanh", "Erf", "Sin", "Cos", "Floor", "Ceil", "Gelu", "GeluTanh")
@@ -40,8 +41,8 @@ class _ElementwisePlan(ctypes.Structure):  # elementwise_plan
 
 
 class _ConcatPlan(ctypes.Structure):  # concat_plan
-    _fields_ = [("get_handle", ctypes.c_void_p), ("in_", ctypes.c_void_p * EW_INPUTS), ("out", ctypes.c_void_p),
-                ("widths", ctypes.c_long * EW_INPUTS), ("outer", ctypes.c_long), ("inputs", ctypes.c_int)]
+    _fields_ = [("get_handle", ctypes.c_void_p), ("in_", ctypes.c_void_p * CONCAT_INPUTS), ("out", ctypes.c_void_p),
+                ("widths", ctypes.c_long * CONCAT_INPUTS), ("outer", ctypes.c_long), ("inputs", ctypes.c_int)]
 
 
 def parse(code: list[str], inputs: int) -> list[tuple[int, int, int]] | str:
@@ -306,8 +307,8 @@ class Concat(NativeKernel):
 
     def __init__(self, sizes: list[tuple[int, ...]], axis: int):
         super().__init__(f"concat of {[list(s) for s in sizes]} on axis {axis}")
-        if not 1 <= len(sizes) <= EW_INPUTS:
-            raise ValueError(f"{self.what}: 1 to {EW_INPUTS} inputs")
+        if not 1 <= len(sizes) <= CONCAT_INPUTS:
+            raise ValueError(f"{self.what}: 1 to {CONCAT_INPUTS} inputs")
         rank = len(sizes[0])
         axis = axis + rank if axis < 0 else axis
         if any(len(s) != rank or s[:axis] != sizes[0][:axis] or s[axis + 1:] != sizes[0][axis + 1:] for s in sizes):
@@ -315,7 +316,7 @@ class Concat(NativeKernel):
         self.output_size = (*sizes[0][:axis], sum(s[axis] for s in sizes), *sizes[0][axis + 1:])
         widths = [math.prod(s[axis:]) for s in sizes]
         self.roles = {k: (f"in_{k}",) for k in range(len(sizes))} | {"dst": ("out",)}
-        self.fields = dict(widths=(ctypes.c_long * EW_INPUTS)(*widths), outer=math.prod(sizes[0][:axis]),
+        self.fields = dict(widths=(ctypes.c_long * CONCAT_INPUTS)(*widths), outer=math.prod(sizes[0][:axis]),
                            inputs=len(sizes))
 
 

@@ -5,6 +5,7 @@ their Conv/Gemm), then layer epilogues, then attention, then the elementwise cha
 
 from __future__ import annotations
 
+from kiln.passes.batchnorm import batchnorm_as_affine
 from kiln.passes.fusion.attention import fuse_attention
 from kiln.passes.fusion.attention_key_mask import use_key_mask
 from kiln.passes.fusion.attention_layout import absorb_attention_reshapes
@@ -87,6 +88,7 @@ RULES = [
     ("fuse_int8_layer_norm_quantize", fuse_int8_layer_norm_quantize),  # CPU: a uint8 Q in the norm's store
     ("fuse_int8_dequantize_into_layer_norm_quantize", fuse_int8_dequantize_into_layer_norm_quantize),  # ... its DQ'd
     # residual read as 8 bits (before the elementwise rules: the DQ would otherwise stay, read by the norm alone)
+    ("batchnorm_as_affine", batchnorm_as_affine),  # a BatchNormalization no layer absorbed: a chain's Mul and Add
     ("fuse_elementwise", fuse_elementwise),
     ("fuse_dequantize_into_elementwise", fuse_dequantize_into_elementwise),  # an E4M3 tensor read by the chain
     ("fuse_quantize_into_elementwise", fuse_quantize_into_elementwise),  # ... and its result stored as E4M3
@@ -103,7 +105,8 @@ RULES = [
 ]
 # Rules only a build for the CPU asks for (PassOptions): their fused op has a CPU kernel, and on CUDA the
 # unfused layers are what was measured.
-CPU_RULES = {"fuse_squeeze_excite", "fuse_conv_final_activation", "conv1d_as_conv2d", "conv1d_mean_as_global_pool",
+CPU_RULES = {"batchnorm_as_affine", "fuse_squeeze_excite", "fuse_conv_final_activation", "conv1d_as_conv2d",
+             "conv1d_mean_as_global_pool",
              "drop_zero_initial_states", "constant_reshape_target", "remove_symbolic_same_shape_reshape",
              "split_as_slices", "fuse_relayout",
              "flatten_channels_last_runs", "fold_wide_quantize_into_layer", "fuse_int8_dequantize_into_elementwise",

@@ -4,7 +4,9 @@ native-segment members:
     cpu.elementwise.native  a fused chain of float32 elementwise ops (kiln/passes/fusion/elementwise.py),
                             inputs broadcast, constants baked into the plan; int8/uint8 inputs dequantized and
                             the output quantized in the loop (kiln/passes/fusion/elementwise_dequantize.py fuse_int8_*)
-    cpu.concat.native       Concat of float32 tensors along any axis
+    cpu.elementwise.nhwc    the same chain over 4-D images as a segment lays them out (NHWC rows [N·H·W, C]), its
+                            constants one value per channel (a BatchNormalization no layer absorbed, and its ReLU)
+    cpu.concat.native       Concat of float32 tensors along any axis (up to CONCAT_INPUTS: a DenseNet block's)
     cpu.embedding_concat.native  a recommender's per-field embedding lookups and their Concat (kiln::EmbeddingConcat)
     cpu.add.nhwc            Add of two 4-D images of one size as a segment lays them out (ConvNeXt's residual)
     cpu.concat.nhwc         Concat of 4-D values along any axis as a segment lays them out (NHWC), between
@@ -14,7 +16,8 @@ native-segment members:
 Why: their default runs each program line as a torch call (an allocation and, past torch's grain, a
 parallel region each) and splits the native segment around it; a DCN recommender's cross layers,
 x0 * (W x + b) + x, and its Concat before the head took a third of its run on a shared 2-core VM.
-Other inputs of rank 4 run as steps of their own (a segment's 4-D values are NHWC in memory).
+cpu.elementwise.native runs a program over rank-4 inputs as a step of its own (a segment's 4-D values are NHWC in
+memory), unless cpu.elementwise.nhwc takes it.
 """
 
 from __future__ import annotations
@@ -44,12 +47,12 @@ def _float_inputs(inputs: list[InputMeta]) -> str | None:
     return None
 
 
-def _computed_float_inputs(inputs: list[InputMeta], fewest: int) -> str | None:
-    """Why `inputs` are not `fewest` to EW_INPUTS float32 tensors computed at run time (None: they are)."""
+def _computed_float_inputs(inputs: list[InputMeta], fewest: int, most: int = kernels.EW_INPUTS) -> str | None:
+    """Why `inputs` are not `fewest` to `most` float32 tensors computed at run time (None: they are)."""
     if (why := _float_inputs(inputs)) is not None:
         return why
-    if not fewest <= len(inputs) <= kernels.EW_INPUTS:
-        return f"{len(inputs)} inputs: {fewest} to {kernels.EW_INPUTS}"
+    if not fewest <= len(inputs) <= most:
+        return f"{len(inputs)} inputs: {fewest} to {most}"
     if any(m.constant for m in inputs):
         return "a constant input (folded or left to the default)"
     return None
@@ -153,7 +156,7 @@ for _op in LONE_ACTIVATIONS:
 # ---- Concat ------------------------------------------------------------------------------------------
 
 def _concat_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
-    if (why := _computed_float_inputs(inputs, 1)) is not None:
+    if (why := _computed_float_inputs(inputs, 1, kernels.CONCAT_INPUTS)) is not None:
         return why
     rank, axis = len(inputs[0].shape), int(_attr(step, "axis", 0))
     if rank == 0 or not -rank <= axis < rank:
@@ -188,7 +191,7 @@ register(Tactic(
 # ---- Concat of NHWC images along channels ----------------------------------------------------------
 
 def _nhwc_concat_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
-    if (why := _computed_float_inputs(inputs, 2)) is not None:
+    if (why := _computed_float_inputs(inputs, 2, kernels.CONCAT_INPUTS)) is not None:
         return why
     shapes = [tuple(m.shape) for m in inputs]
     axis = int(_attr(step, "axis", 0))
@@ -297,6 +300,78 @@ register(Tactic(
     available=transformer_kernels.available, native=True,
     description="Add of two float32 NHWC images of one size in kiln's C (a residual between convolutions), "
                 "a native-segment member",
+))
+
+
+# ---- kiln::Elementwise over NHWC images, constants per channel ---------------------------------------------
+
+# A chain over 4-D images between convolutions whose constants are one value per channel (or one in all): a
+# BatchNormalization no layer absorbed and its ReLU (DenseNet's BN-ReLU-Conv after each Concat, made Mul/Add by
+# kiln/passes/batchnorm.py batchnorm_as_affine). cpu.elementwise.native runs a 4-D program as a step of its own, so
+# each split the segment and read and wrote NCHW copies of NHWC images: DenseNet-121's 62 BatchNormalization and 62
+# Relu steps took 20 of its 86 ms (bench/results/zoo-new-zen4-2026-12-07c.md). In NHWC memory an image is the rows
+# [N·H·W, C] and a per-channel constant a row of C: the same program, broadcast over rows.
+
+def _channel_constant(shape: tuple[int, ...], channels: int) -> bool:
+    """Whether a constant of `shape` broadcasts over [N, C, H, W] along the channels only (or is one value)."""
+    padded = (1,) * (4 - len(shape)) + tuple(shape)
+    return len(padded) == 4 and padded[0] == padded[2] == padded[3] == 1 and padded[1] in (1, channels)
+
+
+def _nhwc_elementwise_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    if (why := _float_inputs(inputs)) is not None:
+        return why
+    computed = [tuple(m.shape) for m in inputs if not m.constant]
+    if not computed or len(computed[0]) != 4 or any(s != computed[0] for s in computed):
+        return f"computed inputs {[list(s) for s in computed]}: 4-D images of one size only"
+    channels = computed[0][1]
+    if not all(_channel_constant(tuple(m.shape), channels) for m in inputs if m.constant):
+        return "a constant that is not one value per channel"
+    lines = kernels.parse(list(_attr(step, "code", [])), len(inputs))
+    return lines if isinstance(lines, str) else True
+
+
+def _nhwc_elementwise_prepare(step: StepSpec, constants: list[Any], device: torch.device):
+    code = list(_attr(step, "code", []))
+    baked = {k: c.reshape(-1) for k, c in enumerate(constants) if isinstance(c, torch.Tensor)}  # [C] or [1]
+    computed = [int(k) for k, _ in step.tactic_config["input_sizes"] if int(k) not in baked]
+    size = tuple(dict((int(k), tuple(s)) for k, s in step.tactic_config["input_sizes"])[computed[0]])
+    kernels_at: dict[tuple[int, ...], kernels.Elementwise] = {}  # the program at each image size a segment bound
+
+    def kernel_at(at: tuple[int, ...]) -> kernels.Elementwise:
+        found = kernels_at.get(at)
+        if found is None:
+            n, c, h, w = at
+            found = kernels_at.setdefault(at, kernels.Elementwise(code, {k: (n * h * w, c) for k in computed}, baked))
+        return found
+
+    def launch(ctx, *xs, **_attributes):
+        at = tuple(xs[computed[0]].shape)
+        if any(tuple(xs[k].shape) != at for k in computed):
+            raise ValueError(f"{step.name}: computed inputs of one size only, given {[list(x.shape) for x in xs]}")
+        n, c, h, w = at
+        rows = {k: xs[k].contiguous(memory_format=_CL).permute(0, 2, 3, 1).reshape(n * h * w, c) for k in computed}
+        return kernel_at(at)(rows).reshape(n, h, w, c).permute(0, 3, 1, 2)  # [N, C, H, W] channels-last
+
+    @resizable
+    def native_at(sizes: dict[int, tuple[int, ...]]) -> NativeStep:
+        """The program at another image size (a dynamic batch's), every computed input of that size."""
+        at = tuple(sizes[computed[0]])
+        if len(at) != 4 or any(tuple(sizes[k]) != at for k in computed):
+            raise ValueError(f"{step.name}: 4-D computed inputs of one size only, given {sizes}")
+        return NativeStep(at, at, same_primitive(kernel_at(at)), reads={k: (at, _F32) for k in computed},
+                          channels_last=True)
+
+    launch.native = native_at({k: size for k in computed})
+    return launch
+
+
+register(Tactic(
+    name="cpu.elementwise.nhwc", op_type="Elementwise", domain="kiln", device="cpu", dtypes=(_F32,),
+    supports=_nhwc_elementwise_supports, configure=sizes_config, prepare=_nhwc_elementwise_prepare,
+    layout="channels_last", available=transformer_kernels.available, native=True,
+    description="a chain of float32 elementwise ops over 4-D images, constants per channel, as a segment lays "
+                "them out (NHWC) in kiln's C, a native-segment member",
 ))
 
 

@@ -6,7 +6,7 @@
     cpu.conv.onednn_silu     the same for a SiLU convolution without a residual, but the SiLU run by kiln's loop over
                              the output (kiln/kernels/cpu/conv_silu.py) instead of oneDNN's swish post-op: on AVX2
                              the post-op costs up to twice the loop; the autotuner picks per layer
-    cpu.pool.onednn.<op>     MaxPool / AveragePool (ceil_mode 0, one output) as a oneDNN pooling
+    cpu.pool.onednn.<op>     MaxPool / AveragePool (ceil_mode 0 for an average, one output) as a oneDNN pooling
                              primitive on NHWC (torch's channels-last max_pool2d: ~3x slower)
     cpu.gap.onednn.<op>      GlobalAveragePool, and ReduceMean over H and W of a 4-D tensor (what
                              the dynamo exporter emits for it), as a whole-image average pooling
@@ -275,8 +275,8 @@ def _pool_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
         return "only 2-D pooling (4-D input)"
     if len(step.outputs) > 1 and step.outputs[1]:
         return "the Indices output is asked for"
-    if int(_attr(step, "ceil_mode", 0)):
-        return "ceil_mode=1"
+    if int(_attr(step, "ceil_mode", 0)) and step.op_type != "MaxPool":
+        return "ceil_mode=1 on an average (its tail would count in the divisor)"
     if int(_attr(step, "storage_order", 0)):
         return "storage_order=1"
     auto_pad = _attr(step, "auto_pad", "NOTSET")
@@ -304,7 +304,21 @@ def _prepare_pool(step: StepSpec, constants: list[Any], device: torch.device):
     strides = [int(s) for s in _attr(step, "strides", [1, 1])]
     dilations = [int(d) for d in _attr(step, "dilations", [1, 1])]
     kind = _pool_kind(step)
-    return _shape_cached(step, lambda size: onednn_primitives.Pool2d(list(size), kind, kernel, strides, pads, dilations))
+    if not int(_attr(step, "ceil_mode", 0)):
+        return _shape_cached(step, lambda size: onednn_primitives.Pool2d(list(size), kind, kernel, strides, pads,
+                                                                         dilations))
+
+    def ceil_mode_pool(size: tuple[int, ...]) -> onednn_primitives.Pool2d:
+        # ceil_mode's tail (SqueezeNet's and GoogLeNet's max pools) as more end padding, which a max never reads:
+        # the output size is the reference's (kiln/ops/nn.py _pool_geometry: a last window starts inside the input)
+        from kiln.ops.nn import _pool_geometry
+
+        _, begin, end, extra, _, _ = _pool_geometry(torch.empty(size, device="meta"), kernel, "NOTSET", 1, dilations,
+                                                    pads, strides)
+        return onednn_primitives.Pool2d(list(size), kind, kernel, strides,
+                                         begin + [e + x for e, x in zip(end, extra)], dilations)
+
+    return _shape_cached(step, ceil_mode_pool)
 
 
 def _gap_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
