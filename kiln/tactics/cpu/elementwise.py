@@ -342,7 +342,8 @@ def _nhwc_elementwise_prepare(step: StepSpec, constants: list[Any], device: torc
         found = kernels_at.get(at)
         if found is None:
             n, c, h, w = at
-            found = kernels_at.setdefault(at, kernels.Elementwise(code, {k: (n * h * w, c) for k in computed}, baked))
+            rows = {k: (n * h * w, c) for k in computed}
+            found = kernels_at.setdefault(at, kernels.Elementwise(code, rows, baked, grain=kernels.STREAM_ELEMENTS))
         return found
 
     def launch(ctx, *xs, **_attributes):
