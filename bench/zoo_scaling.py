@@ -71,8 +71,9 @@ def main() -> None:
         print("| op [tactic] | ms @1 | ms @2 | @1 / @2 | ms lost vs 2x |")
         print("|---|---|---|---|---|")
         for kind in sorted(one, key=lambda k: -(two.get(k, 0) - one[k] / 2))[:args.rows]:
-            print(f"| {kind} | {one[kind]:.3f} | {two.get(kind, 0):.3f} | {one[kind] / max(two.get(kind, 1e-9), 1e-9):.2f}"
-                  f" | {two.get(kind, 0) - one[kind] / 2:.3f} |", flush=True)
+            at2 = two.get(kind, 0.0)
+            print(f"| {kind} | {one[kind]:.3f} | {at2:.3f} | {one[kind] / max(at2, 1e-9):.2f} | "
+                  f"{at2 - one[kind] / 2:.3f} |", flush=True)
 
 
 if __name__ == "__main__":
