@@ -6,7 +6,8 @@ One engine per row, built at 2 threads (as bench/zoo_new.py --threads 2 does); i
 (kiln/runtime/profiler.py profile_segments) with OpenMP's and kiln's count at 1 and at 2 threads alternately, several
 rounds, and summed per op type and tactic: ms at 1, ms at 2 and their ratio. --clock thread (the default): the calling
 thread's CPU time, so a step that splits its work shows ~2 (the caller ran about half the items) and one that stays on
-one thread ~1, whatever the load; --clock wall: elapsed time, which on a shared machine carries the load (printed).
+one thread ~1, whatever the load (a oneDNN step reads ~1 either way: the caller's spin at libgomp's barrier is CPU
+time); --clock wall: elapsed time, which on a shared machine carries the load (printed).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@
  * merged the dims every operand walks contiguously): each input's chunk is read in place (stride 1), splatted
  * (stride 0) or gathered, then each line of the program is one loop over the chunk that the compiler
  * vectorises. Past `grain` elements (an 8-bit chain: kiln_quantized_split, transformer.c) the chunks are shared
- * among the threads (parallel_items: gemm.c's pool); a Concat's rows likewise past its plan's grain. A chain of one 8-bit activation and per-column constants with an
+ * among the threads (parallel_items: gemm.c's pool). A chain of one 8-bit activation and per-column constants with an
  * 8-bit output is looked up instead (elementwise.py lookup_table; table_columns: 64-column blocks, gathers).
  */
 
@@ -402,7 +402,6 @@ int kiln_elementwise(void *object, void *stream, int nargs, const void *args) {
 /* ---- Concat -------------------------------------------------------------------------------------- */
 
 #define CONCAT_INPUTS 64  /* CONCAT_INPUTS in elementwise.py: a DenseNet block's last Concat joins 25 */
-#define CONCAT_ITEM 16384 /* elements a work item copies at least (whole rows of y): 64 KB, a few microseconds */
 
 typedef struct {
     get_handle_fn get_handle;
@@ -410,34 +409,8 @@ typedef struct {
     long widths[CONCAT_INPUTS];   /* elements of input k per outer index (its dims from the axis on) */
     long outer;               /* the product of the dims before the axis */
     int inputs;
-    long grain;               /* y's elements past which its rows are shared among the threads */
 } concat_plan;
 
-typedef struct {
-    const concat_plan *p;
-    const float *const *in;
-    float *y;
-    long total, rows;         /* y's elements per outer index; outer indices per work item */
-} concat_loop;
-
-/* Rows [rows·item, rows·(item + 1)) of y: each input's part of each row copied to its place. */
-static void concat_item(void *loop, long item) {
-    const concat_loop *l = (const concat_loop *)loop;
-    const concat_plan *p = l->p;
-    const long first = item * l->rows, last = first + l->rows < p->outer ? first + l->rows : p->outer;
-    for (long o = first; o < last; ++o) {
-        float *row = l->y + o * l->total;
-        for (int k = 0; k < p->inputs; ++k) {
-            memcpy(row, l->in[k] + o * p->widths[k], (size_t)p->widths[k] * sizeof(float));
-            row += p->widths[k];
-        }
-    }
-}
-
-/* Past the plan's grain the rows are shared among the threads (gemm.c's pool: a worker that starts late finds them
-   taken). Why: a DenseNet block's Concat on NHWC memory (3136 rows of 64-256 channels at 56x56) is a stream of
-   0.4-3 MB, and on one thread it was a serial step of the segment's parallel form
-   (bench/results/zoo-new-2threads-zen4-2026-12-07c.md). */
 int kiln_concat(void *object, void *stream, int nargs, const void *args) {
     (void)stream; (void)nargs; (void)args;
     const concat_plan *p = (const concat_plan *)object;
@@ -449,10 +422,13 @@ int kiln_concat(void *object, void *stream, int nargs, const void *args) {
     }
     float *y = (float *)handle_of(p->get_handle, p->out);
     if (y == NULL) return 2;
-    if (p->outer <= 0 || total <= 0) return 0;
-    const long rows = total >= CONCAT_ITEM ? 1 : CONCAT_ITEM / total;
-    concat_loop l = {p, in, y, total, rows};
-    parallel_items((p->outer + rows - 1) / rows, p->outer * total > p->grain ? max_threads() : 1, concat_item, &l);
+    for (long o = 0; o < p->outer; ++o) {
+        float *row = y + o * total;
+        for (int k = 0; k < p->inputs; ++k) {
+            memcpy(row, in[k] + o * p->widths[k], (size_t)p->widths[k] * sizeof(float));
+            row += p->widths[k];
+        }
+    }
     return 0;
 }
 

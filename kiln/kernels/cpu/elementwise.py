@@ -23,11 +23,6 @@ EW_INPUTS = 8   # EW_INPUTS in elementwise.c
 EW_LINES = 32   # EW_LINES in elementwise.c
 EC_PARTS = 64   # EC_PARTS in elementwise.c: parts of an EmbeddingConcat
 CONCAT_INPUTS = 64  # CONCAT_INPUTS in elementwise.c: inputs of a Concat
-# elements past which a Concat's rows, and an image's per-channel chain (cpu.elementwise.nhwc), are shared among the
-# threads: 256 KB, ~15-30 µs of one core's streaming. Lower than PARALLEL_ELEMENTS because these loops run on gemm.c's
-# pool, where the caller does not wait for a worker that starts late; at 1M a DenseNet's every BN-ReLU chain and
-# Concat (25K-800K elements) ran on one thread at 2 threads (bench/results/zoo-new-2threads-zen4-2026-12-07c.md).
-STREAM_ELEMENTS = 1 << 16
 # the program's op names (kiln/passes/fusion/elementwise.py) in elementwise.c's enum order
 OPS = ("Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Neg", "Abs", "Exp", "Log", "Sqrt", "Reciprocal", "Relu",
        "Sigmoid", "Tanh", "Erf", "Sin", "Cos", "Floor", "Ceil", "Gelu", "GeluTanh")
@@ -47,8 +42,7 @@ class _ElementwisePlan(ctypes.Structure):  # elementwise_plan
 
 class _ConcatPlan(ctypes.Structure):  # concat_plan
     _fields_ = [("get_handle", ctypes.c_void_p), ("in_", ctypes.c_void_p * CONCAT_INPUTS), ("out", ctypes.c_void_p),
-                ("widths", ctypes.c_long * CONCAT_INPUTS), ("outer", ctypes.c_long), ("inputs", ctypes.c_int),
-                ("grain", ctypes.c_long)]
+                ("widths", ctypes.c_long * CONCAT_INPUTS), ("outer", ctypes.c_long), ("inputs", ctypes.c_int)]
 
 
 def parse(code: list[str], inputs: int) -> list[tuple[int, int, int]] | str:
@@ -179,15 +173,13 @@ class Elementwise(NativeKernel):
     """y = the program over its inputs broadcast together (float32, y row-major). `sizes`: every input's size
     by index; `constants`: the inputs that are weights of the engine (baked into the plan; the others are
     step inputs the segment binds). `tables`: the lookup tables this layer's kernels made at other sizes, by row width
-    (a table depends on the columns only: a layer bound at a new batch or sequence length reuses its width's).
-    `grain`: y's float elements past which its chunks are shared among the threads (an 8-bit chain's:
-    kiln_quantized_split)."""
+    (a table depends on the columns only: a layer bound at a new batch or sequence length reuses its width's)."""
 
     PLAN, FUNCTION = _ElementwisePlan, "kiln_elementwise"
 
     def __init__(self, code: list[str], sizes: dict[int, tuple[int, ...]], constants: dict[int, torch.Tensor],
                  dtypes: dict[int, torch.dtype] | None = None, lookup: bool = True,
-                 tables: dict[tuple, torch.Tensor] | None = None, grain: int = PARALLEL_ELEMENTS):
+                 tables: dict[tuple, torch.Tensor] | None = None):
         count = max([*sizes, *constants]) + 1
         super().__init__(f"elementwise {code} of {count} inputs")
         quantized = quantization(code, dtypes or {}, constants)
@@ -214,7 +206,7 @@ class Elementwise(NativeKernel):
             constant=(ctypes.c_void_p * EW_INPUTS)(*[self._constants[k].data_ptr() if k in self._constants else None
                                                      for k in range(EW_INPUTS)]),
             dims=_LONGD(*dims), strides=(_LONGD * EW_INPUTS)(*[_LONGD(*s) for s in strides]), inputs=count,
-            lines=len(lines), code=code_array, grain=grain,
+            lines=len(lines), code=code_array, grain=PARALLEL_ELEMENTS,
             in_type=(ctypes.c_int * EW_INPUTS)(*quantized.in_types()),
             out_type=EIGHT_BIT[quantized.output[0]] if quantized.output is not None else 0,
             quant=self._quant.data_ptr())
@@ -325,7 +317,7 @@ class Concat(NativeKernel):
         widths = [math.prod(s[axis:]) for s in sizes]
         self.roles = {k: (f"in_{k}",) for k in range(len(sizes))} | {"dst": ("out",)}
         self.fields = dict(widths=(ctypes.c_long * CONCAT_INPUTS)(*widths), outer=math.prod(sizes[0][:axis]),
-                           inputs=len(sizes), grain=STREAM_ELEMENTS)
+                           inputs=len(sizes))
 
 
 class _EmbeddingConcatPlan(ctypes.Structure):  # embedding_concat_plan

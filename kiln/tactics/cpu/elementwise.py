@@ -342,8 +342,7 @@ def _nhwc_elementwise_prepare(step: StepSpec, constants: list[Any], device: torc
         found = kernels_at.get(at)
         if found is None:
             n, c, h, w = at
-            rows = {k: (n * h * w, c) for k in computed}
-            found = kernels_at.setdefault(at, kernels.Elementwise(code, rows, baked, grain=kernels.STREAM_ELEMENTS))
+            found = kernels_at.setdefault(at, kernels.Elementwise(code, {k: (n * h * w, c) for k in computed}, baked))
         return found
 
     def launch(ctx, *xs, **_attributes):
