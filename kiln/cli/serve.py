@@ -55,8 +55,8 @@ def add_parser(verbs) -> None:
     p.add_argument("--batch-buckets", default="half", choices=["pow2", "half"],  # config.BATCH_BUCKETS_DEFAULT
                    help="the batch sizes a bucketed (CUDA) instance pads a call to and captures graphs at, where a "
                         "model's config sets no batch_buckets parameter: pow2 (1, 2, 4, 8, 16, ...) or half (also 12, "
-                        "24, 48, ...: a 1.5x step from 8; less padding, more graphs; where they would pass the graphs a context "
-                        "keeps, pow2) (default %(default)s)")
+                        "24, 48, ...: a 1.5x step from 8; less padding, more graphs; where they would pass the "
+                        "graphs a context keeps, pow2) (default %(default)s)")
     p.add_argument("--cuda-sync", default="spin", choices=["spin", "pinned", "blocking", "staged"],
                    help="how CUDA instances wait for their streams, where a model's config sets no cuda_sync parameter: "
                         "spin (CUDA's default schedule: a waiting thread polls, a core while it waits), pinned (spin's "

@@ -26,7 +26,6 @@ import onnx_ir as ir
 
 from kiln.passes._rewrite import (
     PassReport,
-    replace_with,
     attr,
     bypass,
     bypass_refusal,
@@ -37,6 +36,7 @@ from kiln.passes._rewrite import (
     other_input,
     producer,
     record_absorbed,
+    replace_with,
     run_rule,
 )
 
@@ -108,6 +108,13 @@ def _scale_layer(layer: ir.Node, scale: np.ndarray | None, shift: np.ndarray | N
         layer.replace_input_with(2, b_value)
 
 
+def _affine(node: ir.Node, params: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """The BatchNormalization `node` as y = x·scale + shift per channel, from its constant γ, β, μ, var (float64)."""
+    gamma, beta, mean, var = (p.astype(np.float64) for p in params)
+    scale = gamma / np.sqrt(var + attr(node, "epsilon", 1e-5))
+    return scale, beta - mean * scale
+
+
 def fold_batchnorm(node: ir.Node, report: PassReport) -> bool:
     # BN(Conv(x, W, b)) -> Conv(x, W·γ/σ, (b - μ)·γ/σ + β)
     if not is_op(node, "BatchNormalization") or len(node.outputs) > 1 and any(v.uses() for v in node.outputs[1:]):
@@ -128,9 +135,7 @@ def fold_batchnorm(node: ir.Node, report: PassReport) -> bool:
     if (reason := bypass_refusal(node, node.inputs[0])) is not None:
         report.refuse("fold_batchnorm", node, f"the BatchNormalization cannot be removed: {reason}")
         return False  # decided before the weights change: a kept BN must not apply on scaled weights
-    gamma, beta, mean, var = (p.astype(np.float64) for p in params)
-    inv_sigma = gamma / np.sqrt(var + attr(node, "epsilon", 1e-5))
-    _scale_layer(layer, inv_sigma, beta - mean * inv_sigma)
+    _scale_layer(layer, *_affine(node, params))
     record_absorbed(layer, [node])
     return bypass(node, node.inputs[0])
 
@@ -226,9 +231,7 @@ def batchnorm_as_affine(node: ir.Node, report: PassReport) -> bool:
         report.refuse("batchnorm_as_affine", node, "an input of unknown rank or dtype, or parameters computed at run "
                                                    "time")
         return False
-    gamma, beta, mean, var = (p.astype(np.float64) for p in params)
-    scale = gamma / np.sqrt(var + attr(node, "epsilon", 1e-5))
-    shift = beta - mean * scale
+    scale, shift = _affine(node, params)
     dtype = x.dtype.numpy()
     broadcast = (-1,) + (1,) * (len(x.shape) - 2)  # along axis 1 of x
     graph = node.graph

@@ -109,8 +109,8 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
             if most > max_graphs:
                 self.buckets.batch_steps = "pow2"
                 log.info("batch_buckets 'half': %d bucketed shapes would pass the %d graphs a context keeps; the "
-                            "batch buckets stay powers of two (%d shapes)", most, max_graphs,
-                            max(self.bucket_graphs(k) for k in range(len(engine.profiles))))
+                         "batch buckets stay powers of two (%d shapes)", most, max_graphs,
+                         max(self.bucket_graphs(k) for k in range(len(engine.profiles))))
         self._static = _static_signature(engine) if self._token_mask is None else None
         # a fixed-shape program that is one native segment: numpy in, numpy out (direct_run.py StaticRun)
         self._whole_segment = StaticRun.of(self.program, self._static[1]) if self._static is not None else None

@@ -69,10 +69,11 @@ WARM_UP_DEFAULT = "0.5"
 # (ServeOptions.cuda_sync, `kiln serve --cuda-sync`)
 CUDA_SYNCS = ("spin", "pinned", "blocking", "staged")
 CUDA_SYNC_DEFAULT = "spin"
-# a bucketed instance's batch buckets (kiln/runtime/buckets.py BATCH_STEPS), where a model's config sets no batch_buckets
-# parameter (ServeOptions.batch_buckets, `kiln serve --batch-buckets`): "half" since the H200 served BERT-base (2 instances,
-# c = 64, gRPC) at 4,529 infer/s and p99 28.7 ms with it against 4,214 and 36.9 with "pow2" (bench/gpu_s33a.sh,
-# bench/results/serve-buckets-2026-12-07.md); a context whose half buckets would pass its graph cache keeps pow2
+# a bucketed instance's batch buckets (kiln/runtime/buckets.py BATCH_STEPS), where a model's config sets no
+# batch_buckets parameter (ServeOptions.batch_buckets, `kiln serve --batch-buckets`): "half" since the H200 served
+# BERT-base (2 instances, c = 64, gRPC) at 4,529 infer/s and p99 28.7 ms with it against 4,214 and 36.9 with "pow2"
+# (bench/gpu_s33a.sh, bench/results/serve-buckets-2026-12-07.md); a context whose half buckets would pass its graph
+# cache keeps pow2
 BATCH_BUCKETS_DEFAULT = "half"
 
 

@@ -18,21 +18,18 @@ if not torch.cuda.is_available():
 ort = pytest.importorskip("onnxruntime")
 
 
-@pytest.mark.parametrize("name", ["llama_tiny", "qwen2_tiny", "mistral_tiny", "phi3_tiny"])
-def test_dynamic_decoder_fp16_against_onnxruntime(name):
+def assert_fp16_matches_onnxruntime(name: str, shapes: list[tuple[int, int]], seed: int) -> kiln.Engine:
+    """`name` exported with symbolic batch x sequence, built for CUDA fp16 in the profile 1x1,2x8,4x16, run at
+    `shapes` (fresh random ids; a mask of ones and positions 0.. where the export has them) against onnxruntime's
+    fp32 logits on the same file: the engine."""
     exported = zoo.export(name, batch=2, seq=8, dynamic=True)
     engine = kiln.build(str(exported.path), device="cuda", precision="fp16",
                         profiles=[{"input_ids": "1x1,2x8,4x16"}])
-    steps = engine.plan.program.steps
-    attentions = [s.tactic for s in steps if s.op_type == "Attention"]
-    assert len(attentions) == 2, [s.op_type for s in steps]
     session = ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
     context = engine.create_execution_context()
-    rng = np.random.default_rng(31)
-    shapes = [(1, 1), (2, 8), (4, 16), (3, 5), (1, 13), (4, 2)]
+    rng = np.random.default_rng(seed)
     for batch, seq in shapes:
-        ids = rng.integers(0, 1000, (batch, seq), dtype=np.int64)
-        feeds = {"input_ids": ids}
+        feeds = {"input_ids": rng.integers(0, 1000, (batch, seq), dtype=np.int64)}
         for extra in session.get_inputs()[1:]:  # an attention mask or positions, where the export has them
             feeds[extra.name] = (np.ones((batch, seq), dtype=np.int64) if "mask" in extra.name
                                  else np.arange(seq, dtype=np.int64)[None].repeat(batch, 0))
@@ -42,28 +39,21 @@ def test_dynamic_decoder_fp16_against_onnxruntime(name):
         assert got.shape == want.shape
         scale = float(np.abs(want).max())  # random weights: small logits, so relative to their largest
         err = float(np.abs(got.astype(np.float64) - want).max()) / scale
-        print(f"{name} {batch}x{seq}: attention {attentions[0]}, fp16 error {err:.1e}")
+        print(f"{name} {batch}x{seq}: fp16 error {err:.1e}")
         assert err < 3e-2, (name, batch, seq, err)  # fp16 weights and activations against fp32
+    return engine
+
+
+@pytest.mark.parametrize("name", ["llama_tiny", "qwen2_tiny", "mistral_tiny", "phi3_tiny"])
+def test_dynamic_decoder_fp16_against_onnxruntime(name):
+    engine = assert_fp16_matches_onnxruntime(name, [(1, 1), (2, 8), (4, 16), (3, 5), (1, 13), (4, 2)], seed=31)
+    steps = engine.plan.program.steps
+    attentions = [s.tactic for s in steps if s.op_type == "Attention"]
+    assert len(attentions) == 2, [s.op_type for s in steps]
+    print(f"{name}: attention {attentions[0]}")
 
 
 def test_dynamic_gpt2_fp16_against_onnxruntime():
     """GPT-2 exported with symbolic batch x sequence (session 31's fuse_gemm flatten of its Conv1D GEMMs) built for
     CUDA fp16 inside a profile, at fresh shapes, against onnxruntime's fp32 logits."""
-    exported = zoo.export("gpt2_tiny", batch=2, seq=8, dynamic=True)
-    engine = kiln.build(str(exported.path), device="cuda", precision="fp16",
-                        profiles=[{"input_ids": "1x1,2x8,4x16"}])
-    session = ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
-    context = engine.create_execution_context()
-    rng = np.random.default_rng(33)
-    for batch, seq in [(1, 1), (2, 8), (4, 16), (3, 5), (1, 13)]:
-        feeds = {"input_ids": rng.integers(0, 1000, (batch, seq), dtype=np.int64)}
-        for extra in session.get_inputs()[1:]:
-            feeds[extra.name] = (np.ones((batch, seq), dtype=np.int64) if "mask" in extra.name
-                                 else np.arange(seq, dtype=np.int64)[None].repeat(batch, 0))
-        want = session.run(None, feeds)[0]
-        got = context.run(feeds)
-        got = got[next(iter(got))]
-        assert got.shape == want.shape
-        err = float(np.abs(got.astype(np.float64) - want).max()) / float(np.abs(want).max())
-        print(f"gpt2_tiny {batch}x{seq}: fp16 error {err:.1e}")
-        assert err < 3e-2, (batch, seq, err)
+    assert_fp16_matches_onnxruntime("gpt2_tiny", [(1, 1), (2, 8), (4, 16), (3, 5), (1, 13)], seed=33)

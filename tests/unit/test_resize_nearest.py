@@ -10,13 +10,13 @@ leaves to the default.
 from __future__ import annotations
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import kiln
 from kiln.builder import autotune
 from kiln.kernels.cpu import relayout
+from tests.unit.test_pool_ceil_mode import onnxruntime_run
 
 pytestmark = pytest.mark.skipif(not relayout.available(), reason=f"kiln's relayout kernel: {relayout.reason()}")
 
@@ -54,13 +54,6 @@ def neck_model(h: int, w: int, scales=None, sizes=None, mode: str = "nearest", c
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
                               [numpy_helper.from_array(v, k) for k, v in inits.items()])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
-
-
-def onnxruntime_run(proto, feeds: dict) -> np.ndarray:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    return ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(None,
-                                                                                                          feeds)[0]
 
 
 def check(proto, h: int, w: int, engine) -> None:

@@ -144,9 +144,6 @@ typedef struct {
 } i8_loop;
 
 #if defined(__AVX2__)
-/* The k loop of an R x V·8 tile alone (R, V constant; the epilogue kept out, as w16gemm.c found GCC spills the
-   accumulators otherwise): rows a + r·astride, the panel w, K4 groups of 4 k; t = offset + the int32 sums to out
-   [R][NR] (the accumulators start at the offsets: no add in the epilogue). */
 /* acc[R][V]: the int32 sums of an R x V·8 tile, from OFFSET (the bias offsets of its V·8 columns) plus the u8·s8
  products of R rows of a (astride apart) and the packed w over K4 groups of 4 (vpmaddubsw, then vpmaddwd by ones):
  the k loop of kernel_R_V and fused_R_V_MODE. R <= 6: the unroll pragmas unroll every loop over r and v whole. */
@@ -169,6 +166,9 @@ typedef struct {
         }                                                                                                          \
     }
 
+/* The k loop of an R x V·8 tile alone (R, V constant; the epilogue kept out, as w16gemm.c found GCC spills the
+   accumulators otherwise): rows a + r·astride, the panel w, K4 groups of 4 k; t = offset + the int32 sums to out
+   [R][NR] (the accumulators start at the offsets: no add in the epilogue). */
 #define DEFINE_KERNEL(R, V)                                                                                        \
     static __attribute__((noinline)) void kernel_##R##_##V(const uint8_t *a, long astride, const int8_t *w,      \
                                                            long K4, const int32_t *offset, int32_t *out) {        \

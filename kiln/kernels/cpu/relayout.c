@@ -28,6 +28,18 @@ typedef struct {
     long stride[MAX_DIMS];        /* in x, elements */
 } relayout_plan;
 
+/* The offset in x of the next element of the dims 0..last of the walk (an odometer: digit[k] its place along dim
+ * k), from the current one's. */
+static inline long next_offset(const relayout_plan *p, long *digit, long offset, long last) {
+    for (long k = last; k >= 0; --k) {
+        offset += p->stride[k];
+        if (++digit[k] < p->size[k]) break;
+        offset -= p->stride[k] * p->size[k];
+        digit[k] = 0;
+    }
+    return offset;
+}
+
 /* The two innermost dims of the walk as one small transpose each: y[a·inner + i] = x[a + i·step] for a < run
  * (the next-inner dim, stride 1 in x) and i < inner. ShuffleNet's channel shuffle on NHWC memory is that, per pixel,
  * with inner 2: [2, C/2] -> [C/2, 2]; the strided gather of the general walk took 1.3 ns an element (a row of two
@@ -53,12 +65,7 @@ static void interleave(const relayout_plan *p, const float *x, float *y) {
                 for (long a = 0; a < run; ++a) dst[a * inner + i] = s[a];
             }
         }
-        for (long k = r - 3; k >= 0; --k) {  /* the next block: the odometer of the outer dims */
-            offset += p->stride[k];
-            if (++digit[k] < p->size[k]) break;
-            offset -= p->stride[k] * p->size[k];
-            digit[k] = 0;
-        }
+        offset = next_offset(p, digit, offset, r - 3);  /* the next block */
     }
 }
 
@@ -86,12 +93,7 @@ int kiln_relayout(void *object, void *stream, int nargs, const void *args) {
         } else {
             for (long i = 0; i < inner; ++i) dst[i] = src[i * step];
         }
-        for (long k = r - 2; k >= 0; --k) {  /* the next row: the odometer of the outer dims */
-            offset += p->stride[k];
-            if (++digit[k] < p->size[k]) break;
-            offset -= p->stride[k] * p->size[k];
-            digit[k] = 0;
-        }
+        offset = next_offset(p, digit, offset, r - 2);  /* the next row */
     }
     return 0;
 }
