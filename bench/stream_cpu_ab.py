@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -32,15 +31,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import kiln  # noqa: E402, F401  (before torch: kiln sets OpenMP's wait policy)
 import torch  # noqa: E402
 from dynamic import _cpu_name, commit, stream  # noqa: E402
+from stream_cpu_time import timed  # noqa: E402  (thread CPU ms, wall ms) of one call
 
 from kiln import zoo  # noqa: E402
-
-
-def timed(run, feeds) -> tuple[float, float]:
-    """(thread CPU ms, wall ms) of one call."""
-    c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
-    run(feeds)
-    return (time.thread_time_ns() - c0) / 1e6, (time.perf_counter_ns() - w0) / 1e6
 
 
 def kind_of(padding, before: tuple[int, int]) -> str:
