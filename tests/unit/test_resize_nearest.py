@@ -16,6 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 import kiln
 from kiln.builder import autotune
 from kiln.kernels.cpu import relayout
+from kiln.runtime import native
 from tests.unit.test_pool_ceil_mode import onnxruntime_run
 
 pytestmark = pytest.mark.skipif(not relayout.available(), reason=f"kiln's relayout kernel: {relayout.reason()}")
@@ -30,7 +31,7 @@ def native_tactics_win(monkeypatch):
 
 
 def neck_model(h: int, w: int, scales=None, sizes=None, mode: str = "nearest", coordinates: str = "asymmetric",
-               nearest: str = "floor", seed: int = 0):
+               nearest: str = "floor", seed: int = 0, batch: int | str = 2, axes=None):
     """x [2, 3, H, W] -> Conv to 6 channels -> Resize -> Concat with a Conv of the Resize's output (5 channels) ->
     1x1 Conv to 4 channels: a YOLO neck's upsample and its lateral join."""
     rng = np.random.default_rng(seed)
@@ -44,21 +45,22 @@ def neck_model(h: int, w: int, scales=None, sizes=None, mode: str = "nearest", c
     else:
         inits["sizes"] = np.array(sizes, np.int64)
         inputs += ["", "sizes"]
+    axes = {} if axes is None else {"axes": axes}
     nodes = [helper.make_node("Conv", ["x", "w0"], ["c"], pads=[1, 1, 1, 1], name="conv_in"),
              helper.make_node("Resize", inputs, ["up"], mode=mode, coordinate_transformation_mode=coordinates,
-                              nearest_mode=nearest, name="resize"),
+                              nearest_mode=nearest, name="resize", **axes),
              helper.make_node("Conv", ["up", "w1"], ["side"], name="conv_side"),
              helper.make_node("Concat", ["up", "side"], ["cat"], axis=1, name="cat"),
              helper.make_node("Conv", ["cat", "w2"], ["y"], name="conv_out")]
-    graph = helper.make_graph(nodes, "neck", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, h, w])],
+    graph = helper.make_graph(nodes, "neck", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 3, h, w])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
                               [numpy_helper.from_array(v, k) for k, v in inits.items()])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
 
 
-def check(proto, h: int, w: int, engine) -> None:
+def check(proto, h: int, w: int, engine, batch: int = 2) -> None:
     for seed in (1, 2):
-        x = np.random.default_rng(seed).standard_normal((2, 3, h, w)).astype(np.float32)
+        x = np.random.default_rng(seed).standard_normal((batch, 3, h, w)).astype(np.float32)
         want = onnxruntime_run(proto, {"x": x})
         got = engine.run({"x": x})["y"]
         assert got.shape == want.shape
@@ -92,3 +94,37 @@ def test_what_no_walk_gives_is_left_to_the_default(scales, mode, why):
     assert resize.tactic != "cpu.resize.nearest"
     assert why in str(engine.plan.header["tactics"]["layers"][resize.name]["candidates"]["cpu.resize.nearest"])
     check(proto, 4, 6, engine)
+
+
+@pytest.mark.parametrize("scales, sizes, axes", [
+    ([1, 1, 2, 2], None, None),  # a YOLO neck's upsample, exported with a dynamic batch
+    ([2, 2], None, [2, 3]),  # opset 18's axes: the batch is not among them
+    (None, [8, 10], [2, 3]),
+])
+def test_a_nearest_resize_binds_at_every_batch_of_its_profile(scales, sizes, axes, monkeypatch):
+    """A dynamic batch: the Resize leaves axis 0 as it is, so its walk holds at other batches and the segment binds
+    it there (before: only at the tuned batch; another ran the segment's layers one by one)."""
+    proto = neck_model(4, 5, scales, sizes, batch="N", axes=axes)
+    engine = kiln.build(proto.SerializeToString(), tactics=NATIVE, profiles=[{"x": "1x3x4x5,2x3x4x5,6x3x4x5"}])
+    assert {s.op_type: s.tactic for s in engine.plan.program.steps}["Resize"] == "cpu.resize.nearest"
+    assert len(engine.program.segments) == 1
+
+    def layer_by_layer(self, values):
+        raise AssertionError(f"the segment of {[m.ctx.name for m in self.members]} ran layer by layer")
+
+    monkeypatch.setattr(native.Segment, "fallback", layer_by_layer)
+    for batch in (3, 1, 6, 2, 3):
+        check(proto, 4, 5, engine, batch)
+
+
+def test_sizes_over_every_axis_keep_the_walk_to_the_built_batch():
+    """Sizes that name the batch fix it: no walk is promised at another (the rule refuses; the model is only valid
+    at its sizes' batch anyway)."""
+    from kiln.tactics.cpu.relayout import _resize_keeps_batch
+    proto = neck_model(4, 4, None, [2, 6, 8, 12])
+    engine = kiln.build(proto.SerializeToString(), tactics=NATIVE)
+    step = next(s for s in engine.plan.program.steps if s.op_type == "Resize")
+    constants = [None, None, None, np.array([2, 6, 8, 12], np.int64)]
+    assert not _resize_keeps_batch(step, constants, 4)
+    assert _resize_keeps_batch(step, [None, None, np.array([1, 1, 2, 2], np.float32), None], 4)
+    assert not _resize_keeps_batch(step, [None, None, np.array([2, 1, 2, 2], np.float32), None], 4)

@@ -234,7 +234,8 @@ def _prepare_slice(step: StepSpec, constants: list[Any], device: torch.device):
     # the walk is found from the op's own code at each size: a Gather of constant indices (a forecaster's last step
     # over a dynamic batch) binds at new sizes, and so does a Slice that leaves the first axis whole (Swin's shifted
     # windows at another batch); another Slice's walk is kept to the tuned size, as before
-    resizes = step.op_type == "Gather" or _keeps_first_axis(step, constants, len(tuned))
+    resizes = step.op_type == "Gather" or _keeps_first_axis(step, constants, len(tuned)) \
+        or _resize_keeps_batch(step, constants, len(tuned))
     return _launch(tuned, kernel, move, move, resizes=resizes,
                    plan_at=_last_axis_slice_rule(step, constants, tuned, kernel) if resizes else None)
 
@@ -290,6 +291,26 @@ def _keeps_first_axis(step: StepSpec, constants: list[Any], rank: int) -> bool:
     axes = constants[3] if len(constants) > 3 else None
     axes = range(len(constants[1])) if axes is None else [int(a) % rank for a in axes.tolist()]
     return 0 not in axes
+
+
+def _resize_keeps_batch(step: StepSpec, constants: list[Any], rank: int) -> bool:
+    """Whether a nearest Resize (or Upsample) leaves axis 0 as it is, so that its walk holds at every batch: its
+    `axes` leave out 0, or its scales' first is 1 (a YOLO neck's [1, 1, 2, 2]). Sizes over every axis fix the batch,
+    and are not taken."""
+    if step.op_type not in ("Resize", "Upsample"):
+        return False
+    axes = _attr(step, "axes", None)
+    if axes is not None:
+        return 0 not in [int(a) % rank for a in axes]
+    if step.op_type == "Upsample" or step.opset < 11:  # X, scales (Upsample-7: the scales attribute)
+        scales = constants[1] if len(constants) > 1 and constants[1] is not None else _attr(step, "scales", None)
+    else:  # X, roi, scales, sizes
+        if len(constants) > 3 and constants[3] is not None and len(constants[3]):
+            return False
+        scales = constants[2] if len(constants) > 2 else None
+    if scales is None or len(scales) != rank:
+        return False
+    return float(np.asarray(scales, dtype=np.float64).reshape(-1)[0]) == 1.0
 
 
 # a Slice of constant bounds and a Gather by constant indices: one walk of the data either way
