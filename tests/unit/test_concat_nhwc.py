@@ -14,19 +14,13 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import kiln
-from kiln.builder import autotune
 from kiln.kernels.cpu import transformer
 from kiln.runtime.native import Segment
 
-pytestmark = pytest.mark.skipif(not transformer.available(), reason=f"kiln's C kernels: {transformer.reason()}")
+pytestmark = [pytest.mark.skipif(not transformer.available(), reason=f"kiln's C kernels: {transformer.reason()}"),
+              pytest.mark.usefixtures("native_tactics_win")]
 
 NATIVE = ["cpu.conv.onednn_direct", "cpu.concat.nhwc"]
-
-
-@pytest.fixture(autouse=True)
-def native_tactics_win(monkeypatch):
-    """About the kernel and the segment, not the tuner's choice on a loaded machine."""
-    monkeypatch.setattr(autotune, "NATIVE_CREDIT_MS", 1e3)
 
 
 def concat_model(channels: list[int], with_input: bool, batch="2", h: int = 6, w: int = 5, seed: int = 0):

@@ -15,18 +15,12 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import kiln
-from kiln.builder import autotune
 from kiln.kernels.cpu import onednn
 
-pytestmark = pytest.mark.skipif(not onednn.available(), reason="libdnnl.so.3 cannot be loaded")
+pytestmark = [pytest.mark.skipif(not onednn.available(), reason="libdnnl.so.3 cannot be loaded"),
+              pytest.mark.usefixtures("native_tactics_win")]
 
 NATIVE = ["cpu.conv.onednn_direct", "cpu.pool.onednn.MaxPool", "cpu.pool.onednn.AveragePool"]
-
-
-@pytest.fixture(autouse=True)
-def native_tactics_win(monkeypatch):
-    """About the kernel and the segment, not the tuner's choice on a loaded machine."""
-    monkeypatch.setattr(autotune, "NATIVE_CREDIT_MS", 1e3)
 
 
 def pool_model(op: str, h: int, w: int, kernel: int, stride: int, pads: list[int], batch: int | str = 2,

@@ -14,19 +14,13 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import kiln
-from kiln.builder import autotune
 from kiln.kernels.cpu import relayout
 from tests.unit.test_pool_ceil_mode import onnxruntime_run
 
-pytestmark = pytest.mark.skipif(not relayout.available(), reason=f"kiln's relayout kernel: {relayout.reason()}")
+pytestmark = [pytest.mark.skipif(not relayout.available(), reason=f"kiln's relayout kernel: {relayout.reason()}"),
+              pytest.mark.usefixtures("native_tactics_win")]
 
 NATIVE = ["cpu.conv.onednn_direct", "cpu.resize.nearest", "cpu.concat.nhwc"]
-
-
-@pytest.fixture(autouse=True)
-def native_tactics_win(monkeypatch):
-    """About the kernel and the segment, not the tuner's choice on a loaded machine."""
-    monkeypatch.setattr(autotune, "NATIVE_CREDIT_MS", 1e3)
 
 
 def neck_model(h: int, w: int, scales=None, sizes=None, mode: str = "nearest", coordinates: str = "asymmetric",
