@@ -104,3 +104,14 @@ def counted(monkeypatch):
 
     monkeypatch.setattr(direct_run.DirectRun, "run", counting)
     return calls
+
+
+@pytest.fixture
+def native_tactics_win(monkeypatch):
+    """A tactic that runs in a native segment beats the op's own implementation whatever one timing sample says
+    (autotune.NATIVE_CREDIT_MS): on a loaded machine a sample can otherwise keep a layer on its default and split
+    the segment, and the tests that take this are about the kernels and the segments, not the tuner's choice. A
+    module takes it for all its tests with `pytestmark = [..., pytest.mark.usefixtures("native_tactics_win")]`."""
+    from kiln.builder import autotune
+
+    monkeypatch.setattr(autotune, "NATIVE_CREDIT_MS", 1e3)

@@ -233,7 +233,7 @@ class FirstCalls:
             return None
         cropped = [_cropped_array(y, axes, sizes) for y, axes in zip(results, self._crops)]
         self._pay(signature, host)
-        self._padded(host, (t2 - t1) / 1e6, (time.thread_time_ns() - t2 + t1 - t0) / 1e6)
+        self._padded(host, t0, t1, t2)
         return cropped
 
     def _bind_direct(self, arrays: list[np.ndarray], signature: tuple, direct: DirectRuns
@@ -287,12 +287,14 @@ class FirstCalls:
         results = self.program.run(padded)
         t2 = time.thread_time_ns()
         cropped = [_cropped(y, axes, sizes) for y, axes in zip(results, self._crops)]
-        self._padded(host, (t2 - t1) / 1e6, (time.thread_time_ns() - t2 + t1 - t0) / 1e6)
+        self._padded(host, t0, t1, t2)
         return cropped
 
-    def _padded(self, host: BoundShape, ms: float, own_ms: float) -> None:
-        """Record a padded run: `ms` the host's run (a padded run takes no less than the host's own), `own_ms` the
-        rest of the call (the host's search, the padding and the crops: pad_overhead_ms' sample)."""
+    def _padded(self, host: BoundShape, t0: int, t1: int, t2: int) -> None:
+        """Record a padded run from the thread CPU clock (ns) read before the host's search (`t0`) and around the
+        host's run (`t1`, `t2`): the host's run (a padded run takes no less than the host's own), and the rest of the
+        call until now (the host's search, the padding and the crops: pad_overhead_ms' sample)."""
+        ms, own_ms = (t2 - t1) / 1e6, (time.thread_time_ns() - t2 + t1 - t0) / 1e6
         with self._lock:
             self.padded_runs += 1
             self.pad_ms.append(own_ms)

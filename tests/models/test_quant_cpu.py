@@ -19,24 +19,18 @@ from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, 
 
 import kiln
 from kiln import zoo
-from kiln.builder import autotune
 from kiln.builder.calibration import INT8_TACTICS
 from tests.calibration import FeedsReader
 from kiln.cli import main
 from kiln.kernels.cpu import onednn
 from kiln.kernels.cpu.cpu_features import has_int8_dot_product
 
-pytestmark = pytest.mark.skipif(not onednn.available(), reason="libdnnl.so.3 is not loadable here")
+# the native tactics (oneDNN's int8 kernels, quantize, add, pool) win wherever they run: timed, a layer or two took
+# a non-native tactic under load and split the segment (the longest 9 layers, not 26: both fast cases failed with
+# two CPU hogs beside them at load ~16)
+pytestmark = [pytest.mark.skipif(not onednn.available(), reason="libdnnl.so.3 is not loadable here"),
+              pytest.mark.usefixtures("native_tactics_win")]
 INT8 = INT8_TACTICS  # every int8 kernel tactic (oneDNN's and kiln's own)
-
-
-@pytest.fixture(autouse=True)
-def native_tactics_win(monkeypatch):
-    """The int8 kernels and the segments they make, not the tuner's choice on a loaded machine: the native tactics
-    (oneDNN's int8 kernels, quantize, add, pool) win wherever they run. Timed, a layer or two took a non-native
-    tactic under load and split the segment (the longest 9 layers, not 26: both fast cases failed with two CPU hogs
-    beside them at load ~16)."""
-    monkeypatch.setattr(autotune, "NATIVE_CREDIT_MS", 1e3)
 
 
 def _images(n: int, seed: int, size: int = 64) -> list[dict[str, np.ndarray]]:

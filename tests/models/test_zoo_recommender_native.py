@@ -4,23 +4,25 @@ onnxruntime (issue 11).
 DCN-v2's cross layer x0 * (W x + b) + x leaves a Mul and an Add after each GEMM (fused into one
 kiln::Elementwise), and the head reads Concat(cross output, MLP output). With cpu.elementwise.native and
 cpu.concat.native every layer after the embedding lookup can run inside a native segment. Which tactic the
-tuner keeps is a timing decision, so the test gives the native tactics the win (autotune.NATIVE_CREDIT_MS)
-and checks the structure, then the numbers against onnxruntime on fresh inputs.
+tuner keeps is a timing decision, so the test gives the native tactics the win (tests/conftest.py's
+native_tactics_win) and checks the structure, then the numbers against onnxruntime on fresh inputs.
 """
 
 from __future__ import annotations
 
+import pytest
+
 import kiln
 from kiln import zoo
-from kiln.builder import autotune
 from kiln.runtime.native import Segment
 from tests.models.test_zoo import assert_matches_onnxruntime
 
 NATIVE = ["cpu.gemm.kiln_packed", "cpu.gemm.onednn_direct", "cpu.elementwise.native", "cpu.concat.native"]
 
+pytestmark = pytest.mark.usefixtures("native_tactics_win")
 
-def test_dcn_cross_layers_and_head_concat_run_in_one_native_segment_and_match_onnxruntime(monkeypatch):
-    monkeypatch.setattr(autotune, "NATIVE_CREDIT_MS", 1e3)
+
+def test_dcn_cross_layers_and_head_concat_run_in_one_native_segment_and_match_onnxruntime():
     exported = zoo.export("dcn_tiny")
     engine = kiln.build(str(exported.path), tactics=NATIVE, timing_cache=None)
     steps = engine.plan.program.steps
@@ -36,11 +38,10 @@ def test_dcn_cross_layers_and_head_concat_run_in_one_native_segment_and_match_on
     assert_matches_onnxruntime(engine, "dcn_tiny", exported)
 
 
-def test_dcn_embedding_lookups_run_in_the_segment_too_and_match_onnxruntime(monkeypatch):
+def test_dcn_embedding_lookups_run_in_the_segment_too_and_match_onnxruntime():
     """kiln::EmbeddingConcat (26 lookups + the Concat with the dense features) as cpu.embedding_concat.native: the
     whole network one native segment (2026-12-04d; its default was torch's index_select per field, a Python step
     before the segment)."""
-    monkeypatch.setattr(autotune, "NATIVE_CREDIT_MS", 1e3)
     exported = zoo.export("dcn_tiny")
     engine = kiln.build(str(exported.path), tactics=[*NATIVE, "cpu.embedding_concat.native"], timing_cache=None)
     steps = engine.plan.program.steps

@@ -18,23 +18,17 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import kiln
-from kiln.builder import autotune
 from kiln.frontend import onnx as onnx_frontend
 from kiln.kernels.cpu import transformer
 from kiln.passes import PassOptions, PassReport, optimize
 from kiln.runtime.native import Segment
 
-pytestmark = pytest.mark.skipif(not transformer.available(), reason=f"kiln's C kernels: {transformer.reason()}")
+pytestmark = [pytest.mark.skipif(not transformer.available(), reason=f"kiln's C kernels: {transformer.reason()}"),
+              pytest.mark.usefixtures("native_tactics_win")]
 
 F = TensorProto.FLOAT
 NATIVE = ["cpu.conv.onednn_direct", "cpu.pool.onednn.MaxPool", "cpu.concat.nhwc", "cpu.concat.native",
           "cpu.elementwise.nhwc", "cpu.elementwise.native"]
-
-
-@pytest.fixture(autouse=True)
-def native_tactics_win(monkeypatch):
-    """About the kernels and the segment, not the tuner's choice on a loaded machine."""
-    monkeypatch.setattr(autotune, "NATIVE_CREDIT_MS", 1e3)
 
 
 def dense_model(channels: list[int], batch: int | str = 2, h: int = 6, w: int = 5, seed: int = 0,

@@ -9,24 +9,18 @@ a segment entry among the inputs (an NCHW image the segment reorders itself), an
 from __future__ import annotations
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import kiln
-from kiln.builder import autotune
 from kiln.kernels.cpu import transformer
 from kiln.runtime.native import Segment
+from tests.unit.test_squeeze_excite import onnxruntime_run
 
-pytestmark = pytest.mark.skipif(not transformer.available(), reason=f"kiln's C kernels: {transformer.reason()}")
+pytestmark = [pytest.mark.skipif(not transformer.available(), reason=f"kiln's C kernels: {transformer.reason()}"),
+              pytest.mark.usefixtures("native_tactics_win")]
 
 NATIVE = ["cpu.conv.onednn_direct", "cpu.concat.nhwc"]
-
-
-@pytest.fixture(autouse=True)
-def native_tactics_win(monkeypatch):
-    """About the kernel and the segment, not the tuner's choice on a loaded machine."""
-    monkeypatch.setattr(autotune, "NATIVE_CREDIT_MS", 1e3)
 
 
 def concat_model(channels: list[int], with_input: bool, batch="2", h: int = 6, w: int = 5, seed: int = 0):
@@ -49,13 +43,6 @@ def concat_model(channels: list[int], with_input: bool, batch="2", h: int = 6, w
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
 
 
-def _onnxruntime(proto, feeds: dict) -> np.ndarray:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 2
-    session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    return session.run(None, feeds)[0]
-
-
 @pytest.mark.parametrize("channels, with_input", [([5, 11], False), ([4, 9, 13], False), ([6], True)])
 def test_channel_concat_runs_inside_the_segment_and_matches_onnxruntime(channels, with_input):
     proto = concat_model(channels, with_input)
@@ -68,7 +55,7 @@ def test_channel_concat_runs_inside_the_segment_and_matches_onnxruntime(channels
     for seed in (1, 2):
         x = np.random.default_rng(seed).standard_normal((2, 3, 6, 5)).astype(np.float32)
         # fp32: oneDNN's convolutions sum in another order than onnxruntime's; the concat itself is a copy
-        np.testing.assert_allclose(engine.run({"x": x})["y"], _onnxruntime(proto, {"x": x}), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(engine.run({"x": x})["y"], onnxruntime_run(proto, {"x": x}), rtol=1e-5, atol=1e-5)
 
 
 def test_other_batch_sizes_than_tuned_give_onnxruntime_results():
@@ -76,4 +63,4 @@ def test_other_batch_sizes_than_tuned_give_onnxruntime_results():
     engine = kiln.build(proto.SerializeToString(), tactics=NATIVE, shapes={"x": [2, 3, 6, 5]})
     for batch in (2, 3, 1):
         x = np.random.default_rng(batch).standard_normal((batch, 3, 6, 5)).astype(np.float32)
-        np.testing.assert_allclose(engine.run({"x": x})["y"], _onnxruntime(proto, {"x": x}), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(engine.run({"x": x})["y"], onnxruntime_run(proto, {"x": x}), rtol=1e-5, atol=1e-5)

@@ -39,15 +39,9 @@ from tests.unit.test_squeeze_excite import onnxruntime_run
 
 RTOL, ATOL = 1e-5, 1e-5  # fp32 sums of up to 144 products against float64; SiLU's exp ~2 ulp
 
-pytestmark = pytest.mark.skipif(not (onednn.available() and se.available()),
-                                reason="oneDNN or kiln's SE/SiLU kernel is unavailable")
-
-
-@pytest.fixture(autouse=True)
-def native_tactics_win(monkeypatch):
-    """The native tactic beats the op's own implementation whatever one timing sample says: these tests are
-    about the layer and the segment, not the tuner's choice."""
-    monkeypatch.setattr(autotune, "NATIVE_CREDIT_MS", 1e3)
+pytestmark = [pytest.mark.skipif(not (onednn.available() and se.available()),
+                                 reason="oneDNN or kiln's SE/SiLU kernel is unavailable"),
+              pytest.mark.usefixtures("native_tactics_win")]
 
 
 # (input channels, output channels, image, kernel, stride, groups)

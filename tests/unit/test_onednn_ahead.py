@@ -19,7 +19,6 @@ import onnxruntime as ort
 import pytest
 
 import kiln
-from kiln.builder import autotune
 from kiln.kernels.cpu import onednn, onednn_ahead, onednn_primitives
 from kiln.plan.spec import Profile, ShapeRange
 from kiln.runtime import first_calls, native_views
@@ -33,10 +32,9 @@ TUNED, MOST = 16, 40  # the profile's opt and max rows: made ahead up to 16 x (4
 
 
 @pytest.fixture(params=[False, True], ids=["no residual", "residual"])
-def built(request, one_thread, monkeypatch, tmp_path):
+def built(request, one_thread, native_tactics_win, monkeypatch, tmp_path):
     """The two oneDNN layers (the second with a residual or not) built at 16 rows, saved, loaded again in a native
-    segment: (engine, onnxruntime session)."""
-    monkeypatch.setattr(autotune, "NATIVE_CREDIT_MS", 1e3)  # the native tactic wins: this is about its row counts
+    segment: (engine, onnxruntime session). The native tactic wins: this is about its row counts."""
     # a queue of its own: in a long test process (a CI worker) the process's queue may have spent its budget, or
     # taken these very jobs for an earlier test whose primitives the cache has let go since (CI saw both)
     ahead = onednn_ahead.Ahead()

@@ -13,7 +13,6 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 import kiln
-from kiln.builder import autotune
 from kiln.kernels.cpu import onednn, onednn_matmul, onednn_primitives
 from kiln.tactics.cpu import onednn_gemm as onednn_tactics
 
@@ -135,10 +134,10 @@ def _two_layers(residual: bool) -> onnx.ModelProto:
 
 @pytest.fixture(params=[("native segment", False), ("per layer", False), ("native segment", True),
                         ("per layer", True)], ids=lambda p: f"{p[0]}{', residual' if p[1] else ''}")
-def engine_and_session(request, one_thread, monkeypatch, tmp_path):
+def engine_and_session(request, one_thread, native_tactics_win, monkeypatch, tmp_path):
     """The two layers built at 16 rows, run in a native segment or step by step (KILN_NATIVE_SEGMENTS=0 at
-    load: each step's launch); (engine, onnxruntime session, whether the second layer has a residual)."""
-    monkeypatch.setattr(autotune, "NATIVE_CREDIT_MS", 1e3)  # the native tactic wins: this is about its row counts
+    load: each step's launch); (engine, onnxruntime session, whether the second layer has a residual). The native
+    tactic wins: this is about its row counts."""
     where, residual = request.param
     model = _two_layers(residual)
     engine = kiln.build(model.SerializeToString(), profiles=[{"x": f"1x{K},16x{K},700x{K}"}],

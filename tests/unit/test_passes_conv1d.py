@@ -13,7 +13,6 @@ from onnx import TensorProto, helper
 
 import kiln
 from kiln import zoo
-from kiln.builder import autotune
 from kiln.frontend import onnx as onnx_frontend
 from kiln.passes import PassOptions, optimize
 from kiln.passes._rewrite import PassReport
@@ -93,10 +92,10 @@ def test_auto_pad_same_is_refused_and_left_as_it_was():
     assert_same_as_onnxruntime(proto, {"x": randn(2, 20, 6)}, rtol=1e-4, atol=1e-4)
 
 
-def test_zoo_cnn1d_runs_as_one_native_segment_and_matches_onnxruntime(monkeypatch):
+@pytest.mark.usefixtures("native_tactics_win")  # the structure, whatever a loaded machine times
+def test_zoo_cnn1d_runs_as_one_native_segment_and_matches_onnxruntime():
     from tests.models.test_zoo import assert_fp32_close, onnxruntime_session
 
-    monkeypatch.setattr(autotune, "NATIVE_CREDIT_MS", 1e3)  # the structure, whatever a loaded machine times
     exported = zoo.export("cnn1d")
     engine = kiln.build(str(exported.path))
     segments = [s.fn for s in engine.program.run_steps if isinstance(s.fn, Segment)]

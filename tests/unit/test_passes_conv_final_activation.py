@@ -14,7 +14,6 @@ from onnx import TensorProto, helper
 
 import kiln
 from kiln import zoo
-from kiln.builder import autotune
 from kiln.frontend import onnx as onnx_frontend
 from kiln.passes import PassOptions, optimize
 from kiln.passes._rewrite import PassReport
@@ -118,10 +117,10 @@ def test_an_activation_after_one_without_a_residual_is_left_and_says_why():
     assert_same_as_onnxruntime(proto, {"x": randn(1, 4, 6, 6)}, rtol=1e-4, atol=1e-5)
 
 
-def test_zoo_tcn_runs_as_one_native_segment_and_matches_onnxruntime(monkeypatch):
+@pytest.mark.usefixtures("native_tactics_win")  # the structure, whatever a loaded machine times
+def test_zoo_tcn_runs_as_one_native_segment_and_matches_onnxruntime():
     from tests.models.test_zoo import assert_fp32_close, onnxruntime_session
 
-    monkeypatch.setattr(autotune, "NATIVE_CREDIT_MS", 1e3)  # the structure, whatever a loaded machine times
     exported = zoo.export("tcn")
     engine = kiln.build(str(exported.path))
     steps = engine.plan.program.steps

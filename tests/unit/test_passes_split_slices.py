@@ -15,20 +15,14 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import kiln
-from kiln.builder import autotune
 from kiln.frontend import onnx as onnx_frontend
 from kiln.kernels.cpu import relayout
 from kiln.passes import PassOptions, PassReport, optimize
 from kiln.runtime.native import Segment
 
-pytestmark = pytest.mark.skipif(not relayout.available(), reason=f"kiln's relayout kernel: {relayout.reason()}")
+pytestmark = [pytest.mark.skipif(not relayout.available(), reason=f"kiln's relayout kernel: {relayout.reason()}"),
+              pytest.mark.usefixtures("native_tactics_win")]
 F = TensorProto.FLOAT
-
-
-@pytest.fixture(autouse=True)
-def native_tactics_win(monkeypatch):
-    """These tests are about the rule and the segments, not the tuner's choice on a loaded machine."""
-    monkeypatch.setattr(autotune, "NATIVE_CREDIT_MS", 1e3)
 
 
 def randn(rng, *shape):

@@ -15,18 +15,12 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import kiln
-from kiln.builder import autotune
 from kiln.kernels.cpu import onednn
 
-pytestmark = pytest.mark.skipif(not onednn.available(), reason="libdnnl.so.3 cannot be loaded")
+pytestmark = [pytest.mark.skipif(not onednn.available(), reason="libdnnl.so.3 cannot be loaded"),
+              pytest.mark.usefixtures("native_tactics_win")]
 
 NATIVE = ["cpu.conv.onednn_direct", "cpu.pool.onednn.MaxPool", "cpu.pool.onednn.AveragePool"]
-
-
-@pytest.fixture(autouse=True)
-def native_tactics_win(monkeypatch):
-    """About the kernel and the segment, not the tuner's choice on a loaded machine."""
-    monkeypatch.setattr(autotune, "NATIVE_CREDIT_MS", 1e3)
 
 
 def pool_model(op: str, h: int, w: int, kernel: int, stride: int, pads: list[int], batch: int | str = 2,
@@ -52,6 +46,16 @@ def onnxruntime_run(proto, feeds: dict) -> np.ndarray:
                                                                                                           feeds)[0]
 
 
+def assert_matches_onnxruntime(engine, proto, h: int, w: int, batch: int = 2) -> None:
+    """The engine's output y on fresh [batch, 3, H, W] inputs x against onnxruntime's, shape and values."""
+    for seed in (1, 2):
+        x = np.random.default_rng(seed).standard_normal((batch, 3, h, w)).astype(np.float32)
+        want = onnxruntime_run(proto, {"x": x})
+        got = engine.run({"x": x})["y"]
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)  # the convolutions sum in other orders
+
+
 @pytest.mark.parametrize("h, w, kernel, stride, pads", [
     (14, 14, 3, 2, [0, 0, 0, 0]),  # a tail on both axes (SqueezeNet's 3x3 / 2 pools at even sizes)
     (13, 10, 3, 2, [0, 0, 0, 0]),  # none on H, one on W
@@ -65,12 +69,7 @@ def test_a_ceil_mode_max_pool_runs_inside_the_segment_and_matches_onnxruntime(h,
     assert {s.op_type: s.tactic for s in engine.plan.program.steps}["MaxPool"] == "cpu.pool.onednn.MaxPool"
     segments = engine.program.segments
     assert len(segments) == 1 and len(segments[0].members) == 3, [len(s.members) for s in segments]
-    for seed in (1, 2):
-        x = np.random.default_rng(seed).standard_normal((2, 3, h, w)).astype(np.float32)
-        want = onnxruntime_run(proto, {"x": x})
-        got = engine.run({"x": x})["y"]
-        assert got.shape == want.shape
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)  # the convolutions sum in other orders
+    assert_matches_onnxruntime(engine, proto, h, w)
 
 
 def test_other_batch_sizes_than_tuned_give_onnxruntime_results():

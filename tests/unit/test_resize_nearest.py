@@ -14,20 +14,14 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import kiln
-from kiln.builder import autotune
 from kiln.kernels.cpu import relayout
 from kiln.runtime import native
-from tests.unit.test_pool_ceil_mode import onnxruntime_run
+from tests.unit.test_pool_ceil_mode import assert_matches_onnxruntime
 
-pytestmark = pytest.mark.skipif(not relayout.available(), reason=f"kiln's relayout kernel: {relayout.reason()}")
+pytestmark = [pytest.mark.skipif(not relayout.available(), reason=f"kiln's relayout kernel: {relayout.reason()}"),
+              pytest.mark.usefixtures("native_tactics_win")]
 
 NATIVE = ["cpu.conv.onednn_direct", "cpu.resize.nearest", "cpu.concat.nhwc"]
-
-
-@pytest.fixture(autouse=True)
-def native_tactics_win(monkeypatch):
-    """About the kernel and the segment, not the tuner's choice on a loaded machine."""
-    monkeypatch.setattr(autotune, "NATIVE_CREDIT_MS", 1e3)
 
 
 def neck_model(h: int, w: int, scales=None, sizes=None, mode: str = "nearest", coordinates: str = "asymmetric",
@@ -58,15 +52,6 @@ def neck_model(h: int, w: int, scales=None, sizes=None, mode: str = "nearest", c
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
 
 
-def check(proto, h: int, w: int, engine, batch: int = 2) -> None:
-    for seed in (1, 2):
-        x = np.random.default_rng(seed).standard_normal((batch, 3, h, w)).astype(np.float32)
-        want = onnxruntime_run(proto, {"x": x})
-        got = engine.run({"x": x})["y"]
-        assert got.shape == want.shape
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)  # the convolutions sum in other orders
-
-
 @pytest.mark.parametrize("h, w, scales, sizes, coordinates, nearest", [
     (5, 7, [1, 1, 2, 2], None, "asymmetric", "floor"),  # torch's upsample_nearest2d as the exporter writes it
     (4, 6, [1, 1, 2, 2], None, "half_pixel", "round_prefer_floor"),  # the ONNX defaults
@@ -80,7 +65,7 @@ def test_a_nearest_resize_runs_inside_the_segment_and_matches_onnxruntime(h, w, 
     assert {s.op_type: s.tactic for s in engine.plan.program.steps}["Resize"] == "cpu.resize.nearest"
     segments = engine.program.segments
     assert len(segments) == 1 and len(segments[0].members) == 5, [len(s.members) for s in segments]
-    check(proto, h, w, engine)
+    assert_matches_onnxruntime(engine, proto, h, w)
 
 
 @pytest.mark.parametrize("scales, mode, why", [
@@ -93,7 +78,7 @@ def test_what_no_walk_gives_is_left_to_the_default(scales, mode, why):
     resize = next(s for s in engine.plan.program.steps if s.op_type == "Resize")
     assert resize.tactic != "cpu.resize.nearest"
     assert why in str(engine.plan.header["tactics"]["layers"][resize.name]["candidates"]["cpu.resize.nearest"])
-    check(proto, 4, 6, engine)
+    assert_matches_onnxruntime(engine, proto, 4, 6)
 
 
 @pytest.mark.parametrize("scales, sizes, axes", [
@@ -114,7 +99,7 @@ def test_a_nearest_resize_binds_at_every_batch_of_its_profile(scales, sizes, axe
 
     monkeypatch.setattr(native.Segment, "fallback", layer_by_layer)
     for batch in (3, 1, 6, 2, 3):
-        check(proto, 4, 5, engine, batch)
+        assert_matches_onnxruntime(engine, proto, 4, 5, batch)
 
 
 def test_sizes_over_every_axis_keep_the_walk_to_the_built_batch():

@@ -20,13 +20,7 @@ import kiln
 from kiln.builder import autotune, layer_records
 from tests.unit.test_memory_shared_weights import ATOL, LAYERS, RTOL, D, shared_layers_model
 
-
-@pytest.fixture(autouse=True)
-def native_tactics_win(monkeypatch):
-    """A tactic that runs in a native segment always beats the op's own implementation here: on a loaded
-    machine a timing sample can otherwise make the tuner keep a layer on the default, and these tests
-    are about the kernels and the segments, not the tuner's choice."""
-    monkeypatch.setattr(autotune, "NATIVE_CREDIT_MS", 1e3)
+pytestmark = pytest.mark.usefixtures("native_tactics_win")
 
 
 def gemm_launches(engine: kiln.Engine) -> list[object]:

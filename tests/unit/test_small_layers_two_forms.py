@@ -21,7 +21,6 @@ import torch.nn.functional as F
 
 import kiln
 from kiln import zoo
-from kiln.builder import autotune
 from kiln.kernels.cpu import onednn, onednn_primitives, se
 from kiln.kernels.cpu.form_choice import FormChooser
 from tests.models.test_zoo import assert_fp32_close, onnxruntime_session
@@ -242,15 +241,15 @@ def _efficientnet_matches_onnxruntime(name: str, forms: tuple[str, ...]) -> None
 
 
 @pytest.mark.skipif(not se.available(), reason=f"kiln's SE kernel is not built: {se.reason()}")
-def test_efficientnet_tiny_in_both_forms_matches_onnxruntime(measured, monkeypatch):
-    monkeypatch.setattr(autotune, "NATIVE_CREDIT_MS", 1e3)  # the native tactics (where the forms apply) win
+@pytest.mark.usefixtures("native_tactics_win")  # the native tactics (where the forms apply) win
+def test_efficientnet_tiny_in_both_forms_matches_onnxruntime(measured):
     _efficientnet_matches_onnxruntime("efficientnet_tiny", ("parallel", "serial"))
 
 
 @pytest.mark.slow  # a B0 build with the search: ~40 s on 2 shared cores
 @pytest.mark.skipif(not se.available(), reason=f"kiln's SE kernel is not built: {se.reason()}")
-def test_efficientnet_b0_in_both_forms_matches_onnxruntime(measured, monkeypatch):
-    monkeypatch.setattr(autotune, "NATIVE_CREDIT_MS", 1e3)
+@pytest.mark.usefixtures("native_tactics_win")
+def test_efficientnet_b0_in_both_forms_matches_onnxruntime(measured):
     _efficientnet_matches_onnxruntime("efficientnet_b0", ("parallel", "serial"))
 
 

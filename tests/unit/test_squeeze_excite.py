@@ -21,7 +21,6 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 import kiln
-from kiln.builder import autotune
 from kiln.frontend import onnx as onnx_frontend
 from kiln.kernels.cpu import se
 from kiln.passes import PassOptions, PassReport, optimize
@@ -29,15 +28,8 @@ from kiln.runtime.native import Segment
 
 RTOL, ATOL = 1e-5, 1e-5  # fp32: the mean and the GEMVs sum in other orders than float64 / onnxruntime
 
-pytestmark = pytest.mark.skipif(not se.available(), reason=f"kiln's SE kernel is not built: {se.reason()}")
-
-
-@pytest.fixture(autouse=True)
-def native_tactics_win(monkeypatch):
-    """A tactic that runs in a native segment always beats the op's own implementation here: on a loaded
-    machine a timing sample can otherwise make the tuner keep a layer on the default, and these tests
-    are about the kernels and the segments, not the tuner's choice."""
-    monkeypatch.setattr(autotune, "NATIVE_CREDIT_MS", 1e3)
+pytestmark = [pytest.mark.skipif(not se.available(), reason=f"kiln's SE kernel is not built: {se.reason()}"),
+              pytest.mark.usefixtures("native_tactics_win")]
 
 
 def _act64(v: np.ndarray, kind: str, alpha: float, beta: float) -> np.ndarray:

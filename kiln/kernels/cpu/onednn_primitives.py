@@ -369,8 +369,9 @@ class Conv2d:
 class Pool2d:
     """One 2-D pooling primitive (max, or average with or without the padding counted) on NHWC.
 
-    ONNX MaxPool/AveragePool with ceil_mode=0 and GlobalAveragePool (a window of the whole
-    image); oneDNN never reads padding for max, and counts it for average only when told to.
+    ONNX MaxPool (ceil_mode's tail given as more end padding), AveragePool with ceil_mode=0 and
+    GlobalAveragePool (a window of the whole image); oneDNN never reads padding for max, and counts
+    it for average only when told to.
     """
 
     def __init__(self, input_size: list[int], kind: str, kernel: list[int], stride: list[int], pads: list[int],

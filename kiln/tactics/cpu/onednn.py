@@ -55,6 +55,7 @@ import torch
 
 from kiln.kernels.cpu import conv_silu, onednn, onednn_ahead, onednn_chunks, onednn_primitives, se
 from kiln.ops._util import ints
+from kiln.ops.nn import _pool_geometry
 from kiln.ops.registry import OpContext, lookup
 from kiln.plan.spec import StepSpec
 from kiln.tactics.registry import register
@@ -304,21 +305,18 @@ def _prepare_pool(step: StepSpec, constants: list[Any], device: torch.device):
     strides = [int(s) for s in _attr(step, "strides", [1, 1])]
     dilations = [int(d) for d in _attr(step, "dilations", [1, 1])]
     kind = _pool_kind(step)
-    if not int(_attr(step, "ceil_mode", 0)):
-        return _shape_cached(step, lambda size: onednn_primitives.Pool2d(list(size), kind, kernel, strides, pads,
-                                                                         dilations))
+    ceil_mode = int(_attr(step, "ceil_mode", 0))
 
-    def ceil_mode_pool(size: tuple[int, ...]) -> onednn_primitives.Pool2d:
-        # ceil_mode's tail (SqueezeNet's and GoogLeNet's max pools) as more end padding, which a max never reads:
-        # the output size is the reference's (kiln/ops/nn.py _pool_geometry: a last window starts inside the input)
-        from kiln.ops.nn import _pool_geometry
+    def pool(size: tuple[int, ...]) -> onednn_primitives.Pool2d:
+        # the reference's geometry (kiln/ops/nn.py _pool_geometry). ceil_mode's tail (SqueezeNet's and GoogLeNet's
+        # max pools; a last window starts inside the input) is more end padding, which a max never reads; without
+        # ceil_mode the tail is 0
+        _, begin, end, tail, _, _ = _pool_geometry(torch.empty(size, device="meta"), kernel, "NOTSET", ceil_mode,
+                                                   dilations, pads, strides)
+        return onednn_primitives.Pool2d(list(size), kind, kernel, strides, begin + [e + t for e, t in zip(end, tail)],
+                                        dilations)
 
-        _, begin, end, extra, _, _ = _pool_geometry(torch.empty(size, device="meta"), kernel, "NOTSET", 1, dilations,
-                                                    pads, strides)
-        return onednn_primitives.Pool2d(list(size), kind, kernel, strides,
-                                         begin + [e + x for e, x in zip(end, extra)], dilations)
-
-    return _shape_cached(step, ceil_mode_pool)
+    return _shape_cached(step, pool)
 
 
 def _gap_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:

@@ -122,6 +122,17 @@ def _meta_views(inputs: list[InputMeta], attributes) -> tuple[torch.Tensor, torc
     return q, k, v
 
 
+def _expanded_mask(mask: InputMeta, batch: int, heads: int, s_len: int, t_len: int) -> torch.Tensor | str:
+    """The mask as the kernels read it, a meta tensor broadcast to [B, H, S, T] (its strides say which axes it
+    repeats); a reason where its dtype or shape is not one they take."""
+    if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+        return f"mask dtype {mask.dtype}: the kernel takes bool or an additive float mask"
+    try:
+        return torch.empty(mask.shape, device="meta", dtype=mask.dtype).expand(batch, heads, s_len, t_len)
+    except RuntimeError:
+        return f"mask {list(mask.shape)} does not broadcast to [B, H, S, T] = {[batch, heads, s_len, t_len]}"
+
+
 def _supports_layout(step: StepSpec, inputs: list[InputMeta], block_m: int, block_n: int,
                      stages: int) -> bool | str:
     attributes = step.attributes
@@ -157,12 +168,9 @@ def _supports_layout(step: StepSpec, inputs: list[InputMeta], block_m: int, bloc
     mask = tensor_input(inputs, 3)
     mask_tile = mask_vector = 0
     if mask is not None:
-        if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
-            return f"mask dtype {mask.dtype}: the kernel takes bool or an additive float mask"
-        try:
-            expanded = torch.empty(mask.shape, device="meta", dtype=mask.dtype).expand(batch, heads, s_len, t_len)
-        except RuntimeError:
-            return f"mask {list(mask.shape)} does not broadcast to [B, H, S, T] = {[batch, heads, s_len, t_len]}"
+        expanded = _expanded_mask(mask, batch, heads, s_len, t_len)
+        if isinstance(expanded, str):
+            return expanded
         extents.append(_extent(tuple(expanded.shape), expanded.stride()))
         if expanded.stride(2) != 0 and s_len > 1:  # one mask value per (query, key): a tile per stage
             mask_tile = expanded.element_size()
@@ -309,12 +317,9 @@ def _supports_quantized(step: StepSpec, inputs: list[InputMeta], block_m: int) -
         return f"{block_m}-row tiles for {s_len} queries: mostly padding"
     mask = tensor_input(inputs, 3)
     if mask is not None:
-        if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
-            return f"mask dtype {mask.dtype}: the kernel takes bool or an additive float mask"
-        try:
-            expanded = torch.empty(mask.shape, device="meta", dtype=mask.dtype).expand(batch, heads, s_len, t_len)
-        except RuntimeError:
-            return f"mask {list(mask.shape)} does not broadcast to [B, H, S, T] = {[batch, heads, s_len, t_len]}"
+        expanded = _expanded_mask(mask, batch, heads, s_len, t_len)
+        if isinstance(expanded, str):
+            return expanded
         if _extent(tuple(expanded.shape), expanded.stride()) >= 2**31:
             return "the mask's (batch, head) slab spans more than 2^31 elements"
     if max(_extent(tuple(t.shape), t.stride()) for t in (q, k, v)) >= 2**31 or s_len * heads * dv >= 2**31:
