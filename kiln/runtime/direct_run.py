@@ -242,6 +242,7 @@ class DirectRuns:
         self._refused: set[tuple] = set()  # signatures bind() could not make a record of
         self._plan_evictions = program.plan_evictions
         self._lock = threading.Lock()
+        self._self_ref = weakref.ref(self)  # what each record's view callback (_forget) holds
 
     @classmethod
     def of(cls, program: Program) -> DirectRuns | None:
@@ -333,8 +334,10 @@ class DirectRuns:
             seen, now = self._plan_evictions, program.plan_evictions
             if now == seen:
                 return
-            evicted = [(count, signature) for count, signature in list(program.evicted_plans)
-                       if seen < count <= now]  # (list(): one C call, no other thread's append in between)
+            evicted = list(program.evicted_plans)  # one C call: no other thread's append in between
+            while evicted and evicted[-1][0] > now:  # let go after `now` was read: the next look's
+                evicted.pop()
+            evicted = evicted[len(evicted) - (now - seen):] if 0 < now - seen <= len(evicted) else []
             if [count for count, _ in evicted] == list(range(seen + 1, now + 1)):
                 for _, signature in evicted:
                     self._records.pop(signature, None)
@@ -446,12 +449,14 @@ class DirectRuns:
             if numpy_dtype is None or tuple(strides) != row_major_strides(tuple(size)):
                 return None
             exits.append((tuple(size), numpy_dtype))
-        held = weakref.ref(view, functools.partial(_forget, weakref.ref(self), signature))
+        held = weakref.ref(view, functools.partial(_forget, self._self_ref, signature))
+        if not isinstance(view, Segment):  # a view over the template (_Resized): run_at
+            return DirectRun(held, tuple(addresses), tuple(moving), tuple(exits), self._outputs, tuple(keep), key,
+                             plan)
         empty = any(0 in size for size in key) or any(0 in size for size, _ in exits)
-        bare = _bare_bindings(view.bare_loop(False), dict(moving), addresses) \
-            if isinstance(view, Segment) and not empty else None
+        bare = _bare_bindings(view.bare_loop(False), dict(moving), addresses) if not empty else None
         return DirectRun(held, tuple(addresses), tuple(moving), tuple(exits), self._outputs, tuple(keep), key, plan,
-                         bare, view is not segment and isinstance(view, Segment))
+                         bare, view is not segment)
 
 
 def _forget(runs: weakref.ref, signature: tuple, view: weakref.ref) -> None:

@@ -368,7 +368,11 @@ class FirstCalls:
         shape.work = _product(shape.sizes)
         self._lower_floor(shape)
         self.bound[shape.signature] = shape
-        self._groups.setdefault(self._group(shape.signature), Hosts()).add(shape)
+        group = self._group(shape.signature)
+        hosts = self._groups.get(group)
+        if hosts is None:  # (not setdefault: its Hosts() would be made at every add)
+            hosts = self._groups[group] = Hosts()
+        hosts.add(shape)
         while len(self.bound) > SHAPE_PLANS:
             _, old = self.bound.popitem(last=False)
             self._groups[self._group(old.signature)].remove(old)

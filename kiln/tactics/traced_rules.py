@@ -276,22 +276,12 @@ class ClosedForms:
         return len(self._paths)
 
     def __call__(self, dims: tuple[int, ...]) -> Any:
-        """The answer at `dims` from a traced path, or None (no path's guards hold: the caller computes it). The path
-        that answers moves to the front: a stream's sizes keep to a few paths (bert_tiny's b 1-8 x s 1-128: 2 of its
-        6 answer 80% of them), and each path tried before the one that holds costs its guards (~1 µs hot, several
-        on a first call's cold caches)."""
-        paths = self._paths
-        for i, answer in enumerate(paths):
+        """The answer at `dims` from a traced path, or None (no path's guards hold: the caller computes it)."""
+        for answer in self._paths:
             found = answer(dims)
             if found is not None:
-                if i:
-                    self._to_front(answer)
                 return found
         return None
-
-    def _to_front(self, answer: Callable) -> None:
-        with self._lock:  # replaced whole, as learn() adds one: a reader holds one tuple
-            self._paths = (answer, *[path for path in self._paths if path is not answer])
 
     def learn(self, dims: tuple[int, ...], compute: Callable[[tuple], Any], expected: Any) -> bool:
         """Trace `compute` (the computation, on a tuple of dims) on symbols standing for `dims`, where it answered
