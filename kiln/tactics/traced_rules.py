@@ -298,8 +298,8 @@ class ClosedForms:
                 return False
             # the dims unpacked once into locals: BERT's walk reads them ~150 times (a subscript each before)
             unpack = f"    {''.join(f'd{j}, ' for j in range(len(dims)))}= d\n" if dims else ""
-            source = f"def answer(d):\n{unpack}    if {_condition(trace.guards)}:\n        return {_written(traced)}\n" \
-                     f"    return None\n"
+            source = f"def answer(d):\n{unpack}    if {_condition(trace.guards)}:\n" \
+                     f"        return {_written(traced)}\n    return None\n"
         except (_Untraceable, TypeError, AttributeError, ValueError, ArithmeticError):
             self.traceable = False
             return False
