@@ -337,11 +337,11 @@ class DirectRuns:
             evicted = list(program.evicted_plans)  # one C call: no other thread's append in between
             while evicted and evicted[-1][0] > now:  # let go after `now` was read: the next look's
                 evicted.pop()
-            evicted = evicted[len(evicted) - (now - seen):] if 0 < now - seen <= len(evicted) else []
-            if [count for count, _ in evicted] == list(range(seen + 1, now + 1)):
+            evicted = evicted[len(evicted) - (now - seen):] if 0 < now - seen <= len(evicted) else None
+            if evicted is not None and [count for count, _ in evicted] == list(range(seen + 1, now + 1)):
                 for _, signature in evicted:
                     self._records.pop(signature, None)
-            else:
+            else:  # more let go than listed, or the count set by hand (lowered too)
                 self._records.clear()
             self._plan_evictions = now
 
