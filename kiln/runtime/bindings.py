@@ -107,10 +107,17 @@ class NumpyCheck:
     input), with the bindings' and profiles' facts found once: a CPU context checks each new signature once, right
     after a run has cooled the caches, where _check's dicts, per-input calls and messages' machinery cost ~40 µs for
     BERT-base's two inputs (bench/results/first-call-2026-12-06.md). It answers only where every check passes (the
-    profile's index); anything else is None, and the caller runs _check, which raises the error it always did."""
+    profile's index); anything else is None, and the caller runs _check, which raises the error it always did.
+
+    The checks are one generated function of the signature (each test written out: the inputs unpacked once, no loop
+    over the facts): a stream of new shapes pays this at every call, and a loop over tables of facts read ~12 µs of
+    bert_tiny's first call on a stream's cold caches, ~4 µs hot (bench/results/new-shapes-zen4-2026-12-07d.md)."""
 
     def __init__(self, inputs: list[tuple], symbols: list[tuple], profiles: list[tuple]):
-        self._inputs, self._symbols, self._profiles = inputs, symbols, profiles
+        """`inputs`: (accepted numpy dtypes or None, rank or None, ((axis, size), ...) fixed) per input; `symbols`:
+        the (input, axis) places of each symbol read by more than one; `profiles`: per profile, (input, min, max)
+        of each input it bounds."""
+        self._check = _compiled_check(inputs, symbols, profiles)
 
     @classmethod
     def of(cls, bindings: list[Binding], profiles: list[Any]) -> NumpyCheck | None:
@@ -135,27 +142,40 @@ class NumpyCheck:
 
     def __call__(self, key: tuple) -> int | None:
         """The profile of numpy signature `key` where every check passes, else None."""
-        if len(key) != len(self._inputs):
-            return None
-        for (dtype, shape), (accepted, rank, fixed) in zip(key, self._inputs):
-            if accepted is not None and dtype not in accepted:
-                return None
-            if rank is not None:
-                if len(shape) != rank:
-                    return None
-                for axis, want in fixed:
-                    if shape[axis] != want:
-                        return None
-        for (i, a), *others in self._symbols:
-            size = key[i][1][a]
-            for j, b in others:
-                if key[j][1][b] != size:
-                    return None
-        for k, bounds in enumerate(self._profiles):
-            for i, low, high in bounds:
-                shape = key[i][1]
-                if len(shape) != len(low) or not all(lo <= d <= hi for d, lo, hi in zip(shape, low, high)):
-                    break
-            else:
-                return k
-        return None
+        return self._check(key)
+
+
+def _compiled_check(inputs: list[tuple], symbols: list[tuple], profiles: list[tuple]) -> Any:
+    """NumpyCheck's checks as one function of a signature: in order, the count of inputs, each input's dtype, rank
+    and fixed dims, the symbols' agreement (ranks checked before any dim is read), then the first profile whose
+    every bound holds (its index), else None."""
+    lines = ["def check(key):", f"    if len(key) != {len(inputs)}:", "        return None"]
+    if inputs:
+        lines.append(f"    {''.join(f'(t{i}, s{i}), ' for i in range(len(inputs)))}= key")
+    accepted_sets = {}
+    for i, (accepted, rank, fixed) in enumerate(inputs):
+        tests = []
+        if accepted is not None:
+            accepted_sets[f"accepted{i}"] = accepted
+            tests.append(f"t{i} not in accepted{i}")
+        if rank is not None:
+            tests.append(f"len(s{i}) != {rank}")
+            tests += [f"s{i}[{axis}] != {want}" for axis, want in fixed]
+        lines += [f"    if {test}:\n        return None" for test in tests]
+    for (i, a), *others in symbols:
+        lines += [f"    if s{j}[{b}] != s{i}[{a}]:\n        return None" for j, b in others]
+    for k, bounds in enumerate(profiles):
+        terms = []
+        for i, low, high in bounds:
+            rank = inputs[i][1]
+            if rank is not None and rank != len(low):
+                terms = ["False"]
+                break
+            if rank is None:
+                terms.append(f"len(s{i}) == {len(low)}")
+            terms += [f"{lo} <= s{i}[{j}] <= {hi}" for j, (lo, hi) in enumerate(zip(low, high))]
+        lines.append(f"    if {' and '.join(terms) or 'True'}:\n        return {k}")
+    lines.append("    return None")
+    namespace: dict[str, Any] = dict(accepted_sets)
+    exec("\n".join(lines) + "\n", namespace)  # noqa: S102  (the source is written here from ints and names)
+    return namespace["check"]

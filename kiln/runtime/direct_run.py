@@ -25,7 +25,7 @@ shape function, the view bound at their sizes), so it too is one call of the loo
 Exact by construction: the same view runs on the same addresses as the general path (tests/unit/test_direct_run.py
 compares outputs bit for bit, and with onnxruntime). A record holds its view weakly: the segment's LRU owns views,
 and when it lets one go the view is freed there and then, its record with it. A record keeps its shape values and
-constants alive: the cache is cleared whenever the program lets a shape plan go (its LRU bound then holds), a record
+constants alive: the records of the plans the program lets go go with them (its LRU bound then holds), a record
 whose plan or view is no longer the one there goes (made again once the shape is bound again), and each run marks
 its signature used in both, as the general path does.
 """
@@ -242,6 +242,7 @@ class DirectRuns:
         self._refused: set[tuple] = set()  # signatures bind() could not make a record of
         self._plan_evictions = program.plan_evictions
         self._lock = threading.Lock()
+        self._self_ref = weakref.ref(self)  # what each record's view callback (_forget) holds
 
     @classmethod
     def of(cls, program: Program) -> DirectRuns | None:
@@ -260,9 +261,7 @@ class DirectRuns:
         """The signature's record (made here when the program has bound it), or None: not bound, or not runnable
         directly (another dtype or layout than the segment's, a size its layers run one by one)."""
         if self.program.plan_evictions != self._plan_evictions:
-            with self._lock:  # a shape plan the records hold was let go: they go too (made again on demand)
-                self._records.clear()
-                self._plan_evictions = self.program.plan_evictions
+            self._forget_evicted()
         record = self._records.get(signature, _UNBOUND)  # one look-up: another thread may clear the records
         if record is _UNBOUND:
             record = self._make(signature)
@@ -287,8 +286,10 @@ class DirectRuns:
         made (the program computes some shape values only by running, or the view cannot run directly): the caller's
         general path runs, and finds the plan and the view (or their absence) there."""
         program = self.program
-        if signature in self._refused or program.plan_evictions != self._plan_evictions:
-            return None  # evictions: find() clears the records first
+        if signature in self._refused:
+            return None
+        if program.plan_evictions != self._plan_evictions:
+            self._forget_evicted()
         if program.shape_plans is not None and not program.plans_ahead:
             return None
         with program._plans_lock:
@@ -317,7 +318,32 @@ class DirectRuns:
             if len(self._records) >= DIRECT_RUNS:
                 self._records.clear()
             self._records[signature] = record
-        return record if self._touch(signature, record) else None
+        # not marked used (_touch): its plan and view were made just now, each the most recent of its LRU. Where
+        # another thread let the view go meanwhile, the record's run answers None (its weak reference) and the
+        # caller's general path runs; a plan let go stays alive in the record (`plan`, `keep`)
+        return record
+
+    def _forget_evicted(self) -> None:
+        """Let the records of the shape plans let go since the last look go too (a record holds its plan's tensors
+        alive: BERT-base's ~7 MB at 8 x 256), or every record where the program does not say which went (more than
+        it lists, or plan_evictions set by hand). Before, every record went at any eviction, and bind() declined
+        until find() had cleared them: a stream of new shapes past SHAPE_PLANS ran each one's first call on the
+        general path (torch conversions, Program.run: bert_tiny, every new shape after the 256th)."""
+        program = self.program
+        with self._lock:
+            seen, now = self._plan_evictions, program.plan_evictions
+            if now == seen:
+                return
+            evicted = list(program.evicted_plans)  # one C call: no other thread's append in between
+            while evicted and evicted[-1][0] > now:  # let go after `now` was read: the next look's
+                evicted.pop()
+            evicted = evicted[len(evicted) - (now - seen):] if 0 < now - seen <= len(evicted) else None
+            if evicted is not None and [count for count, _ in evicted] == list(range(seen + 1, now + 1)):
+                for _, signature in evicted:
+                    self._records.pop(signature, None)
+            else:  # more let go than listed, or the count set by hand (lowered too)
+                self._records.clear()
+            self._plan_evictions = now
 
     def _touch(self, signature: tuple, record: DirectRun) -> bool:
         """Mark the signature used where the general path would: its shape plan and its view (least recent out).
@@ -423,12 +449,14 @@ class DirectRuns:
             if numpy_dtype is None or tuple(strides) != row_major_strides(tuple(size)):
                 return None
             exits.append((tuple(size), numpy_dtype))
-        held = weakref.ref(view, functools.partial(_forget, weakref.ref(self), signature))
+        held = weakref.ref(view, functools.partial(_forget, self._self_ref, signature))
+        if not isinstance(view, Segment):  # a view over the template (_Resized): run_at
+            return DirectRun(held, tuple(addresses), tuple(moving), tuple(exits), self._outputs, tuple(keep), key,
+                             plan)
         empty = any(0 in size for size in key) or any(0 in size for size, _ in exits)
-        bare = _bare_bindings(view.bare_loop(False), dict(moving), addresses) \
-            if isinstance(view, Segment) and not empty else None
+        bare = _bare_bindings(view.bare_loop(False), dict(moving), addresses) if not empty else None
         return DirectRun(held, tuple(addresses), tuple(moving), tuple(exits), self._outputs, tuple(keep), key, plan,
-                         bare, view is not segment and isinstance(view, Segment))
+                         bare, view is not segment)
 
 
 def _forget(runs: weakref.ref, signature: tuple, view: weakref.ref) -> None:

@@ -43,7 +43,6 @@ from __future__ import annotations
 import bisect
 import itertools
 import operator
-import statistics
 import threading
 import time
 import weakref
@@ -108,7 +107,11 @@ class Hosts:
         self._least.clear()
 
     def remove(self, shape: BoundShape) -> None:
-        i = next(k for k, held in enumerate(self.shapes) if held is shape)
+        """Let `shape` go: found among the shapes of its work (bisect), not by a walk of them all (every bind of a
+        stream past SHAPE_PLANS lets one go: the walk over ~256 shapes was ~15-40 µs of it)."""
+        i = bisect.bisect_left(self._works, shape.work)
+        while self.shapes[i] is not shape:
+            i += 1
         del self.shapes[i], self._works[i]
         self._least.clear()
 
@@ -171,6 +174,7 @@ class FirstCalls:
         self.bound: OrderedDict[tuple, BoundShape] = OrderedDict()  # signature -> its bound shape, least recent first
         self._groups: dict[tuple, Hosts] = {}  # _group(signature) -> its bound shapes
         self._paid: dict[tuple, float] = {}  # unbound signature -> its padded runs' estimated extra ms so far
+        self._group_of: dict[tuple, tuple] = {}  # signature -> _group's (asked at its search, bind and eviction)
         self.bind_ms: deque[float] = deque(maxlen=BIND_SAMPLES)
         self.pad_ms: deque[float] = deque(maxlen=BIND_SAMPLES)  # padded calls' own cost (pad_overhead_ms)
         self.padded_runs = 0
@@ -221,7 +225,7 @@ class FirstCalls:
         t0 = time.thread_time_ns()
         host = self._host(arrays, signature, sizes, paying=False)
         if host is None:  # bound: without a run of the program, then one call of its loop
-            return self._bind_direct(arrays, signature, direct)
+            return self._bind_direct(arrays, signature, sizes, direct)
         record = direct.find(host.signature)
         if record is None:
             return None
@@ -236,7 +240,7 @@ class FirstCalls:
         self._padded(host, t0, t1, t2)
         return cropped
 
-    def _bind_direct(self, arrays: list[np.ndarray], signature: tuple, direct: DirectRuns
+    def _bind_direct(self, arrays: list[np.ndarray], signature: tuple, sizes: tuple[int, ...], direct: DirectRuns
                      ) -> list[np.ndarray] | None:
         """A new shape bound as `run` would bind it (its first exact run, recorded as _run_exact records one), but
         through `direct`: its shape values and view made without a run of the program (DirectRuns.bind), then one
@@ -250,7 +254,7 @@ class FirstCalls:
         with self._lock:
             self._paid.pop(signature, None)
             if signature not in self.bound:  # else another context's run bound it meanwhile
-                self._add(BoundShape(signature, self._sizes(signature), 0, ms, ms))
+                self._add(BoundShape(signature, sizes, 0, ms, ms))
         return results
 
     def _run_exact(self, args: list[Any], signature: tuple, known: BoundShape | None,
@@ -311,7 +315,7 @@ class FirstCalls:
         budget = self.budget_ms() - self.pad_overhead_ms() - self._paid.get(signature, 0.0)
         if budget <= 0.0:
             return None  # binding costs no more than a padded call's own work would: bound, no host searched
-        hosts = self._groups.get(_group(signature, self._padded_axes))
+        hosts = self._groups.get(self._group(signature))
         if hosts is None:
             return None
         fixed = self._unpaddable(args)
@@ -336,13 +340,13 @@ class FirstCalls:
     def budget_ms(self) -> float:
         """What binding a new shape costs: the median measured, BIND_MS until one is."""
         samples = list(self.bind_ms)  # one C call: no other thread's append in between
-        return statistics.median(samples) if samples else BIND_MS
+        return _median(samples) if samples else BIND_MS
 
     def pad_overhead_ms(self) -> float:
         """What a padded call costs besides its host's run (the host's search, the padding, the crops): the median
         measured, 0 until one is (so the first padded calls measure it)."""
         samples = list(self.pad_ms)
-        return statistics.median(samples) if samples else 0.0
+        return _median(samples) if samples else 0.0
 
     def _unpaddable(self, args: list[Any]) -> list[int]:
         """The padded symbols (by index) this call may not be padded along: the sequence of a mask with a row of
@@ -365,10 +369,24 @@ class FirstCalls:
         shape.work = _product(shape.sizes)
         self._lower_floor(shape)
         self.bound[shape.signature] = shape
-        self._groups.setdefault(_group(shape.signature, self._padded_axes), Hosts()).add(shape)
+        group = self._group(shape.signature)
+        hosts = self._groups.get(group)
+        if hosts is None:  # (not setdefault: its Hosts() would be made at every add)
+            hosts = self._groups[group] = Hosts()
+        hosts.add(shape)
         while len(self.bound) > SHAPE_PLANS:
             _, old = self.bound.popitem(last=False)
-            self._groups[_group(old.signature, self._padded_axes)].remove(old)
+            self._groups[self._group(old.signature)].remove(old)
+
+    def _group(self, signature: tuple) -> tuple:
+        """_group(signature) (the shapes that may host it), remembered: a new shape asks it at its search and again
+        at its bind, and an evicted one at its removal (~5 µs each on a first call's cold caches, bert_tiny)."""
+        group = self._group_of.get(signature)
+        if group is None:
+            if len(self._group_of) >= SEEN_SHAPES:
+                self._group_of.clear()
+            group = self._group_of[signature] = _group(signature, self._padded_axes)
+        return group
 
 
 def host_sizes(low: int, high: int) -> list[int]:
@@ -680,14 +698,27 @@ def _cropped(y: Any, axes: list[tuple[int, int]], sizes: tuple[int, ...]) -> Any
 
 def _every_row_kept(mask: torch.Tensor | np.ndarray) -> bool:
     """Whether each row of a [batch, seq] mask (int or bool, buckets.py's rule) keeps a token; through numpy, in
-    half torch's time."""
-    return bool((mask.numpy() if isinstance(mask, torch.Tensor) else mask).any(axis=1).all())
+    half torch's time. A mask whose first or last column is all real tokens (padding on one side: the common case)
+    answers from that column by one C call (`in`: numpy's any/all go through Python wrappers, ~25 µs of a first
+    call on cold caches, bert_tiny); else every row is reduced."""
+    mask = mask.numpy() if isinstance(mask, torch.Tensor) else mask
+    if mask.shape[1] and (0 not in mask[:, 0] or 0 not in mask[:, -1]):
+        return True
+    return bool(mask.any(axis=1).all())
 
 
 def _group(signature: tuple, padded_axes: list[set[int]]) -> tuple:
     """The signature with its padded dims left out: the shapes that may host one another."""
     return tuple((tuple(None if axis in axes else d for axis, d in enumerate(shape)), dtype)
                  for (shape, dtype), axes in zip(signature, padded_axes))
+
+
+def _median(samples: list[float]) -> float:
+    """The median of a few samples (at most BIND_SAMPLES): statistics.median's answer without its module's checks
+    (each new shape asks two: ~5 µs of a first call on a stream's cold caches, bert_tiny)."""
+    ordered = sorted(samples)
+    n = len(ordered)
+    return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
 
 
 def _product(sizes: tuple[int, ...]) -> int:

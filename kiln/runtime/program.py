@@ -12,9 +12,9 @@ import json
 import os
 import sys
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -223,6 +223,13 @@ class Program:
     def plan_evictions(self, value: int) -> None:
         self._plan_tally.evictions = value
 
+    @property
+    def evicted_plans(self) -> deque[tuple[int, tuple]]:
+        """The latest shape plans let go (at most SHAPE_PLANS): (plan_evictions once it was let go, its signature),
+        oldest first. What holds on to plans forgets those signatures alone (DirectRuns); an eviction counted
+        without its entry (plan_evictions set by hand) means any plan may have gone."""
+        return self._plan_tally.evicted
+
     def with_own_arena(self, adopt: bool = True) -> Program:
         """A copy for another execution context (kiln/runtime/engine.py CpuLane): the same layers (prepared
         launches, packed weights), shape plans and shape function, shared; each native segment bound anew over an
@@ -351,6 +358,7 @@ class Program:
             while len(self.shape_plans) > 1 and (len(self.shape_plans) > SHAPE_PLANS or tally.bytes > SHAPE_PLAN_BYTES):
                 old, _ = self.shape_plans.popitem(last=False)
                 tally.bytes -= self._plan_sizes.pop(old)
+                tally.evicted.append((tally.evictions + 1, old))  # before the count: a reader of it finds the entry
                 tally.evictions += 1
 
     def _run_on_device(self, inputs: list[Any], outer: dict[str, Any] | None, plan: ShapePlan | None) -> list[Any]:
@@ -424,6 +432,7 @@ class _PlanTally:
 
     bytes: int = 0
     evictions: int = 0
+    evicted: deque[tuple[int, tuple]] = field(default_factory=lambda: deque(maxlen=SHAPE_PLANS))  # evicted_plans
 
 
 SHAPE_PLANS = 256  # input-shape signatures whose shape values a Program remembers (least recently used go): as

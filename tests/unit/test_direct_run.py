@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kiln.runtime import direct_run, first_calls
+from kiln.runtime import program as kiln_program
 
 ORT_TOL = 1e-4  # kiln against onnxruntime: two fp32 implementations' rounding over 2 layers (test_first_calls.py)
 # Padded and unpadded runs differ only in the GEMMs' and attention's summation order over other shapes (fp32)
@@ -228,6 +229,36 @@ def test_records_go_when_a_shape_plan_or_view_goes_and_the_shape_binds_again(dyn
     got = next(iter(context.run(feeds).values()))
     assert len(counted) == 5 and direct._records[signature] is not record
     np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=ORT_TOL, atol=ORT_TOL)
+
+
+@pytest.mark.parametrize("pad", [True, False])
+def test_a_stream_past_the_shape_plans_bound_binds_directly_and_forgets_only_the_evicted_records(
+        dynamic_bert_tiny, counted, monkeypatch, pad):
+    """Past SHAPE_PLANS (here 6) each new shape's plan lets the least recent one go: that plan's record goes with
+    it, the others stay, and every new shape's first call still binds and runs directly (before, any eviction made
+    DirectRuns.bind decline until a find() had cleared every record: padding first calls, each new shape past the
+    bound ran the general path). Outputs as onnxruntime's; the records' view of the evictions matches the plans'."""
+    engine, session = dynamic_bert_tiny
+    monkeypatch.setattr(kiln_program, "SHAPE_PLANS", 6)
+    context = _fresh(engine, pad, budget_ms=0.0)  # no padding: every new shape binds
+    program, direct = engine.program, engine.direct_runs
+    rng = np.random.default_rng()
+    evictions = program.plan_evictions
+    signatures = []
+    for k in rng.permutation(4 * 48)[:16]:
+        feeds = _feeds(rng, int(k) // 48 + 1, int(k) % 48 + 1)
+        signatures.append(direct_run.torch_signature([feeds["input_ids"], feeds["attention_mask"]]))
+        before = len(counted)
+        got = next(iter(context.run(feeds).values()))
+        assert len(counted) == before + 1, f"new shape {len(signatures)}: its first call did not run directly"
+        np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=ORT_TOL, atol=ORT_TOL)
+        assert list(program.shape_plans) == signatures[-6:]
+        # every kept plan's record; of the let-go ones, only the plan this call let go (its record goes at the next
+        # look, find or bind)
+        assert set(signatures[-6:]) <= set(direct._records) <= set(signatures[-7:]), "a record kept or let go wrongly"
+    assert program.plan_evictions == evictions + 10
+    program.plan_evictions += 1  # counted without its entry (set by hand): every record goes at the next look
+    assert direct.find(signatures[-1]) is not None and set(direct._records) == {signatures[-1]}
 
 
 def test_an_evicted_view_is_freed_at_once_and_its_record_with_it(dynamic_bert_tiny, counted):

@@ -231,6 +231,46 @@ def test_the_walk_by_work_finds_the_host_of_least_extra_that_the_whole_loop_find
     assert [s.work for s in hosts.shapes] == sorted(s.work for s in hosts.shapes)
 
 
+def test_a_host_let_go_is_that_shape_among_those_of_equal_work():
+    """Hosts.remove finds the shape by bisect over the works, then by identity among the shapes of its work: at
+    random shapes (many of one work: 2 x 6, 3 x 4, 4 x 3 ...) removed in random order, the shapes left are exactly
+    the others, still by work."""
+    rng = np.random.default_rng()
+    for _ in range(20):
+        hosts = first_calls.Hosts()
+        sizes = [(int(rng.integers(1, 9)), int(rng.integers(1, 25))) for _ in range(int(rng.integers(1, 60)))]
+        shapes = [first_calls.BoundShape(((b, s), k), (b, s), b * s, 1.0, 1.0) for k, (b, s) in enumerate(sizes)]
+        for shape in shapes:
+            hosts.add(shape)
+        kept = list(shapes)
+        for shape in rng.permutation(len(shapes))[:int(rng.integers(0, len(shapes) + 1))]:
+            hosts.remove(shapes[shape])
+            kept.remove(shapes[shape])
+            assert {id(h) for h in hosts.shapes} == {id(h) for h in kept}
+            assert hosts._works == [h.work for h in hosts.shapes] == sorted(h.work for h in kept)
+
+
+def test_every_row_kept_answers_as_the_rows_reduction():
+    """_every_row_kept's one-column answer (a mask whose first or last column is all real tokens) and its reduction
+    otherwise agree with each row's any() at random masks: padded at the end, at the start, with holes, with a row
+    of no real token, of no positions, bool and int, numpy and torch."""
+    rng = np.random.default_rng()
+    seen = set()
+    for _ in range(400):
+        batch, seq = int(rng.integers(1, 6)), int(rng.integers(0, 9))
+        mask = (rng.random((batch, seq)) < rng.choice([0.3, 0.9, 1.0])).astype(rng.choice([np.int64, np.bool_]))
+        if seq and rng.random() < 0.5:  # one side real, the other padded
+            lengths = rng.integers(0 if rng.random() < 0.2 else 1, seq + 1, batch)
+            mask = (np.arange(seq)[None, :] < lengths[:, None]).astype(mask.dtype)
+            if rng.random() < 0.5:
+                mask = mask[:, ::-1].copy()
+        want = bool(np.all([row.any() for row in mask])) if batch else True
+        assert first_calls._every_row_kept(mask) == want, mask
+        assert first_calls._every_row_kept(torch.from_numpy(mask)) == want
+        seen.add(want)
+    assert seen == {True, False}
+
+
 def test_the_host_choice_is_remembered_until_a_shape_is_bound_or_let_go(dynamic_bert_tiny):
     engine, _ = dynamic_bert_tiny
     context = _fresh(engine)
