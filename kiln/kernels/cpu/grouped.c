@@ -17,7 +17,7 @@
  *
  * Weights are packed at build as [C / (8V)][KH][KW][G][V][8] (block b's V vectors, per tap and input channel),
  * the bias as [C]. Padding is never materialised: tap rows outside the input are skipped, and a block whose
- * pixels would read a padding column runs pixel by pixel with the check.
+ * pixels would read a padding column checks each pixel's taps.
  *
  * Returns 0, or 2 (oneDNN's "invalid arguments") when an operand is not bound: the segment names the layer.
  */
@@ -106,23 +106,23 @@ static inline __attribute__((always_inline)) void pixels(const gc_plan *p, const
         }
 }
 
-/* one output row (image n, row oh): every block of channels, pixels U at a time (edges one by one) */
+/* one output row (image n, row oh): every block of channels, pixels U at a time (a block reading a padding column
+   checks each pixel's taps: on 7- and 14-wide maps most blocks touch an edge), the last OW mod U one by one */
 #define ROW(G, V, U)                                                                                          \
     static void row_##G(const gc_plan *p, const float *x, float *y, long n, long oh) {                        \
         const float *xn = x + n * p->H * p->W * p->C;                                                         \
         float *yrow = y + (n * p->OH + oh) * p->OW * p->C;                                                    \
         const long blocks = p->C / (8 * V), taps = (long)p->KH * p->KW;                                       \
         /* the first and past the last output pixel whose taps all lie inside the row */                       \
-        long lo = (p->PL + p->SW - 1) / p->SW, hi = (p->W - p->KW + p->PL) / p->SW + 1;                       \
-        if (hi > p->OW) hi = p->OW;                                                                           \
-        if (lo > hi) lo = hi;                                                                                 \
+        const long lo = (p->PL + p->SW - 1) / p->SW, hi = (p->W - p->KW + p->PL) / p->SW + 1;                 \
         for (long blk = 0; blk < blocks; ++blk) {                                                             \
             const long c0 = blk * 8 * V;                                                                      \
             const float *wb = p->w + blk * taps * G * V * 8;                                                  \
             long ow = 0;                                                                                      \
-            for (; ow < lo; ++ow) pixels(p, xn, yrow, oh, ow, c0, wb, G, V, 1, 1);                            \
-            for (; ow + U <= hi; ow += U) pixels(p, xn, yrow, oh, ow, c0, wb, G, V, U, 0);                    \
-            for (; ow < hi; ++ow) pixels(p, xn, yrow, oh, ow, c0, wb, G, V, 1, 0);                            \
+            for (; ow + U <= p->OW; ow += U) {                                                                \
+                if (ow >= lo && ow + U <= hi) pixels(p, xn, yrow, oh, ow, c0, wb, G, V, U, 0);                \
+                else pixels(p, xn, yrow, oh, ow, c0, wb, G, V, U, 1);                                         \
+            }                                                                                                 \
             for (; ow < p->OW; ++ow) pixels(p, xn, yrow, oh, ow, c0, wb, G, V, 1, 1);                         \
         }                                                                                                     \
     }
