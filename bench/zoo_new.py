@@ -3,6 +3,7 @@
     python bench/zoo_new.py                                   # every model and batch, 1 thread, thread CPU time
     python bench/zoo_new.py --threads 2 --clock wall          # 2 threads, wall time (name the load)
     python bench/zoo_new.py --models unet,yolov5n@1 --profile # + kiln's and onnxruntime's per-op time
+    python bench/zoo_new.py --avx2                            # both sides capped to AVX2 (bench/zoo_avx2.py)
 
 Each model is exported once (kiln.zoo's cache, $KILN_CACHE/zoo), built by kiln at the thread count (fp32, kiln.build
 defaults), checked against onnxruntime (ORT_ENABLE_ALL, the same threads) on a fresh random input, then both are
@@ -10,6 +11,10 @@ timed in interleaved rounds (kiln, onnxruntime, onnxruntime, kiln, ...: the orde
 calls each sized to about --block-ms, SETTLE_S slept and one call made before it; per side the median of its rounds'
 per-call times. 1 thread: the calling thread's CPU time (time waiting for a core on a shared machine is not counted);
 2 threads: wall time, with the 1-min load beside each row.
+
+--avx2: both sides on an AVX2-only CPU, emulated in this process as bench/zoo_avx2.py does (bench/cpuid_avx2.py's cpuid
+mask and KILN_CPU_ISA=avx2, set on import, before any library reads cpuid), with its check, before and after the rows,
+that onnxruntime's MLAS GEMM stays below what only its AVX-512 kernels reach.
 
 --profile: kiln's time per op type inside its native segments (kiln/runtime/profiler.py: profile_segments, the
 engine's own loop) and onnxruntime's per op type (its profiler), both summed per call, to find where a row loses.
@@ -27,11 +32,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+if "--avx2" in sys.argv:  # before numpy, torch, onnxruntime or kiln read cpuid: argparse comes too late
+    import zoo_avx2  # noqa: E402  caps this process to AVX2 on import
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
 
 CLOCKS = {"thread": time.thread_time_ns, "wall": time.perf_counter_ns}
 TOLERANCE = 1e-3  # fp32: the largest |kiln - onnxruntime| over the largest |onnxruntime| of each output
@@ -176,6 +183,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--profile-rows", type=int, default=12)
     parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
+    parser.add_argument("--avx2", action="store_true", help="both sides capped to AVX2 (bench/zoo_avx2.py)")
     args = parser.parse_args()
     args.clock = args.clock or ("thread" if args.threads == 1 else "wall")
     import torch
@@ -189,9 +197,13 @@ def main() -> None:
     print(f"zoo_new: {cpu_name()} ({torch.backends.cpu.get_cpu_capability()}), {args.threads} thread(s), "
           f"{args.clock} clock, {args.rounds} rounds of ~{args.block_ms:g} ms blocks; torch {torch.__version__}, "
           f"onnxruntime {onnxruntime.__version__}, kiln {kiln.__version__}; load {os.getloadavg()[0]:.2f}")
+    if args.avx2:
+        zoo_avx2.checked("before")  # stops the run where MLAS's AVX-512 kernels still answer
     print("| model | batch | kiln ms | onnxruntime ms | kiln / ort | by round | max err | kiln build s | load |")
     print("|---|---|---|---|---|---|---|---|---|", flush=True)
     rows = [measure(name, batch, args) for name, batch in cases(args.models)]
+    if args.avx2:
+        zoo_avx2.checked("after")
     timed = [r for r in rows if "ratio" in r]
     if timed:
         ratios = [r["ratio"] for r in timed]

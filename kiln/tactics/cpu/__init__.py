@@ -4,6 +4,7 @@
     onednn.py      oneDNN's C API: primitives built once at load, runnable inside native segments
                    (conv, Winograd conv, pooling, no-copy reshapes)
     depthwise.py   a depthwise convolution + bias + activation in kiln's C (depthwise.c), timed against oneDNN's
+    grouped.py     a grouped convolution of 2-32 channels a group in kiln's C (grouped.c, AVX2), timed against oneDNN's
     stem.py        a network's first convolution (<= 4 input channels) in kiln's C (stem.c), timed against oneDNN's
     onednn_gemm.py ... the inner product (kiln::FusedGemm), other row counts on kiln's GEMM or a runtime-M matmul
     gemm_packed.py kiln's own packed GEMM (kiln/kernels/cpu/gemm.c), runnable inside native segments
@@ -32,6 +33,7 @@
 import kiln.tactics.cpu.torch_mkl  # noqa: F401, I001
 import kiln.tactics.cpu.onednn  # noqa: F401
 import kiln.tactics.cpu.depthwise  # noqa: F401
+import kiln.tactics.cpu.grouped  # noqa: F401
 import kiln.tactics.cpu.stem  # noqa: F401
 import kiln.tactics.cpu.onednn_gemm  # noqa: F401
 import kiln.tactics.cpu.gemm_packed  # noqa: F401
