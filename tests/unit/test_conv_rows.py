@@ -161,6 +161,8 @@ def test_dense_block_at_two_threads_matches_onnxruntime(two_threads, monkeypatch
     pointwise = [s for s in engine.plan.program.steps
                  if s.op_type == "FusedConv" and tuple(s.attributes.get("kernel_shape", ())) == (1, 1)]
     assert len(pointwise) == 3 and all(s.tactic == NAME for s in pointwise), [(s.name, s.tactic) for s in pointwise]
+    members = {m.ctx.name for segment in engine.program.segments for m in segment.members}
+    assert {s.name for s in pointwise} <= members  # bound inside the native segment, not run one by one
     session = ort.InferenceSession(str(path), ort.SessionOptions(), providers=["CPUExecutionProvider"])
     for seed in (1, 2):
         x = np.random.default_rng(seed).standard_normal((1, 64, 14, 14), dtype=np.float32)
