@@ -3,7 +3,6 @@
     torch_mkl.py   convolutions and GEMMs through torch's oneDNN/MKL entry points, weights packed at load
     onednn.py      oneDNN's C API: primitives built once at load, runnable inside native segments
                    (conv, Winograd conv, pooling, no-copy reshapes)
-    conv_rows.py   a 1x1 convolution as oneDNN's inner product over its NHWC rows (splits where the conv kernel does not)
     depthwise.py   a depthwise convolution + bias + activation in kiln's C (depthwise.c), timed against oneDNN's
     stem.py        a network's first convolution (<= 4 input channels) in kiln's C (stem.c), timed against oneDNN's
     onednn_gemm.py ... the inner product (kiln::FusedGemm), other row counts on kiln's GEMM or a runtime-M matmul
@@ -32,7 +31,6 @@
 # Registration order is the candidates' order (a tie in timing goes to the earlier one).
 import kiln.tactics.cpu.torch_mkl  # noqa: F401, I001
 import kiln.tactics.cpu.onednn  # noqa: F401
-import kiln.tactics.cpu.conv_rows  # noqa: F401
 import kiln.tactics.cpu.depthwise  # noqa: F401
 import kiln.tactics.cpu.stem  # noqa: F401
 import kiln.tactics.cpu.onednn_gemm  # noqa: F401

@@ -1,14 +1,21 @@
 """Does a 1x1 convolution's kernel split over 2 threads? oneDNN's convolution, oneDNN's inner product on the NHWC rows
-(cpu.conv.onednn_rows) and kiln's packed GEMM on the same rows, at 1 and 2 threads (issue 11: DenseNet-121 at 2 threads).
+and kiln's packed GEMM on the same rows, at 1 and 2 threads (issue 11: DenseNet-121 at 2 threads).
 
-    python bench/conv_rows_split.py [--shapes 28x128x128,...]   # HWxCxO, batch 1
+    python bench/conv_split.py [--shapes 28x128x128,...]   # HWxCxO, batch 1
 
 OpenMP's waits are made passive here (OMP_WAIT_POLICY=PASSIVE, before libgomp loads): a thread waiting at a barrier
 sleeps, so CPU time is work, not spin. Per kernel: the calling thread's CPU time a call at 1 and at 2 threads
 (their ratio ~2: the other thread took half the work; ~1: the caller did it all) and the process's CPU time at 2 (all
 threads: ~ the caller's when the other thread did nothing). Both clocks hold under load, where the wall clock of a
-2-thread call measures the scheduler. Interleaved rounds (1 then 2 threads, every kernel), medians; KILN_POOL=0 puts
-kiln's GEMM on OpenMP (its pool leaves a late worker's items to the caller, which under load hides its split).
+2-thread call measures the scheduler. Interleaved rounds (1 then 2 threads, every kernel), medians; each kernel is
+made at the count it runs at (a oneDNN primitive forks the count it was created at, whatever OpenMP's count later).
+
+KILN_SERIAL_SMALL_LAYERS=0 is the default here: a small layer's per-call path (under SERIAL_MACS, 2^25, in
+onednn_primitives.py) otherwise keeps a one-thread twin and runs whichever form its FormChooser measured faster,
+which on a loaded machine is the one-thread form: a first version of this script read that as "oneDNN's 1x1
+convolution does not split" (caller 1.0x at DenseNet's 28x28-7x7 layers) where its parallel form splits as the
+inner product does (bench/results/zoo-2threads-zen4-2026-12-07d.md). KILN_POOL=0 puts kiln's GEMM on OpenMP (its
+pool leaves a late worker's items to the caller, which under load hides its split).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp
+os.environ.setdefault("KILN_SERIAL_SMALL_LAYERS", "0")  # the layers' parallel forms only (see above)
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
@@ -60,7 +68,7 @@ def kernels(hw: int, c: int, o: int) -> dict[int, dict[str, object]]:
         inner = onednn_primitives.InnerProduct(w.reshape(o, c), b, hw * hw, Eltwise("relu"), False, True)
         gemm = gemm_native.PackedLinear(w.reshape(o, c), b, "Relu")
         made[threads] = {f"conv ({conv.implementation.split(':')[0]})": lambda conv=conv: conv(x),
-                         "rows (inner product)": lambda inner=inner: inner(rows),
+                         "inner product on the rows": lambda inner=inner: inner(rows),
                          "kiln GEMM": lambda gemm=gemm: gemm(rows, None, out)}
     return made
 
@@ -70,7 +78,8 @@ def main() -> None:
     parser.add_argument("--shapes", default=DENSENET, help=f"HWxCxO,... (SqueezeNet's: {SQUEEZENET})")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    print(f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']} KILN_POOL={os.environ.get('KILN_POOL', '1')}; torch "
+    print(f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']} KILN_SERIAL_SMALL_LAYERS="
+          f"{os.environ['KILN_SERIAL_SMALL_LAYERS']} KILN_POOL={os.environ.get('KILN_POOL', '1')}; torch "
           f"{torch.__version__}; load {os.getloadavg()[0]:.1f}")
     print("| layer | kernel | caller µs @1 | caller µs @2 | @1/@2 | process µs @2 | load |")
     print("|---|---|---|---|---|---|---|")
