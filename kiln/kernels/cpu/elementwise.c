@@ -438,9 +438,9 @@ static void concat_item(void *loop, long item) {
 }
 
 /* Past the plan's grain the rows are shared among the threads (on OpenMP's team where the plan says `team`: a Concat
-   between a segment's oneDNN layers; else gemm.c's pool, where a worker that starts late finds them taken). Why: a DenseNet block's Concat on NHWC memory (3136 rows of 64-256 channels at 56x56) is a stream of
-   0.4-3 MB, and on one thread it was a serial step of the segment's parallel form
-   (bench/results/zoo-new-2threads-zen4-2026-12-07c.md). */
+   between a segment's oneDNN layers; else gemm.c's pool, where a worker that starts late finds them taken). Why: a
+   DenseNet block's Concat on NHWC memory (3136 rows of 64-256 channels at 56x56) is a stream of 0.4-3 MB, and on one
+   thread it was a serial step of the segment's parallel form (bench/results/zoo-new-2threads-zen4-2026-12-07c.md). */
 int kiln_concat(void *object, void *stream, int nargs, const void *args) {
     (void)stream; (void)nargs; (void)args;
     const concat_plan *p = (const concat_plan *)object;
