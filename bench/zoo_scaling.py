@@ -1,30 +1,55 @@
 """Which steps of kiln's native segments do not scale from 1 to 2 threads (issue 11: DenseNet, SqueezeNet, YOLOv5n).
 
-    python bench/zoo_scaling.py --models densenet121@1,squeezenet1_1@1,yolov5n@1
+    python bench/zoo_scaling.py --models densenet121@1,squeezenet1_1@1,yolov5n@1 [--engines DIR]
 
-One engine per row, built at 2 threads (as bench/zoo_new.py --threads 2 does); its segments are then timed per step
-(kiln/runtime/profiler.py profile_segments) with OpenMP's and kiln's count at 1 and at 2 threads alternately, several
-rounds, and summed per op type and tactic: ms at 1, ms at 2 and their ratio. --clock thread (the default): the calling
-thread's CPU time, so a step that splits its work shows ~2 (the caller ran about half the items) and one that stays on
-one thread ~1, whatever the load (a oneDNN step reads ~1 either way: the caller's spin at libgomp's barrier is CPU
-time); --clock wall: elapsed time, which on a shared machine carries the load (printed).
+One engine per row, built at 2 threads (as bench/zoo_new.py --threads 2 does) and saved (in --engines DIR/<row>.kiln,
+reused when there); it is then loaded twice, at 1 and at 2 threads, and each load's segments are timed per step
+(kiln/runtime/profiler.py profile_segments) alternately, several rounds, summed per op type and tactic: ms at 1, ms at
+2 and their ratio. Loaded at each count, not one engine with OpenMP's count changed between runs: a oneDNN primitive
+forks the count it was created at whatever the count when it runs, so the first version of this script (session 33)
+timed the oneDNN layers at 2 threads on both sides and read "no gain" (bench/results/zoo-2threads-zen4-2026-12-07d.md).
+Every segment runs its parallel form (the one with its small layers on OpenMP's count): a segment with a serial form
+otherwise runs the one its FormChooser measured faster, on a loaded machine the serial one.
+--clock thread (the default): the calling thread's CPU time, so a step that splits its work shows ~2 (the caller ran
+about half of it) and one that stays on one thread ~1, whatever the load; OMP_WAIT_POLICY=PASSIVE is set here (before
+libgomp loads) so that the caller's wait at oneDNN's barrier sleeps instead of spinning on the clock. --clock wall:
+elapsed time, which on a shared machine carries the load (printed).
 """
 
 from __future__ import annotations
 
-import argparse
-import collections
 import os
-import statistics
-import sys
-import time
-from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp: a barrier's wait sleeps
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 CLOCKS = {"thread": time.CLOCK_THREAD_CPUTIME_ID, "wall": time.CLOCK_MONOTONIC}
+
+
+def loaded_at(path: Path, threads: int):
+    """The engine at `path` loaded at `threads` (its oneDNN primitives made at that count), every segment on its
+    parallel form."""
+    import torch
+
+    import kiln
+    from kiln.kernels.cpu.form_choice import PARALLEL
+
+    torch.set_num_threads(threads)
+    engine = kiln.load(path)
+    for segment in engine.program.segments:
+        segment.chooser, segment.only_form = None, PARALLEL
+    return engine
 
 
 def per_kind(program, inputs, runs: int, clock: int) -> dict[str, float]:
@@ -45,6 +70,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--rows", type=int, default=14)
     parser.add_argument("--clock", choices=tuple(CLOCKS), default="thread")
+    parser.add_argument("--engines", type=Path, default=None, help="keep (and reuse) the built engines here")
     args = parser.parse_args()
     import torch
 
@@ -53,16 +79,22 @@ def main() -> None:
     from zoo_new import cases
     from zoo_new_models import MODELS, export
 
+    folder = args.engines or Path(tempfile.mkdtemp(prefix="zoo_scaling-"))
+    folder.mkdir(parents=True, exist_ok=True)
     for name, batch in cases(args.models):
-        engine = kiln.build(str(export(name, batch).path))
-        inputs = engine.program_inputs(MODELS[name].inputs(batch, seed=1))
+        path = folder / f"{name}@{batch}.kiln"
+        if not path.exists():
+            torch.set_num_threads(2)
+            kiln.build(str(export(name, batch).path)).save(path)
+        engines = {threads: loaded_at(path, threads) for threads in (1, 2)}
+        inputs = engines[2].program_inputs(MODELS[name].inputs(batch, seed=1))
         sums = {1: collections.defaultdict(list), 2: collections.defaultdict(list)}
         loads = []
         for _ in range(args.rounds):
             for threads in (1, 2, 2, 1):
                 torch.set_num_threads(threads)
                 loads.append(os.getloadavg()[0])
-                for kind, ms in per_kind(engine.program, inputs, args.runs, CLOCKS[args.clock]).items():
+                for kind, ms in per_kind(engines[threads].program, inputs, args.runs, CLOCKS[args.clock]).items():
                     sums[threads][kind].append(ms)
         torch.set_num_threads(2)
         one = {k: statistics.median(v) for k, v in sums[1].items()}

@@ -13,8 +13,9 @@
  * merged the dims every operand walks contiguously): each input's chunk is read in place (stride 1), splatted
  * (stride 0) or gathered, then each line of the program is one loop over the chunk that the compiler
  * vectorises. Past `grain` elements (an 8-bit chain: kiln_quantized_split, transformer.c) the chunks are shared
- * among the threads (parallel_items: gemm.c's pool). A chain of one 8-bit activation and per-column constants with an
- * 8-bit output is looked up instead (elementwise.py lookup_table; table_columns: 64-column blocks, gathers).
+ * among the threads (parallel_items: gemm.c's pool; a plan with `team` set: OpenMP's team, team_items); a Concat's
+ * rows likewise past its plan's grain. A chain of one 8-bit activation and per-column constants with an 8-bit output
+ * is looked up instead (elementwise.py lookup_table; table_columns: 64-column blocks, gathers).
  */
 
 #define EW_INPUTS 8   /* EW_INPUTS in elementwise.py */
@@ -48,6 +49,7 @@ typedef struct {
        byte value of each column once, at build (kiln/kernels/cpu/elementwise.py lookup_table). NULL: evaluated. */
     const unsigned char *table;         /* [dims[MAXD-1]][256] + 3 bytes (a 4-byte gather reads past the last) */
     int table_input;
+    int team;                           /* 1: the chunks shared on OpenMP's team (team_items), 0: on gemm.c's pool */
 } elementwise_plan;
 
 /* σ(x) = 1 / (1 + e^-x), e^-x by exp_poly.h's exp_poly (attention.c includes it) on 16 or 8 lanes (KILN_VEXP: the
@@ -395,13 +397,14 @@ int kiln_elementwise(void *object, void *stream, int nargs, const void *args) {
     /* items of 16 chunks: a few hundred of them at most past the grain, each ~4k elements */
     elementwise_loop l = {p, in, y, n, per_row, outer * per_row};
     const long items = (l.chunks + 15) / 16;
-    parallel_items(items, threads, elementwise_item, &l);
+    (p->team ? team_items : parallel_items)(items, threads, elementwise_item, &l);
     return 0;
 }
 
 /* ---- Concat -------------------------------------------------------------------------------------- */
 
 #define CONCAT_INPUTS 64  /* CONCAT_INPUTS in elementwise.py: a DenseNet block's last Concat joins 25 */
+#define CONCAT_ITEM 16384 /* elements a work item copies at least (whole rows of y): 64 KB, a few microseconds */
 
 typedef struct {
     get_handle_fn get_handle;
@@ -409,8 +412,35 @@ typedef struct {
     long widths[CONCAT_INPUTS];   /* elements of input k per outer index (its dims from the axis on) */
     long outer;               /* the product of the dims before the axis */
     int inputs;
+    long grain;               /* y's elements past which its rows are shared among the threads */
+    int team;                 /* 1: shared on OpenMP's team (team_items), 0: on gemm.c's pool */
 } concat_plan;
 
+typedef struct {
+    const concat_plan *p;
+    const float *const *in;
+    float *y;
+    long total, rows;         /* y's elements per outer index; outer indices per work item */
+} concat_loop;
+
+/* Rows [rows·item, rows·(item + 1)) of y: each input's part of each row copied to its place. */
+static void concat_item(void *loop, long item) {
+    const concat_loop *l = (const concat_loop *)loop;
+    const concat_plan *p = l->p;
+    const long first = item * l->rows, last = first + l->rows < p->outer ? first + l->rows : p->outer;
+    for (long o = first; o < last; ++o) {
+        float *row = l->y + o * l->total;
+        for (int k = 0; k < p->inputs; ++k) {
+            memcpy(row, l->in[k] + o * p->widths[k], (size_t)p->widths[k] * sizeof(float));
+            row += p->widths[k];
+        }
+    }
+}
+
+/* Past the plan's grain the rows are shared among the threads (on OpenMP's team where the plan says `team`: a Concat
+   between a segment's oneDNN layers; else gemm.c's pool, where a worker that starts late finds them taken). Why: a
+   DenseNet block's Concat on NHWC memory (3136 rows of 64-256 channels at 56x56) is a stream of 0.4-3 MB, and on one
+   thread it was a serial step of the segment's parallel form (bench/results/zoo-new-2threads-zen4-2026-12-07c.md). */
 int kiln_concat(void *object, void *stream, int nargs, const void *args) {
     (void)stream; (void)nargs; (void)args;
     const concat_plan *p = (const concat_plan *)object;
@@ -422,13 +452,11 @@ int kiln_concat(void *object, void *stream, int nargs, const void *args) {
     }
     float *y = (float *)handle_of(p->get_handle, p->out);
     if (y == NULL) return 2;
-    for (long o = 0; o < p->outer; ++o) {
-        float *row = y + o * total;
-        for (int k = 0; k < p->inputs; ++k) {
-            memcpy(row, in[k] + o * p->widths[k], (size_t)p->widths[k] * sizeof(float));
-            row += p->widths[k];
-        }
-    }
+    if (p->outer <= 0 || total <= 0) return 0;
+    const long rows = total >= CONCAT_ITEM ? 1 : CONCAT_ITEM / total;
+    concat_loop l = {p, in, y, total, rows};
+    (p->team ? team_items : parallel_items)((p->outer + rows - 1) / rows,
+                                            p->outer * total > p->grain ? max_threads() : 1, concat_item, &l);
     return 0;
 }
 

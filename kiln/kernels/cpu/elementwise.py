@@ -23,6 +23,15 @@ EW_INPUTS = 8   # EW_INPUTS in elementwise.c
 EW_LINES = 32   # EW_LINES in elementwise.c
 EC_PARTS = 64   # EC_PARTS in elementwise.c: parts of an EmbeddingConcat
 CONCAT_INPUTS = 64  # CONCAT_INPUTS in elementwise.c: inputs of a Concat
+# elements past which a streaming step between a segment's oneDNN layers (`stream`: cpu.concat.nhwc, an image's
+# per-channel chain cpu.elementwise.nhwc) is shared among the threads: 256 KB, ~15-30 µs of one core's streaming; at
+# PARALLEL_ELEMENTS (1M) a DenseNet's every BN-ReLU chain and Concat (25K-800K elements) ran on one thread at 2 threads
+# (bench/results/zoo-new-2threads-zen4-2026-12-07c.md). Shared on OpenMP's team (elementwise.c team_items), which
+# the oneDNN layer before left awake, not on gemm.c's pool, whose worker has gone to sleep by then: on the pool the
+# caller still ran nearly every item (the calling thread's CPU time 1.03x less at 2 threads; on the team 1.78x for the
+# chains, 2.28x for the Concats: bench/results/zoo-2threads-zen4-2026-12-07d.md).
+STREAM_ELEMENTS = 1 << 16
+ONE_THREAD = 1 << 62  # a grain no step reaches: its loop stays on the calling thread
 # the program's op names (kiln/passes/fusion/elementwise.py) in elementwise.c's enum order
 OPS = ("Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Neg", "Abs", "Exp", "Log", "Sqrt", "Reciprocal", "Relu",
        "Sigmoid", "Tanh", "Erf", "Sin", "Cos", "Floor", "Ceil", "Gelu", "GeluTanh")
@@ -37,12 +46,13 @@ class _ElementwisePlan(ctypes.Structure):  # elementwise_plan
                 ("strides", _LONGD * EW_INPUTS), ("inputs", ctypes.c_int), ("lines", ctypes.c_int),
                 ("code", (ctypes.c_int * 3) * EW_LINES), ("grain", ctypes.c_long),
                 ("in_type", ctypes.c_int * EW_INPUTS), ("out_type", ctypes.c_int), ("quant", ctypes.c_void_p),
-                ("table", ctypes.c_void_p), ("table_input", ctypes.c_int)]
+                ("table", ctypes.c_void_p), ("table_input", ctypes.c_int), ("team", ctypes.c_int)]
 
 
 class _ConcatPlan(ctypes.Structure):  # concat_plan
     _fields_ = [("get_handle", ctypes.c_void_p), ("in_", ctypes.c_void_p * CONCAT_INPUTS), ("out", ctypes.c_void_p),
-                ("widths", ctypes.c_long * CONCAT_INPUTS), ("outer", ctypes.c_long), ("inputs", ctypes.c_int)]
+                ("widths", ctypes.c_long * CONCAT_INPUTS), ("outer", ctypes.c_long), ("inputs", ctypes.c_int),
+                ("grain", ctypes.c_long), ("team", ctypes.c_int)]
 
 
 def parse(code: list[str], inputs: int) -> list[tuple[int, int, int]] | str:
@@ -173,13 +183,15 @@ class Elementwise(NativeKernel):
     """y = the program over its inputs broadcast together (float32, y row-major). `sizes`: every input's size
     by index; `constants`: the inputs that are weights of the engine (baked into the plan; the others are
     step inputs the segment binds). `tables`: the lookup tables this layer's kernels made at other sizes, by row width
-    (a table depends on the columns only: a layer bound at a new batch or sequence length reuses its width's)."""
+    (a table depends on the columns only: a layer bound at a new batch or sequence length reuses its width's).
+    `stream`: a streaming step between a segment's oneDNN layers, its chunks shared past STREAM_ELEMENTS on OpenMP's
+    team (else past PARALLEL_ELEMENTS on gemm.c's pool; an 8-bit chain's past kiln_quantized_split)."""
 
     PLAN, FUNCTION = _ElementwisePlan, "kiln_elementwise"
 
     def __init__(self, code: list[str], sizes: dict[int, tuple[int, ...]], constants: dict[int, torch.Tensor],
                  dtypes: dict[int, torch.dtype] | None = None, lookup: bool = True,
-                 tables: dict[tuple, torch.Tensor] | None = None):
+                 tables: dict[tuple, torch.Tensor] | None = None, stream: bool = False):
         count = max([*sizes, *constants]) + 1
         super().__init__(f"elementwise {code} of {count} inputs")
         quantized = quantization(code, dtypes or {}, constants)
@@ -206,7 +218,7 @@ class Elementwise(NativeKernel):
             constant=(ctypes.c_void_p * EW_INPUTS)(*[self._constants[k].data_ptr() if k in self._constants else None
                                                      for k in range(EW_INPUTS)]),
             dims=_LONGD(*dims), strides=(_LONGD * EW_INPUTS)(*[_LONGD(*s) for s in strides]), inputs=count,
-            lines=len(lines), code=code_array, grain=PARALLEL_ELEMENTS,
+            lines=len(lines), code=code_array, grain=STREAM_ELEMENTS if stream else PARALLEL_ELEMENTS, team=int(stream),
             in_type=(ctypes.c_int * EW_INPUTS)(*quantized.in_types()),
             out_type=EIGHT_BIT[quantized.output[0]] if quantized.output is not None else 0,
             quant=self._quant.data_ptr())
@@ -301,11 +313,13 @@ class Quantize(NativeKernel):
 
 
 class Concat(NativeKernel):
-    """y = Concat(inputs, axis) of float32 tensors (step inputs 0..k-1, row-major)."""
+    """y = Concat(inputs, axis) of float32 tensors (step inputs 0..k-1, row-major). `stream`: a step between a
+    segment's oneDNN layers (cpu.concat.nhwc), its rows shared on OpenMP's team past STREAM_ELEMENTS; else one
+    thread (a copy: no measurement here says a split pays elsewhere)."""
 
     PLAN, FUNCTION = _ConcatPlan, "kiln_concat"
 
-    def __init__(self, sizes: list[tuple[int, ...]], axis: int):
+    def __init__(self, sizes: list[tuple[int, ...]], axis: int, stream: bool = False):
         super().__init__(f"concat of {[list(s) for s in sizes]} on axis {axis}")
         if not 1 <= len(sizes) <= CONCAT_INPUTS:
             raise ValueError(f"{self.what}: 1 to {CONCAT_INPUTS} inputs")
@@ -317,7 +331,7 @@ class Concat(NativeKernel):
         widths = [math.prod(s[axis:]) for s in sizes]
         self.roles = {k: (f"in_{k}",) for k in range(len(sizes))} | {"dst": ("out",)}
         self.fields = dict(widths=(ctypes.c_long * CONCAT_INPUTS)(*widths), outer=math.prod(sizes[0][:axis]),
-                           inputs=len(sizes))
+                           inputs=len(sizes), grain=STREAM_ELEMENTS if stream else ONE_THREAD, team=int(stream))
 
 
 class _EmbeddingConcatPlan(ctypes.Structure):  # embedding_concat_plan

@@ -57,6 +57,18 @@ static void parallel_items(long count, int threads, kiln_item_fn fn, void *ctx) 
     for (long i = 0; i < count; ++i) fn(ctx, i);
 }
 
+/* parallel_items on OpenMP's team always, never gemm.c's pool: for a short streaming step between oneDNN layers in a
+   native segment (a DenseNet's BN-ReLU chains and Concats), whose team has just left oneDNN's previous layer and
+   waits for its next one awake (libgomp's spin, kiln/kernels/cpu/omp_governor.py), where the pool's worker has
+   gone to sleep 30 us after its last loop and its wake-up takes about as long as the step: on the pool the caller ran
+   nearly every item itself (bench/results/zoo-2threads-zen4-2026-12-07d.md). In a segment's serial form OpenMP's
+   count is 1: one thread, no region. */
+static void team_items(long count, int threads, kiln_item_fn fn, void *ctx) {
+    if (threads > 1 && count > 1) ++parallel_loops;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && count > 1)
+    for (long i = 0; i < count; ++i) fn(ctx, i);
+}
+
 static inline void *handle_of(get_handle_fn get, void *memory) {
     void *h = NULL;
     if (memory == NULL || get(memory, &h) != 0) return NULL;

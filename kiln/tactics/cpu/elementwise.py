@@ -212,7 +212,7 @@ def _nhwc_concat_prepare(step: StepSpec, constants: list[Any], device: torch.dev
 
     def nhwc_concat(at_sizes: list[tuple[int, ...]]) -> kernels.Concat:
         # NHWC memory: the concat of the row-major [N, H, W, C] views along the axis's place there (channels: rows)
-        return kernels.Concat([(s[0], s[2], s[3], s[1]) for s in at_sizes], _IN_MEMORY[axis])
+        return kernels.Concat([(s[0], s[2], s[3], s[1]) for s in at_sizes], _IN_MEMORY[axis], stream=True)
 
     kernel = nhwc_concat(sizes)
 
@@ -342,7 +342,8 @@ def _nhwc_elementwise_prepare(step: StepSpec, constants: list[Any], device: torc
         found = kernels_at.get(at)
         if found is None:
             n, c, h, w = at
-            found = kernels_at.setdefault(at, kernels.Elementwise(code, {k: (n * h * w, c) for k in computed}, baked))
+            rows = {k: (n * h * w, c) for k in computed}
+            found = kernels_at.setdefault(at, kernels.Elementwise(code, rows, baked, stream=True))
         return found
 
     def launch(ctx, *xs, **_attributes):
