@@ -59,7 +59,7 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
         `host_staging`, for a CUDA engine: a numpy call's inputs and outputs through pinned buffers of this context,
         one wait per call with the GIL released (kiln/runtime/host_staging.py): "copy" (outputs fresh arrays, as
         before), "pinned" (outputs over pinned blocks of torch's host cache), "off" (pageable copies, as before);
-        default the environment's KILN_HOST_STAGING, else "off". Ignored on the CPU.
+        default the environment's KILN_HOST_STAGING, else "pinned". Ignored on the CPU.
         `batch_buckets`, with buckets: "pow2" (a batch pads to powers of two) or "half" (also 12, 24, 48, ...: a 1.5x
         step from 8; more graphs, less padding: kiln/runtime/buckets.py); default the environment's
         KILN_BATCH_BUCKETS, else "pow2"."""

@@ -1,6 +1,6 @@
 """Numpy feeds and outputs of a CUDA execution context through pinned host memory the context owns (issue 14).
 
-Without it (mode "off", today's default), a CUDA context fed numpy arrays copies each input to the GPU from the
+Without it (mode "off", the default until session 34), a CUDA context fed numpy arrays copies each input to the GPU from the
 caller's pageable array (`tensor.to(device, non_blocking=True)`, kiln/runtime/bindings.py _to_runtime) and each
 output back with `tensor.cpu()` (kiln/ir/dtypes.py torch_to_numpy): a copy into freshly allocated pageable memory,
 which the CUDA driver stages through a pinned buffer of its own, chunk by chunk, with the calling thread's CPU
@@ -43,9 +43,12 @@ MIN_BUFFER = 4096  # bytes: a buffer grows to the next power of two of what a ca
 
 def staging_mode(mode: str | bool | None) -> str:
     """A context's host staging mode: `mode` ("off" | "copy" | "pinned"; True: "copy", False: "off"), None: the
-    environment's KILN_HOST_STAGING, default "off" (until the H100's numbers decide: bench/gpu_s31d.sh)."""
+    environment's KILN_HOST_STAGING, default "pinned": on the H100 (bench/gpu_s34a.sh, BERT-base fp16 at 1-64 x 128,
+    bench/results/host-staging-2026-12-07d.md) a numpy call took 0.60-3.76 ms pinned against 0.62-21.4 ms off (the
+    pageable copies) and 0.65-7.06 ms copy (the host copy out of the buffers costs more than it saves below ~48 rows);
+    a caller that keeps many outputs alive keeps that much page-locked memory and sets "copy" or "off"."""
     if mode is None:
-        mode = os.environ.get("KILN_HOST_STAGING", "off").strip().lower() or "off"
+        mode = os.environ.get("KILN_HOST_STAGING", "pinned").strip().lower() or "off"
         mode = {"1": "copy", "0": "off", "true": "copy", "false": "off"}.get(mode, mode)
     elif mode is True or mode is False:
         mode = "copy" if mode else "off"

@@ -213,7 +213,7 @@ def test_warm_up_makes_each_buffer_once_at_its_largest(two):
 
 def test_staging_mode_from_the_argument_else_the_environment(monkeypatch, two):
     monkeypatch.delenv("KILN_HOST_STAGING", raising=False)
-    assert staging_mode(None) == "off" and staging_mode(True) == "copy" and staging_mode(False) == "off"
+    assert staging_mode(None) == "pinned" and staging_mode(True) == "copy" and staging_mode(False) == "off"
     assert staging_mode("pinned") == "pinned"
     for value, mode in (("1", "copy"), ("copy", "copy"), ("PINNED", "pinned"), ("0", "off"), ("", "off")):
         monkeypatch.setenv("KILN_HOST_STAGING", value)
