@@ -4,8 +4,8 @@
 # the served tests: run every GPU test with it, then the GPU tests of what else changed without a GPU.
 # 1. tests/gpu (-m gpu), default environment (pinned staging), in two halves of <= 240 s each; the failures listed.
 # 2. any failing file again with KILN_HOST_STAGING=off: a failure in both is not staging's.
-# 3. tests/gpu/test_triton_attention.py + test_attention_key_mask.py (the CUDA attention tactics' mask check became one
-#    helper, _expanded_mask, in session 34's review; CPU tests only so far).
+#    (Part 1 also runs the CUDA attention tactics' GPU tests: their mask check became one helper, _expanded_mask, in
+#    session 34's review, run on the CPU only so far.)
 # Logs in $OUT (gpu_tests.log).
 set -u
 . "$(dirname "$0")/device_env.sh" kiln-s35a
@@ -24,8 +24,5 @@ if [ -n "$failing" ]; then
   KILN_HOST_STAGING=off timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu -rf $failing 2>&1 \
     | grep -E "^FAILED|passed|failed" | tail -15
 fi
-stage "attention mask helper"
-timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_attention_key_mask.py \
-  tests/gpu/test_triton_attention.py 2>&1 | grep -E "^FAILED|passed|failed" | tail -8
 stage done
 } 2>&1 | tee "$OUT/gpu_tests.log"
