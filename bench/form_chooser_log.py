@@ -1,0 +1,109 @@
+"""Why DenseNet-121's largest segment runs its serial form at 2 threads on a near-quiet machine (issue 11): every
+call of a segment with a FormChooser logged as (form, seconds, both estimates, what the chooser picks next).
+
+    python bench/form_chooser_log.py --model densenet121@1 --calls 200 [--engine PATH] [--ort-every 8]
+
+Two settings, fresh chooser each (replaced before the first call): "alone" (kiln's calls back to back) and
+"interleaved" (a block of onnxruntime calls, as bench/zoo_new.py's rounds make, every --ort-every kiln calls, no
+settle: onnxruntime's workers may still spin on the other core when kiln's next call starts). Printed per segment
+with a chooser: the runs of each form, where the serial runs came from (the start, a probe, a probe repeated after a
+win, or serial the incumbent), and the calls whose record switched the incumbent, with the window each form had.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+class LoggedChooser:
+    """Wraps a FormChooser: each record() is logged with the state it leaves."""
+
+    def __init__(self, chooser, log: list):
+        self.chooser, self.log = chooser, log
+
+    def choose(self):
+        return self.chooser.choose()
+
+    def record(self, form, seconds):
+        c = self.chooser
+        best_before = c.best()
+        c.record(form, seconds)
+        self.log.append({"form": form, "ms": seconds * 1e3, "best_before": best_before, "best": c.best(),
+                         "next": c.choose(), "started": c._started, "windows": {f: [round(t * 1e3, 1) for t in
+                                                                                  c._times[f]] for f in c.forms}})
+
+
+def summary(name: str, log: list) -> None:
+    serial = [e for e in log if e["form"] == "serial"]
+    parallel = [e for e in log if e["form"] == "parallel"]
+    as_incumbent = sum(1 for e in serial if e["started"] and e["best_before"] == "serial")
+    print(f"  {name}: {len(log)} calls, parallel {len(parallel)} (median {statistics.median([e['ms'] for e in parallel]) if parallel else 0:.1f} ms), "
+          f"serial {len(serial)} (median {statistics.median([e['ms'] for e in serial]) if serial else 0:.1f} ms), "
+          f"serial run as incumbent {as_incumbent}")
+    for i, e in enumerate(log):
+        before = log[i - 1]["best"] if i else None
+        if e["started"] and before is not None and before != e["best"]:
+            print(f"    call {i}: recorded {e['form']} {e['ms']:.1f} ms -> best {e['best']}, windows {e['windows']}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="densenet121@1")
+    parser.add_argument("--engine", type=Path, default=None, help="a saved engine of the model (built at 2 threads)")
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--ort-every", type=int, default=8)
+    parser.add_argument("--ort-calls", type=int, default=4)
+    parser.add_argument("--settings", default="alone,interleaved")
+    parser.add_argument("--dump", action="store_true", help="print every call of the largest segment")
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(2)
+    import kiln
+    from kiln.kernels.cpu.form_choice import FormChooser
+    from zoo_new import cases, ort_session
+    from zoo_new_models import MODELS, export
+
+    (name, batch), = cases(args.model)
+    engine = kiln.load(args.engine) if args.engine else kiln.build(str(export(name, batch).path))
+    feeds = MODELS[name].inputs(batch, seed=1)
+    session = ort_session(export(name, batch).path, 2)
+    engine.run(feeds)
+    session.run(None, feeds)
+    segments = [s for s in engine.program.segments if getattr(s, "chooser", None) is not None]
+    print(f"form_chooser_log: {name}@{batch}, 2 threads, {len(segments)} segments with a chooser; torch "
+          f"{torch.__version__}; load {os.getloadavg()[0]:.2f}")
+    for setting in args.settings.split(","):
+        logs = []
+        for s in segments:
+            logs.append([])
+            s.chooser = LoggedChooser(FormChooser(), logs[-1])
+        load0 = os.getloadavg()[0]
+        t0 = time.perf_counter()
+        for i in range(args.calls):
+            if setting == "interleaved" and i % args.ort_every == 0:
+                for _ in range(args.ort_calls):
+                    session.run(None, feeds)
+            engine.run(feeds)
+        print(f"\n{setting}: {args.calls} calls, {time.perf_counter() - t0:.1f} s, load {load0:.2f}-{os.getloadavg()[0]:.2f}")
+        for s, log in zip(segments, logs):
+            summary(f"segment of {len(log) and getattr(s, 'name', '?')}", log)
+        if args.dump:
+            big = max(logs, key=lambda lg: statistics.median([e["ms"] for e in lg]))
+            for i, e in enumerate(big):
+                print(f"    {i:3d} {e['form'][0]} {e['ms']:6.1f} -> {e['next'][0]} {e['windows']}")
+        for s in segments:
+            s.chooser = s.chooser.chooser
+
+
+if __name__ == "__main__":
+    main()
