@@ -13,6 +13,7 @@ win, or serial the incumbent), and the calls whose record switched the incumbent
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -22,6 +23,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+class FixedForm:
+    """Stands in for a segment's chooser: runs `form` (set between calls) and keeps each run's time."""
+
+    def __init__(self):
+        self.form, self.times = "parallel", []
+
+    def choose(self):
+        return self.form
+
+    def record(self, form, seconds):
+        self.times.append((form, seconds))
 
 
 class LoggedChooser:
@@ -64,6 +78,8 @@ def main() -> None:
     parser.add_argument("--ort-calls", type=int, default=4)
     parser.add_argument("--settings", default="alone,interleaved")
     parser.add_argument("--dump", action="store_true", help="print every call of the largest segment")
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="setting 'paired': write each segment's (parallel, serial) time pairs here (JSON)")
     args = parser.parse_args()
     import torch
 
@@ -83,6 +99,28 @@ def main() -> None:
     print(f"form_chooser_log: {name}@{batch}, 2 threads, {len(segments)} segments with a chooser; torch "
           f"{torch.__version__}; load {os.getloadavg()[0]:.2f}")
     for setting in args.settings.split(","):
+        if setting == "paired":  # the forms call by call (P S S P ...): both forms' times at about each moment
+            fixed = [FixedForm() for _ in segments]
+            saved = [s.chooser for s in segments]
+            for s, f in zip(segments, fixed):
+                s.chooser = f
+            load0 = os.getloadavg()[0]
+            for i in range(2 * args.calls):
+                for f in fixed:
+                    f.form = "parallel" if (i % 4 in (0, 3)) else "serial"
+                engine.run(feeds)
+            for s, f in zip(segments, saved):
+                s.chooser = f
+            pairs = [[{"parallel": a[1], "serial": b[1]} if a[0] == "parallel" else {"parallel": b[1], "serial": a[1]}
+                      for a, b in zip(f.times[::2], f.times[1::2])] for f in fixed]
+            for k, p in enumerate(pairs):
+                par, ser = (statistics.median([x[form] * 1e3 for x in p]) for form in ("parallel", "serial"))
+                won = sum(x["parallel"] < x["serial"] for x in p)
+                print(f"paired, segment {k}: {len(p)} pairs, parallel {par:.1f} ms, serial {ser:.1f} ms (medians), "
+                      f"parallel faster in {won}; load {load0:.2f}-{os.getloadavg()[0]:.2f}")
+            if args.trace:
+                args.trace.write_text(json.dumps(pairs))
+            continue
         logs = []
         for s in segments:
             logs.append([])
