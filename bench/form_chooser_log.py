@@ -99,13 +99,19 @@ def main() -> None:
     print(f"form_chooser_log: {name}@{batch}, 2 threads, {len(segments)} segments with a chooser; torch "
           f"{torch.__version__}; load {os.getloadavg()[0]:.2f}")
     for setting in args.settings.split(","):
-        if setting == "paired":  # the forms call by call (P S S P ...): both forms' times at about each moment
+        if setting in ("paired", "paired-interleaved"):  # the forms call by call (P S S P ...): both forms' times
+            # at about each moment; -interleaved: onnxruntime's block every --ort-every pairs
             fixed = [FixedForm() for _ in segments]
             saved = [s.chooser for s in segments]
             for s, f in zip(segments, fixed):
                 s.chooser = f
             load0 = os.getloadavg()[0]
+            after_ort = []  # the pair indices right after an onnxruntime block
             for i in range(2 * args.calls):
+                if setting == "paired-interleaved" and i % (2 * args.ort_every) == 0:
+                    for _ in range(args.ort_calls):
+                        session.run(None, feeds)
+                    after_ort.append(i // 2)
                 for f in fixed:
                     f.form = "parallel" if (i % 4 in (0, 3)) else "serial"
                 engine.run(feeds)
@@ -116,8 +122,13 @@ def main() -> None:
             for k, p in enumerate(pairs):
                 par, ser = (statistics.median([x[form] * 1e3 for x in p]) for form in ("parallel", "serial"))
                 won = sum(x["parallel"] < x["serial"] for x in p)
-                print(f"paired, segment {k}: {len(p)} pairs, parallel {par:.1f} ms, serial {ser:.1f} ms (medians), "
+                print(f"{setting}, segment {k}: {len(p)} pairs, parallel {par:.1f} ms, serial {ser:.1f} ms (medians), "
                       f"parallel faster in {won}; load {load0:.2f}-{os.getloadavg()[0]:.2f}")
+                if after_ort:
+                    first = [p[j] for j in after_ort]
+                    par1, ser1 = (statistics.median([x[form] * 1e3 for x in first]) for form in ("parallel", "serial"))
+                    print(f"  the pair right after each onnxruntime block ({len(first)}): parallel {par1:.1f} ms, "
+                          f"serial {ser1:.1f} ms (medians)")
             if args.trace:
                 args.trace.write_text(json.dumps(pairs))
             continue
