@@ -3,11 +3,14 @@ call of a segment with a FormChooser logged as (form, seconds, both estimates, w
 
     python bench/form_chooser_log.py --model densenet121@1 --calls 200 [--engine PATH] [--ort-every 8]
 
-Two settings, fresh chooser each (replaced before the first call): "alone" (kiln's calls back to back) and
-"interleaved" (a block of onnxruntime calls, as bench/zoo_new.py's rounds make, every --ort-every kiln calls, no
-settle: onnxruntime's workers may still spin on the other core when kiln's next call starts). Printed per segment
-with a chooser: the runs of each form, where the serial runs came from (the start, a probe, a probe repeated after a
-win, or serial the incumbent), and the calls whose record switched the incumbent, with the window each form had.
+Settings (--settings, comma-separated), a fresh chooser each: "alone" (kiln's calls back to back) and "interleaved"
+(--ort-calls onnxruntime calls every --ort-every kiln calls, no settle: onnxruntime's workers may still spin on the
+other core when kiln's next call starts). Printed per segment with a chooser: the runs of each form and their median
+times, the serial runs made as the incumbent (the rest are start runs and probes), and the calls whose record switched
+the incumbent, with each form's window then. --dump: every call of the slowest segment.
+"paired" and "paired-interleaved": no chooser; every segment's forms forced call by call (P S S P ...), each pair's two
+times taken as both forms' at that moment (medians printed; -interleaved also the pair right after each onnxruntime
+block); --trace writes the pairs for bench/form_chooser_replay.py.
 """
 
 from __future__ import annotations
@@ -60,9 +63,9 @@ def summary(name: str, log: list) -> None:
     serial = [e for e in log if e["form"] == "serial"]
     parallel = [e for e in log if e["form"] == "parallel"]
     as_incumbent = sum(1 for e in serial if e["started"] and e["best_before"] == "serial")
-    print(f"  {name}: {len(log)} calls, parallel {len(parallel)} (median {statistics.median([e['ms'] for e in parallel]) if parallel else 0:.1f} ms), "
-          f"serial {len(serial)} (median {statistics.median([e['ms'] for e in serial]) if serial else 0:.1f} ms), "
-          f"serial run as incumbent {as_incumbent}")
+    par, ser = (statistics.median([e["ms"] for e in runs]) if runs else 0.0 for runs in (parallel, serial))
+    print(f"  {name}: {len(log)} calls, parallel {len(parallel)} (median {par:.1f} ms), serial {len(serial)} "
+          f"(median {ser:.1f} ms), serial run as incumbent {as_incumbent}")
     for i, e in enumerate(log):
         before = log[i - 1]["best"] if i else None
         if e["started"] and before is not None and before != e["best"]:
@@ -143,9 +146,10 @@ def main() -> None:
                 for _ in range(args.ort_calls):
                     session.run(None, feeds)
             engine.run(feeds)
-        print(f"\n{setting}: {args.calls} calls, {time.perf_counter() - t0:.1f} s, load {load0:.2f}-{os.getloadavg()[0]:.2f}")
-        for s, log in zip(segments, logs):
-            summary(f"segment of {len(log) and getattr(s, 'name', '?')}", log)
+        print(f"\n{setting}: {args.calls} calls, {time.perf_counter() - t0:.1f} s, "
+              f"load {load0:.2f}-{os.getloadavg()[0]:.2f}")
+        for k, log in enumerate(logs):
+            summary(f"segment {k}", log)
         if args.dump:
             big = max(logs, key=lambda lg: statistics.median([e["ms"] for e in lg]))
             for i, e in enumerate(big):
