@@ -556,3 +556,54 @@ def test_a_chain_over_a_dynamic_batch_that_moves_across_batches_is_left_alone():
     assert "Relayout" not in [n.op_type for n in model.graph] and not report.fired.get("fuse_relayout"), \
         report.refused
     assert any("across its batch" in line for line in report.refused), report.refused
+
+
+def detector_heads_model(scales=((6, 5), (3, 3)), c: int = 8, anchors: int = 3, outputs: int = 7,
+                         seed: int = 0) -> onnx.ModelProto:
+    """YOLOv5's detection heads as torch exports them: per scale a 1x1 Conv to anchors x outputs channels,
+    Reshape [1, A, O, H, W], Transpose to [1, A, H, W, O], Reshape [1, A*H*W, O], Sigmoid; the scales'
+    results concatenated on axis 1."""
+    rng = np.random.default_rng(seed)
+    inits, nodes, inputs, heads = {}, [], [], []
+    for i, (h, w) in enumerate(scales):
+        inits[f"w{i}"] = rng.standard_normal((anchors * outputs, c, 1, 1)).astype(np.float32) * 0.3
+        inits[f"b{i}"] = rng.standard_normal(anchors * outputs).astype(np.float32) * 0.1
+        inits[f"split{i}"] = np.array([1, anchors, outputs, h, w], np.int64)
+        inits[f"rows{i}"] = np.array([1, -1, outputs], np.int64)
+        inputs.append(helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT, [1, c, h, w]))
+        nodes += [helper.make_node("Conv", [f"x{i}", f"w{i}", f"b{i}"], [f"c{i}"], name=f"head{i}"),
+                  helper.make_node("Reshape", [f"c{i}", f"split{i}"], [f"v{i}"], name=f"view{i}"),
+                  helper.make_node("Transpose", [f"v{i}"], [f"t{i}"], perm=[0, 1, 3, 4, 2], name=f"permute{i}"),
+                  helper.make_node("Reshape", [f"t{i}", f"rows{i}"], [f"r{i}"], name=f"flatten{i}"),
+                  helper.make_node("Sigmoid", [f"r{i}"], [f"s{i}"], name=f"sigmoid{i}")]
+        heads.append(f"s{i}")
+    nodes.append(helper.make_node("Concat", heads, ["y"], axis=1, name="cat"))
+    cells = anchors * sum(h * w for h, w in scales)
+    graph = helper.make_graph(nodes, "heads", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT,
+                                                                                       [1, cells, outputs])],
+                              [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_a_detector_heads_sigmoid_becomes_its_convolutions_activation_on_cpu_builds_only():
+    nodes, report = _optimized(detector_heads_model(), cpu_rules=True)
+    assert report.fired.get("fuse_conv_activation_through_layout") == 2
+    assert nodes == [("kiln", "FusedConv"), ("kiln", "Relayout")] * 2 + [("", "Concat")], nodes
+    model = optimize(onnx_frontend.load(detector_heads_model()), PassOptions(cpu_rules=True))
+    assert [n.attributes["activation"].value for n in model.graph if n.op_type == "FusedConv"] == ["Sigmoid"] * 2
+    nodes, report = _optimized(detector_heads_model(), cpu_rules=False)  # a CUDA build keeps its Sigmoids
+    assert "fuse_conv_activation_through_layout" not in report.fired and nodes.count(("", "Sigmoid")) == 2
+
+
+@pytest.mark.parametrize("scales, c, outputs", [(((6, 5), (3, 3)), 8, 7), (((8, 8), (4, 4), (2, 2)), 5, 85)])
+def test_detector_heads_match_onnxruntime_without_a_sigmoid_step(scales, c, outputs):
+    proto = detector_heads_model(scales, c=c, outputs=outputs)
+    engine = kiln.build(proto.SerializeToString(), tactics=["cpu.conv.onednn_direct", "cpu.relayout.native"])
+    steps = engine.plan.program.steps
+    assert not [s for s in steps if s.op_type == "Sigmoid"], [(s.op_type, s.tactic) for s in steps]
+    assert [s.attributes.get("activation") for s in steps if s.op_type == "FusedConv"] == ["Sigmoid"] * len(scales)
+    for seed in (1, 2):
+        rng = np.random.default_rng(seed)
+        feeds = {f"x{i}": rng.standard_normal((1, c, h, w)).astype(np.float32) for i, (h, w) in enumerate(scales)}
+        # fp32: the 1x1 convolutions sum in other orders than onnxruntime's; sigmoid's results lie in (0, 1)
+        np.testing.assert_allclose(engine.run(feeds)["y"], _onnxruntime(proto, feeds), rtol=1e-5, atol=1e-6)
