@@ -183,15 +183,6 @@ def conv_relu_then_sigmoid():
     return model(nodes, [value("x", [1, 4, 6, 6])], [value("y", [1, 4, 6, 6])], [("w", randn(4, 4, 3, 3))])
 
 
-def conv_relu_then_layout_then_sigmoid():
-    """Conv -> Relu -> Reshape -> Transpose -> Sigmoid: the epilogue takes the ReLU; the Sigmoid past the layout
-    would be a second activation."""
-    nodes = [node("Conv", ["x", "w"], ["c"]), node("Relu", ["c"], ["r"]), node("Reshape", ["r", "s"], ["v"]),
-             node("Transpose", ["v"], ["t"], perm=[0, 2, 1]), node("Sigmoid", ["t"], ["y"])]
-    return model(nodes, [value("x", [1, 4, 3, 2])], [value("y", [1, 6, 4])],
-                 [("w", randn(4, 4, 1, 1)), ("s", np.array([1, 4, 6], np.int64))])
-
-
 def mean_over_time_of_a_dynamic_batch():
     """Squeeze([N, C, 1, W], 2) -> mean over time: the [N, C] to restore has a symbolic dim."""
     nodes = [node("Squeeze", ["x", "two"], ["s"]), node("ReduceMean", ["s", "minus_one"], ["y"], keepdims=0)]
@@ -658,9 +649,6 @@ CASES = {
     "causal_conv/strided": Case("causal_conv_pads", strided_conv_cut_at_the_end, "stride 2"),
     "conv_final_activation/no_residual": Case("fuse_conv_final_activation", conv_relu_then_sigmoid,
                                               "without a residual", before=["fuse_conv"]),
-    "conv_activation_through_layout/already_activated": Case(
-        "fuse_conv_activation_through_layout", conv_relu_then_layout_then_sigmoid, "already applies Relu",
-        before=["fuse_conv"]),
     "conv1d_mean/dynamic_batch": Case("conv1d_mean_as_global_pool", mean_over_time_of_a_dynamic_batch,
                                       "shape is not static"),
     "embedding_concat/two_ids_tensors": Case("fuse_embedding_concat", lookups_from_two_ids_tensors, "different ids"),

@@ -11,7 +11,7 @@ from kiln.passes.fusion.attention_key_mask import use_key_mask
 from kiln.passes.fusion.attention_layout import absorb_attention_reshapes
 from kiln.passes.fusion.attention_mask import drop_empty_attention_mask, use_broadcast_attention_mask
 from kiln.passes.fusion.causal_conv import trim_conv_padding
-from kiln.passes.fusion.conv import fuse_conv, fuse_conv_activation_through_layout, fuse_conv_final_activation
+from kiln.passes.fusion.conv import fuse_conv, fuse_conv_final_activation
 from kiln.passes.fusion.conv1d import conv1d_as_conv2d, conv1d_mean_as_global_pool
 from kiln.passes.fusion.elementwise import fuse_elementwise
 from kiln.passes.fusion.elementwise_dequantize import (fuse_dequantize_into_elementwise,
@@ -63,7 +63,6 @@ RULES = [
     ("causal_conv_pads", trim_conv_padding),  # before fuse_conv: the chomp sat between the conv and its ReLU
     ("fuse_conv", fuse_conv),
     ("fuse_conv_final_activation", fuse_conv_final_activation),  # before conv1d_as_conv2d: a TCN block's last ReLU
-    ("fuse_conv_activation_through_layout", fuse_conv_activation_through_layout),  # a YOLO head's Sigmoid
     ("conv1d_as_conv2d", conv1d_as_conv2d),  # after fuse_conv: the epilogue goes with the layer
     ("conv1d_mean_as_global_pool", conv1d_mean_as_global_pool),
     ("fuse_squeeze_excite", fuse_squeeze_excite),  # after fuse_conv: reads the 1x1 convolutions' epilogues
@@ -107,7 +106,6 @@ RULES = [
 # Rules only a build for the CPU asks for (PassOptions): their fused op has a CPU kernel, and on CUDA the
 # unfused layers are what was measured.
 CPU_RULES = {"batchnorm_as_affine", "fuse_squeeze_excite", "fuse_conv_final_activation", "conv1d_as_conv2d",
-             "fuse_conv_activation_through_layout",
              "conv1d_mean_as_global_pool",
              "drop_zero_initial_states", "constant_reshape_target", "remove_symbolic_same_shape_reshape",
              "split_as_slices", "fuse_relayout",
