@@ -181,9 +181,10 @@ class Instance:
         self.cuda = engine.device.type == "cuda"
         # cuda_sync "staged": spin's numpy calls, their copies through pinned buffers, the answers pinned arrays
         # (the other modes "off", as measured: spin's pageable copies, pinned/blocking's own copy to pinned memory)
-        staged = {"host_staging": "pinned" if self.cuda and cuda_sync == "staged" else "off"}
+        staging = "pinned" if self.cuda and cuda_sync == "staged" else "off"
         # batch_buckets: the batch's buckets where the context pads (kiln/runtime/buckets.py; None: the runtime's default)
-        self.context = engine.create_execution_context(buckets=buckets, batch_buckets=batch_buckets, **staged)
+        self.context = engine.create_execution_context(buckets=buckets, batch_buckets=batch_buckets,
+                                                       host_staging=staging)
         self.stream = torch.cuda.Stream(device=engine.device) if self.cuda else None
         # cuda_sync "blocking": the event this instance's thread sleeps on (None: spin, or a CPU instance)
         self.done = torch.cuda.Event(blocking=True) if self.cuda and cuda_sync == "blocking" else None

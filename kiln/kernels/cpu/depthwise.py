@@ -21,14 +21,13 @@ from pathlib import Path
 
 import torch
 
-from kiln.kernels.cpu import native_loop, onednn, onednn_primitives, plan_member
+from kiln.kernels.cpu import native_loop, onednn, plan_member
 
 SOURCE = Path(__file__).with_name("depthwise.c").read_text()
 
 # depthwise.c's activation kinds (se.c's numbering; kiln/ops/fused.py names)
 ACTIVATIONS = {"": 0, "Relu": 1, "SiLU": 2, "Clip": 4}
 MAX_KERNEL = 8  # depthwise.c's rows[8]
-PARALLEL_ELEMENTS = 1 << 14  # below this many outputs one thread: a parallel region costs ~2-5 µs
 
 
 class _Plan(ctypes.Structure):  # dw_plan in depthwise.c
@@ -79,7 +78,7 @@ def refusal(weight_shape: tuple[int, ...], input_size: tuple[int, ...], groups: 
     return None
 
 
-class DepthwiseConv(plan_member.PlanKernel):
+class DepthwiseConv(plan_member.ChannelsLastKernel):
     """y = act(depthwise(x, w) + b), x [N, C, H, W] channels-last float32, w [C, 1, KH, KW];
     pads [top, left, bottom, right], strides [sh, sw]; activation one of ACTIVATIONS (Clip: alpha = min,
     beta = max). `bind(src, dst)` reads and writes NHWC."""
@@ -123,16 +122,6 @@ class DepthwiseConv(plan_member.PlanKernel):
                            alpha=float(alpha), beta=float(beta))
         self._own_calls()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, C, H, W] channels-last float32 of the built size -> a new channels-last y."""
-        if tuple(x.shape) != self.input_size or x.dtype != torch.float32 or \
-                not x.is_contiguous(memory_format=torch.channels_last):
-            raise ValueError(f"{self.what}: given {x.dtype} {list(x.shape)} (channels-last float32 of the built size)")
-        n, c, h, w = self.output_size
-        y = torch.empty_strided(self.output_size, (c * h * w, 1, w * c, c), dtype=torch.float32)
-        self.run_into(x.data_ptr(), y.data_ptr())
-        return y
-
 
 class _Bound(plan_member.PlanMember):
     """A DepthwiseConv's call for one segment (or its own per-call path): a parallel form over output rows on
@@ -145,11 +134,10 @@ class _Bound(plan_member.PlanMember):
         super().__init__(layer, src, dst)
         n, c, oh, ow = layer.output_size
         elements = n * c * oh * ow
-        forms = onednn_primitives.thread_forms(elements, elements * layer.fields["KH"] * layer.fields["KW"])
-        threads = torch.get_num_threads() if elements >= PARALLEL_ELEMENTS and forms[0] is None else 1
+        threads, serial = plan_member.thread_counts(elements, elements * layer.fields["KH"] * layer.fields["KW"])
         base = self.plan_base()
         self._plans(_Plan(**base, threads=threads, **layer.fields),
-                    _Plan(**base, threads=1, **layer.fields) if threads > 1 and len(forms) > 1 else None)
+                    _Plan(**base, threads=1, **layer.fields) if serial else None)
 
 
 DepthwiseConv.MEMBER = _Bound

@@ -19,14 +19,13 @@ from pathlib import Path
 
 import torch
 
-from kiln.kernels.cpu import native_loop, onednn, onednn_primitives, plan_member
+from kiln.kernels.cpu import native_loop, onednn, plan_member
 
 SOURCE = Path(__file__).with_name("grouped.c").read_text()
 
 ACTIVATIONS = {"": 0, "Relu": 1}  # grouped.c's (se.c's numbering; kiln/ops/fused.py names)
 GROUP_CHANNELS = (2, 4, 8, 16, 32)  # grouped.c's row functions
 MAX_KERNEL = 7
-PARALLEL_ELEMENTS = 1 << 14  # below this many outputs one thread: a parallel region costs ~2-5 µs
 
 
 class _Plan(ctypes.Structure):  # gc_plan in grouped.c
@@ -87,7 +86,7 @@ def packed_weight(w: torch.Tensor, vectors: int) -> torch.Tensor:
     return blocked.permute(0, 4, 5, 3, 1, 2).contiguous()
 
 
-class GroupedConv(plan_member.PlanKernel):
+class GroupedConv(plan_member.ChannelsLastKernel):
     """y = act(grouped_conv(x, w) + b), x [N, C, H, W] channels-last float32, w [C, C / groups, KH, KW] (the groups
     read off the two);
     pads [top, left, bottom, right], strides [sh, sw]; activation one of ACTIVATIONS. `bind(src, dst)` reads and
@@ -95,7 +94,8 @@ class GroupedConv(plan_member.PlanKernel):
 
     NO_RESIDUAL = "the grouped convolution kernel adds no residual"
 
-    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, input_size: tuple[int, ...], strides: list[int], pads: list[int], activation: str = "", alpha: float = 0.0, beta: float = 0.0,
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, input_size: tuple[int, ...], strides: list[int],
+                 pads: list[int], activation: str = "", alpha: float = 0.0, beta: float = 0.0,
                  dilations: list[int] | None = None):
         del alpha, beta  # no activation of grouped.c's takes them
         if not available():
@@ -126,16 +126,6 @@ class GroupedConv(plan_member.PlanKernel):
                            KH=kh, KW=kw, SH=sh, SW=sw, PT=pt, PL=pl, G=g, activation=ACTIVATIONS[activation])
         self._own_calls()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, C, H, W] channels-last float32 of the built size -> a new channels-last y."""
-        if tuple(x.shape) != self.input_size or x.dtype != torch.float32 or \
-                not x.is_contiguous(memory_format=torch.channels_last):
-            raise ValueError(f"{self.what}: given {x.dtype} {list(x.shape)} (channels-last float32 of the built size)")
-        n, c, h, w = self.output_size
-        y = torch.empty_strided(self.output_size, (c * h * w, 1, w * c, c), dtype=torch.float32)
-        self.run_into(x.data_ptr(), y.data_ptr())
-        return y
-
 
 class _Bound(plan_member.PlanMember):
     """A GroupedConv's call for one segment (or its own per-call path): a parallel form over output rows on OpenMP's
@@ -149,11 +139,10 @@ class _Bound(plan_member.PlanMember):
         n, c, oh, ow = layer.output_size
         elements = n * c * oh * ow
         macs = elements * layer.fields["G"] * layer.fields["KH"] * layer.fields["KW"]
-        forms = onednn_primitives.thread_forms(elements, macs)
-        threads = torch.get_num_threads() if elements >= PARALLEL_ELEMENTS and forms[0] is None else 1
+        threads, serial = plan_member.thread_counts(elements, macs)
         base = self.plan_base()
         self._plans(_Plan(**base, threads=threads, **layer.fields),
-                    _Plan(**base, threads=1, **layer.fields) if threads > 1 and len(forms) > 1 else None)
+                    _Plan(**base, threads=1, **layer.fields) if serial else None)
 
 
 GroupedConv.MEMBER = _Bound

@@ -22,7 +22,20 @@ import ctypes
 import threading
 from typing import Any, ClassVar
 
-from kiln.kernels.cpu import native_loop, onednn
+import torch
+
+from kiln.kernels.cpu import native_loop, onednn, onednn_primitives
+
+PARALLEL_ELEMENTS = 1 << 14  # below this many elements one thread: a parallel region costs ~2-5 µs
+
+
+def thread_counts(elements: int, macs: int = 0, min_elements: int = PARALLEL_ELEMENTS) -> tuple[int, bool]:
+    """A plan kernel's thread count for its per-call form and whether a serial twin is planned beside it: OpenMP's
+    count for a layer of at least `min_elements` elements that onednn_primitives.thread_forms does not keep to one
+    thread, else 1; the twin where thread_forms gives a small layer both forms (the segment's chooser times them)."""
+    forms = onednn_primitives.thread_forms(elements, macs)
+    threads = torch.get_num_threads() if elements >= min_elements and forms[0] is None else 1
+    return threads, threads > 1 and len(forms) > 1
 
 
 class PlanMember:
@@ -144,3 +157,20 @@ class PlanKernel:
             bound.rebind("src", x_address)
             bound.rebind("dst", y_address)
             bound.run()
+
+
+class ChannelsLastKernel(PlanKernel):
+    """A PlanKernel of one NHWC float32 input and output (depthwise.py's, grouped.py's): `__call__` on tensors."""
+
+    input_size: tuple[int, ...]
+    output_size: tuple[int, ...]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, C, H, W] channels-last float32 of the built size -> a new channels-last y."""
+        if tuple(x.shape) != self.input_size or x.dtype != torch.float32 or \
+                not x.is_contiguous(memory_format=torch.channels_last):
+            raise ValueError(f"{self.what}: given {x.dtype} {list(x.shape)} (channels-last float32 of the built size)")
+        n, c, h, w = self.output_size
+        y = torch.empty_strided(self.output_size, (c * h * w, 1, w * c, c), dtype=torch.float32)
+        self.run_into(x.data_ptr(), y.data_ptr())
+        return y

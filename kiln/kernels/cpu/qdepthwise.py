@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.kernels.cpu import depthwise, native_loop, onednn, onednn_int8, onednn_primitives, plan_member, requantize
+from kiln.kernels.cpu import depthwise, native_loop, onednn, onednn_int8, plan_member, requantize
 
 SOURCE = Path(__file__).with_name("qdepthwise.c").read_text()
 ACTIVATIONS = {"": 0, "Relu": 1, "Clip": 4}  # qdepthwise.c's ACT_* (i8gemm.c's numbering)
@@ -27,7 +27,6 @@ OUTPUTS = {torch.float32: 0, torch.uint8: 1, torch.int8: 2}  # OUT_*
 SOURCES = (torch.uint8, torch.int8)
 MAX_KERNEL = depthwise.MAX_KERNEL  # 8 taps a side (depthwise.c's)
 INT32_MAX = 2**31 - 1
-PARALLEL_ELEMENTS = 1 << 14  # below this many outputs one thread (depthwise.py's)
 
 
 class _Plan(ctypes.Structure):  # qdw_plan in qdepthwise.c
@@ -157,7 +156,7 @@ class QDepthwiseConv(plan_member.PlanKernel):
         y = torch.empty_strided(self.output_size, (c * h * w, 1, w * c, c), dtype=self.out_dtype)
         with self._lock:
             if self._direct is None:
-                threads = torch.get_num_threads() if n * c * h * w >= PARALLEL_ELEMENTS else 1
+                threads = torch.get_num_threads() if n * c * h * w >= plan_member.PARALLEL_ELEMENTS else 1
                 self._direct_rings = torch.empty(threads * self.ring_elements, dtype=torch.int16)
                 address = ctypes.cast(self.library.kiln_qdepthwise_address, ctypes.c_void_p).value
                 self._direct = _Plan(get_handle=address, x=0, y=0, threads=threads,
@@ -180,13 +179,12 @@ class _Bound(plan_member.PlanMember):
         super().__init__(layer, src, dst)
         n, c, oh, ow = layer.output_size
         elements = n * c * oh * ow
-        forms = onednn_primitives.thread_forms(elements, elements * layer.fields["KH"] * layer.fields["KW"])
-        threads = torch.get_num_threads() if elements >= PARALLEL_ELEMENTS and forms[0] is None else 1
+        threads, serial = plan_member.thread_counts(elements, elements * layer.fields["KH"] * layer.fields["KW"])
         # a ring per thread, the serial form on the first (the two forms never run at once)
         self._rings = torch.empty(threads * layer.ring_elements, dtype=torch.int16)
         base = dict(self.plan_base(), rings=self._rings.data_ptr(), ring_elements=layer.ring_elements)
         self._plans(_Plan(**base, threads=threads, **layer.fields),
-                    _Plan(**base, threads=1, **layer.fields) if threads > 1 and len(forms) > 1 else None)
+                    _Plan(**base, threads=1, **layer.fields) if serial else None)
 
 
 QDepthwiseConv.MEMBER = _Bound

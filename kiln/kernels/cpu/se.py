@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.kernels.cpu import native_loop, onednn, onednn_primitives, plan_member
+from kiln.kernels.cpu import native_loop, onednn, plan_member
 
 SOURCE = Path(__file__).with_name("se.c").read_text()
 
@@ -29,7 +29,6 @@ ACTIVATIONS = {"": 0, "Relu": 1, "SiLU": 2, "HardSwish": 3, "Clip": 4, "LeakyRel
                "HardSigmoid": 7}
 GATES = ("Sigmoid", "HardSigmoid")
 FLAT = 512  # se.c's FLAT: floats of a flat run of rows
-PARALLEL_ELEMENTS = 1 << 14  # below this many input elements one thread: a parallel region costs ~2-5 µs
 
 
 
@@ -107,8 +106,7 @@ class _Bound(plan_member.PlanMember):
         elements = s["N"] * s["HW"] * s["C"]
         # one thread for a small map; a map the oneDNN layers around it call small has a serial form as they
         # do (onednn_primitives.thread_forms), the scratch shared: the two forms never run at once
-        forms = onednn_primitives.thread_forms(elements)
-        threads = torch.get_num_threads() if elements >= PARALLEL_ELEMENTS and forms[0] is None else 1
+        threads, serial = plan_member.thread_counts(elements)
         self._partial = torch.zeros(max(threads, 1) * s["N"] * s["C"], dtype=torch.float64)
         self._block = torch.empty(max(threads, 1) * max(s["C"], FLAT), dtype=torch.float32)
         self._gate = torch.empty(s["N"] * s["C"], dtype=torch.float32)
@@ -119,7 +117,7 @@ class _Bound(plan_member.PlanMember):
                          block=self._block.data_ptr(), gate=self._gate.data_ptr(), hidden=self._hidden.data_ptr(),
                          **s, **layer.epilogue, threads=count)
 
-        self._plans(plan(threads), plan(1) if threads > 1 and len(forms) > 1 else None)
+        self._plans(plan(threads), plan(1) if serial else None)
 
 
 SqueezeExcite.MEMBER = _Bound

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.kernels.cpu import native_loop, onednn, onednn_primitives, plan_member
+from kiln.kernels.cpu import native_loop, onednn, plan_member
 
 SOURCE = Path(__file__).with_name("stem.c").read_text()
 
@@ -29,7 +29,6 @@ ACTIVATIONS = {"": 0, "Relu": 1, "Clip": 4}
 MAX_CHANNELS = 4  # input channels: the reduction is over taps, not channels; wider layers are oneDNN's
 MAX_KERNEL = 11  # stem.c's MAX_K
 MAX_STRIDE = 4  # stem.c's MAX_SPAN
-PARALLEL_ELEMENTS = 1 << 14  # below this many outputs one thread: a parallel region costs ~2-5 µs
 GROUP = 8  # output channels per vector (stem.c's v8)
 
 
@@ -134,11 +133,10 @@ class _Bound(plan_member.PlanMember):
         n, o, oh, ow = layer.output_size
         elements = n * o * oh * ow
         taps = layer.fields["KH"] * layer.fields["KW"] * layer.fields["C"]
-        forms = onednn_primitives.thread_forms(elements, elements * taps)
-        threads = torch.get_num_threads() if elements >= PARALLEL_ELEMENTS and forms[0] is None else 1
+        threads, serial = plan_member.thread_counts(elements, elements * taps)
         base = self.plan_base()
         self._plans(_Plan(**base, threads=threads, **layer.fields),
-                    _Plan(**base, threads=1, **layer.fields) if threads > 1 and len(forms) > 1 else None)
+                    _Plan(**base, threads=1, **layer.fields) if serial else None)
 
 
 StemConv.MEMBER = _Bound
