@@ -16,11 +16,7 @@ skip, and that one runs them.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import zlib
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -30,12 +26,13 @@ from onnx import TensorProto, helper, numpy_helper
 
 import kiln
 from kiln.builder import autotune
-from kiln.kernels.cpu import cpu_features, grouped, native_loop, onednn
+from kiln.kernels.cpu import grouped, onednn
 from kiln.plan.spec import StepSpec
 from kiln.runtime.native import Segment
 from kiln.tactics.registry import get
 from kiln.tactics.tactic import InputMeta
 from tests.unit.test_squeeze_excite import onnxruntime_run
+from tests.unit.test_tactics_cpu_transformer import assert_passes_under_the_avx2_cap
 
 # float32 sums of at most 32 x 25 products (plus the bias) against float64, inputs and weights of unit scale:
 # ~1e-6 relative to the sum of |terms|
@@ -225,19 +222,6 @@ def test_the_tactic_is_refused_where_the_kernel_is_not_built_for_avx2():
 
 
 def test_the_grouped_tests_pass_under_the_avx2_cap():
-    """This file's tests again in a process under KILN_CPU_ISA=avx2 (the x86-64-v3 build the kernel is for). The
-    process is told apart by the cap itself, so it does not start another."""
-    if cpu_features.isa_cap() == "avx2":
-        pytest.skip("already under the cap (this is the capped run)")
-    if cpu_features.isa() not in ("avx2", "avx512") or native_loop.find_compiler() is None:
-        pytest.skip("needs an x86 CPU with AVX2 and a C compiler")
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "KILN_CPU_ISA": "avx2", "PYTHONPATH": str(root)}
-    for name in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY"):
-        env.pop(name, None)
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider",
-                           str(Path(__file__)), "-k", "not avx2_cap and not not_built"], env=env,
-                          capture_output=True, text=True, timeout=600, cwd=root)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout and " failed" not in done.stdout and " skipped" not in done.stdout, \
-        done.stdout[-2000:]
+    """This file's tests again in a process under KILN_CPU_ISA=avx2 (the x86-64-v3 build the kernel is for), none
+    skipped there."""
+    assert_passes_under_the_avx2_cap(__file__, "not avx2_cap and not not_built", skips=False)

@@ -572,10 +572,10 @@ def test_rms_norm_matches_float64(affine):
         np.testing.assert_allclose(got.numpy(), op(ctx, *inputs, epsilon=eps).numpy(), atol=ATOL * 4, rtol=RTOL)
 
 
-def test_the_attention_tests_pass_under_the_avx2_cap():
-    """This file's attention tests again in a process under KILN_CPU_ISA=avx2: the kernels compiled for x86-64-v3,
-    so the AVX2 tiles run (pv_tile's six-row tile, pack_keys' 8x8 transposes) where the AVX-512 build takes its
-    32-wide ones. The process is told apart by the cap itself, so it does not start another."""
+def assert_passes_under_the_avx2_cap(test_file: str, selection: str, skips: bool = True) -> None:
+    """The tests of `test_file` that `selection` (pytest's -k) picks, again in a process under KILN_CPU_ISA=avx2 (the
+    kernels compiled for x86-64-v3): all pass (and, with `skips` False, none is skipped). The capped process is told
+    apart by the cap itself, so a test calling this from there skips rather than start another."""
     from kiln.kernels.cpu import cpu_features, native_loop
 
     if cpu_features.isa_cap() == "avx2":
@@ -587,7 +587,14 @@ def test_the_attention_tests_pass_under_the_avx2_cap():
     for name in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY"):
         env.pop(name, None)
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider",
-                           str(Path(__file__)), "-k", "attention and not avx2_cap"], env=env, capture_output=True,
+                           str(test_file), "-k", selection], env=env, capture_output=True,
                           text=True, timeout=600, cwd=root)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and " failed" not in done.stdout, done.stdout[-2000:]
+    assert skips or " skipped" not in done.stdout, done.stdout[-2000:]
+
+
+def test_the_attention_tests_pass_under_the_avx2_cap():
+    """This file's attention tests again under KILN_CPU_ISA=avx2: the AVX2 tiles run (pv_tile's six-row tile,
+    pack_keys' 8x8 transposes) where the AVX-512 build takes its 32-wide ones."""
+    assert_passes_under_the_avx2_cap(__file__, "attention and not avx2_cap")
